@@ -1,0 +1,46 @@
+# One command to run, one to test. Both set up everything on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat requirements.txt | md5sum | cut -c1-8)
+PROTO_OUT := protos/gen
+PROTO_SRC := $(wildcard protos/omnibus/v1/*.proto)
+PROTO_STAMP := $(PROTO_OUT)/.stamp
+export PYTHONPATH := $(CURDIR):$(CURDIR)/$(PROTO_OUT)
+
+.PHONY: setup proto test test-slow test-gpu run bench-offline clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+proto: $(PROTO_STAMP)
+
+$(PROTO_STAMP): $(STAMP) $(PROTO_SRC)
+	rm -rf $(PROTO_OUT) && mkdir -p $(PROTO_OUT)
+	if [ -n "$(PROTO_SRC)" ]; then $(PY) -m grpc_tools.protoc -Iprotos --python_out=$(PROTO_OUT) \
+	  --pyi_out=$(PROTO_OUT) --grpc_python_out=$(PROTO_OUT) $(PROTO_SRC); fi
+	touch $@
+
+# The whole CPU suite (Triton kernels run under the interpreter).
+test: setup proto
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not gpu" tests
+
+test-slow: setup proto
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow tests
+
+# On a CUDA host: kernels at real shapes, CUDA graphs vs eager.
+test-gpu: setup proto
+	$(PY) -m pytest -q -m gpu tests
+
+bench-offline: setup
+	$(PY) -m bench.offline --out docs/benchmarks/offline.md
+
+clean:
+	rm -rf $(PROTO_OUT) .pytest_cache
