@@ -1,0 +1,184 @@
+"""Configuration: the model's architecture (read from config.json) and the engine's knobs.
+
+Both are frozen dataclasses validated at construction; bad values raise ValueError
+with a message that names the field and what it accepts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BATCHING_POLICIES = ("continuous", "dynamic", "static", "none")
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint directory that cannot be served (missing file, bad shape, pickle...)."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary embedding variant. `kind` is "default", "linear" or "llama3"."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family checkpoint, as read from its config.json."""
+
+    model_type: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int  # < num_heads means grouped-query attention
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 (and Llama with attention_bias) add a bias to q/k/v
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str  # the checkpoint's own dtype, used when the engine asks for "auto"
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        file = path / "config.json"
+        if not file.is_file():
+            raise ModelLoadError(f"{path} is not a model directory: config.json not found")
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{file} is not valid JSON: {exc}") from exc
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        model_type = raw.get("model_type", "")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            num_heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            rope = raw.get("rope_parameters") or {}
+            cfg = cls(
+                model_type=model_type,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=int(raw.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+                rope_scaling=_parse_rope_scaling(raw.get("rope_scaling") or rope),
+                max_position_embeddings=_max_len(raw, model_type),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+                eos_token_ids=eos_ids,
+                bos_token_id=raw.get("bos_token_id"),
+                torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"config.json lacks required field {exc.args[0]!r}") from exc
+        if cfg.num_heads % cfg.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({cfg.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({cfg.num_kv_heads})"
+            )
+        return cfg
+
+
+def _max_len(raw: dict, model_type: str) -> int:
+    """Context limit. A sliding window is not implemented, so it caps the context
+    instead: within the window, full attention and sliding-window attention agree."""
+    max_len = int(raw.get("max_position_embeddings", 2048))
+    window = raw.get("sliding_window")
+    uses_window = raw.get("use_sliding_window", model_type == "mistral")
+    if window and uses_window:
+        max_len = min(max_len, int(window))
+    return max_len
+
+
+def _parse_rope_scaling(raw: dict) -> RopeScaling:
+    kind = raw.get("rope_type") or raw.get("type") or "default"
+    if kind == "default":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(raw["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(raw["factor"]),
+            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+        )
+    raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine worker is started with."""
+
+    model: str  # path of a Hugging Face checkpoint directory
+    device: str = "cpu"  # "cpu" or "cuda[:N]"
+    dtype: str = "auto"  # "auto" (the checkpoint's) | "float32" | "bfloat16" | "float16"
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: gpu_memory_utilization (CUDA) or 1 GiB (CPU)
+    num_kv_blocks: int | None = None  # exact pool size (tests); overrides kv_cache_memory
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use in all
+    max_num_seqs: int = 256  # running sequences per step
+    max_num_batched_tokens: int = 2048  # tokens (prefill + decode) per step
+    max_model_len: int | None = None  # context limit; default and ceiling: the model's
+    enable_prefix_caching: bool = True
+    batching: str = "continuous"  # continuous | dynamic | static | none
+    max_batch_size: int = 32  # static/dynamic: requests per formed batch
+    batch_window_ms: float | None = None  # dynamic: run a partial batch this long after its first request (default 10); static: optional timeout
+    seed: int = 0  # engine-level RNG for unseeded sampling
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two from 1 to 128", self.block_size)
+        _check(self.dtype in ("auto", *DTYPES), "dtype", f"one of auto, {', '.join(DTYPES)}", self.dtype)
+        _check(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu or cuda[:N]", self.device)
+        _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
+        _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes", self.kv_cache_memory)
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", ">= 2", self.num_kv_blocks)
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
+        _check(self.batching in BATCHING_POLICIES, "batching", " | ".join(BATCHING_POLICIES), self.batching)
+        _check(self.max_batch_size >= 1, "max_batch_size", ">= 1", self.max_batch_size)
+        _check(self.batch_window_ms is None or self.batch_window_ms >= 0, "batch_window_ms", ">= 0", self.batch_window_ms)
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+def _check(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")

@@ -1,0 +1,159 @@
+"""The in-process engine API: add requests, step, abort.
+
+    engine = Engine(EngineConfig(model="models/demo"))
+    engine.add_request("r1", prompt_token_ids, SamplingParams(max_tokens=32))
+    while engine.has_unfinished():
+        for out in engine.step():
+            print(out.request_id, out.new_token_ids, out.finish_reason)
+
+A step is three lines: schedule, run, update. Tests, benchmarks and the gRPC
+server all drive this object (the server through `AsyncEngine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+import structlog
+
+from engine.block_allocator import BlockAllocator, BlockCounts
+from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner
+from engine.policies import make_policy
+from engine.sampling import SamplingParams, make_generator
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import RequestOutput, Sequence
+
+__all__ = ["Engine", "EngineStats", "RequestOutput", "UnknownAdapterError"]
+
+log = structlog.get_logger(__name__)
+
+
+class UnknownAdapterError(LookupError):
+    """The request names a LoRA adapter this engine cannot serve."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int  # free + evictable cached blocks
+    num_total_blocks: int  # usable blocks, excluding the null block
+    num_cached_blocks: int  # unreferenced blocks that still hold reusable prefix KV
+    num_steps: int
+    num_preemptions: int
+    num_prefix_cache_hit_blocks: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = ModelConfig.from_dir(config.model)
+        max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        # model_config.max_model_len is the engine's context limit from here on.
+        self.model_config = dataclasses.replace(mc, max_position_embeddings=max_len)
+        self.runner = ModelRunner(config, self.model_config)
+        self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
+            self.allocator,
+            make_policy(config.batching, config.max_batch_size, config.batch_window_ms),
+            self.model_config.eos_token_ids,
+        )
+        self.num_steps = 0
+        self._generate_ids = itertools.count()
+
+    # ---- requests ------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, adapter: str | None = None) -> None:
+        """Queue a request. Raises ValueError (bad input) or UnknownAdapterError."""
+        self._validate(request_id, prompt_token_ids, params, priority)
+        if adapter:
+            raise UnknownAdapterError(f"adapter {adapter!r} is not available on this engine")
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            priority=priority,
+            adapter=adapter or None,
+            generator=None if params.seed is None else make_generator(params.seed, self.runner.device),
+        )
+        self.scheduler.add(seq)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not prompt:
+            raise ValueError("the prompt is empty: send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        limit = self.model_config.max_model_len
+        if len(prompt) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context limit of {limit} tokens; shorten the prompt or lower max_tokens"
+            )
+        blocks = -(-(len(prompt) + params.max_tokens) // self.config.block_size)
+        if blocks > self.allocator.num_usable_blocks:
+            raise ValueError(
+                f"this request needs up to {blocks} KV blocks but the engine's pool has "
+                f"{self.allocator.num_usable_blocks}; lower max_tokens or give the engine more KV memory"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is (waiting, mid-prefill, decoding); its blocks are
+        free on return and the next step() reports it with finish_reason "abort"."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        sampled = None if plan.is_empty else self.runner.execute(plan)
+        if not plan.is_empty:
+            self.num_steps += 1
+        return self.scheduler.update(plan, sampled)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 priorities: list[int] | None = None) -> list[list[int]]:
+        """Run prompts to completion (offline use); returns each prompt's output tokens."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
+        for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+            self.add_request(rid, prompt, params_list[i], priorities[i] if priorities else 0)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id] += out.new_token_ids
+        return [results[rid] for rid in ids]
+
+    # ---- introspection -------------------------------------------------------
+
+    def check_integrity(self) -> BlockCounts:
+        """Prove the KV pool's bookkeeping against every running sequence's block table."""
+        return self.allocator.check_integrity(self.scheduler.block_tables())
+
+    def stats(self) -> EngineStats:
+        counts = self.allocator.counts()
+        return EngineStats(
+            num_waiting=self.scheduler.num_waiting,
+            num_running=len(self.scheduler.running),
+            num_free_blocks=self.allocator.num_free_blocks,
+            num_total_blocks=self.allocator.num_usable_blocks,
+            num_cached_blocks=counts.cached,
+            num_steps=self.num_steps,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_cache_hit_blocks=self.allocator.num_cache_hits,
+        )

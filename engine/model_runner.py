@@ -1,0 +1,168 @@
+"""Turns a scheduler plan into one forward pass and a sampled token per finished chunk.
+
+Owns the model weights, the paged KV pool (one K and one V tensor per layer) and the
+sampler. It never decides anything: the plan says which tokens to compute.
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from engine.config import DTYPES, EngineConfig, ModelConfig
+from engine.loader import load_model
+from engine.model import ForwardBatch
+from engine.sampling import Sampler, SamplerOutput
+from engine.scheduler import SchedulerOutput
+
+log = structlog.get_logger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 512 << 20
+
+
+def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    dtype = DTYPES.get(model_config.torch_dtype, torch.float32)
+    # Half precision matmuls on CPU are slow and lossy; "auto" means float32 there.
+    return torch.float32 if config.device == "cpu" else dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = config.torch_device
+        self.dtype = resolve_dtype(config, model_config)
+        self.block_size = config.block_size
+        self.model = load_model(model_config, config.model, self.dtype, self.device, model_config.max_model_len)
+        self.num_blocks = self._num_kv_blocks()
+        shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        # Zeros, not empty: padded attention reads of the null block must be finite.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(model_config.num_layers)
+        ]
+        self.sampler = Sampler(seed=config.seed)
+        log.info("model_loaded", model=config.model, dtype=str(self.dtype), device=str(self.device),
+                 kv_blocks=self.num_blocks, block_size=self.block_size)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        blocks = budget // self.kv_bytes_per_block
+        if blocks < 2:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds {blocks} blocks of {self.kv_bytes_per_block} bytes; "
+                "at least 2 are needed (raise --kv-cache-memory or --gpu-memory-utilization)"
+            )
+        return int(blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """What is left of gpu_memory_utilization × device memory after the weights and
+        the activations of the largest step the scheduler can plan (a warm-up forward)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = self._warmup_forward(self.config.max_num_batched_tokens, num_blocks=1)
+        del scratch
+        torch.cuda.synchronize(self.device)
+        peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak_extra
+        return max(budget, 0)
+
+    def _warmup_forward(self, num_tokens: int, num_blocks: int | None = None):
+        """One forward over `num_tokens` tokens whose KV goes to the null block."""
+        mc = self.model_config
+        shape = ((num_blocks or self.num_blocks), self.block_size, mc.num_kv_heads, mc.head_dim)
+        caches = self.kv_caches if num_blocks is None else [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(mc.num_layers)]
+        n = min(num_tokens, mc.max_model_len)
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.zeros(n, dtype=torch.long, device=dev),
+            positions=torch.arange(n, device=dev),
+            slot_mapping=torch.zeros(n, dtype=torch.long, device=dev),
+            block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            max_query_len=n,
+            logits_indices=torch.tensor([n - 1], device=dev),
+        )
+        hidden = self.model(batch, caches)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def warmup(self) -> None:
+        """Run once before serving so first requests do not pay for lazy initialization."""
+        self._warmup_forward(min(self.config.max_num_batched_tokens, 256))
+
+    # ---- one step ------------------------------------------------------------
+
+    def prepare(self, plan: SchedulerOutput) -> ForwardBatch:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        for item in plan.scheduled:
+            seq, start, n = item.seq, item.start, item.num_tokens
+            end = start + n
+            table = seq.block_table
+            input_ids += seq.token_ids[start:end]
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(end)
+            tables.append(table)
+            if item.samples:
+                logits_indices.append(query_start[-1] - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_query_len=max(item.num_tokens for item in plan.scheduled),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> SamplerOutput:
+        batch = self.prepare(plan)
+        hidden = self.model(batch, self.kv_caches)  # (T, hidden)
+        rows = [item.seq for item in plan.scheduled if item.samples]
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab)
+        params = [s.params for s in rows]
+        needs_history = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                            for p in params)
+        prompts = [s.prompt_token_ids for s in rows] if needs_history else [[] for _ in rows]
+        outputs = [s.output_token_ids for s in rows] if needs_history else [[] for _ in rows]
+        return self.sampler(logits, params, prompts, outputs, [s.generator for s in rows])

@@ -1,0 +1,255 @@
+"""Iteration-level scheduler: plans one engine step at a time.
+
+`schedule()` decides which sequences run this step and how many tokens each
+(decodes first, then chunked prefills, within a token budget and a sequence cap),
+allocating KV blocks and preempting when the pool runs dry. `update()` applies the
+sampled tokens: advances counts, caches full blocks, detects finished requests and
+frees them. Both work without a model, so tests drive them directly.
+
+Which waiting requests may join is the batching policy's decision (see
+engine/policies.py): continuous batching admits at every step, the others form
+batches.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from engine.block_allocator import BlockAllocator
+from engine.policies import BatchingPolicy
+from engine.sampling import SamplerOutput
+from engine.sequence import RequestOutput, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # running sequences at most
+    max_num_batched_tokens: int = 2048  # tokens computed per step at most
+    max_model_len: int = 2048  # prompt + output tokens at most
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first token computed this step (the sequence's num_computed_tokens)
+    num_tokens: int  # tokens computed this step
+    samples: bool  # True when this chunk reaches the end, so the next token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, policy: BatchingPolicy,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.policy = policy
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Sequence] = {}  # every unfinished request
+        self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
+        self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap; aborted entries skipped lazily
+        self.num_waiting = 0
+        self._aborted: list[RequestOutput] = []  # reported by the next update()
+        self._step = 0
+        self.num_preemptions = 0
+
+    # ---- requests ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = seq
+        self._push_waiting(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request wherever it is; its blocks are free when this returns."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.num_waiting -= 1
+        self.allocator.free(seq)  # a waiting sequence holds none; harmless
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self._aborted.append(self._output(seq, [], []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    def take_aborted(self) -> list[RequestOutput]:
+        out, self._aborted = self._aborted, []
+        return out
+
+    # ---- planning ------------------------------------------------------------
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Plan one step. Sequences keep their place in `running`; the plan lists them
+        decodes first so the model can batch them together."""
+        self._step += 1
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in self.running:
+            (decodes if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefills).append(seq)
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if self._reserve_running(seq, n, out):
+                out.scheduled.append(self._plan(seq, n))
+                budget -= n
+        budget = self._admit(out, budget, time.monotonic() if now is None else now)
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
+        seq.scheduled_step = self._step
+        start = seq.num_computed_tokens
+        return ScheduledSeq(seq, start, n, start + n == len(seq.token_ids))
+
+    def _reserve_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for `n` more tokens of a running sequence, preempting the lowest
+        priority, latest arrived unscheduled sequence (possibly `seq`) until they fit."""
+        while not self.allocator.allocate_slots(seq, seq.num_computed_tokens + n):
+            victim = self._preemption_victim()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preemption_victim(self) -> Sequence:
+        for seq in reversed(self.running):  # sorted, so the tail is lowest priority, latest
+            if seq.scheduled_step != self._step:
+                return seq
+        raise RuntimeError("no sequence left to preempt")  # unreachable: the caller is unscheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop the KV (prefix-cached blocks stay reusable)."""
+        self.running.remove(seq)
+        self.allocator.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        limit = self.policy.admission_limit(now, len(self.running), self.num_waiting, self._oldest_arrival)
+        room = min(limit, self.config.max_num_seqs - len(self.running))
+        while room > 0 and budget > 0 and self._waiting:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            cached = self.allocator.allocate_prefix(seq)
+            n = min(seq.num_tokens - cached, budget)
+            reserve = max(cached + n, self.policy.reserve_tokens(seq))
+            if not self.allocator.allocate_slots(seq, reserve):
+                self.allocator.free(seq)
+                break  # strict priority order: the head waits for blocks
+            heapq.heappop(self._waiting)
+            self.num_waiting -= 1
+            seq.num_computed_tokens = cached
+            if not seq.first_scheduled:
+                seq.first_scheduled, seq.num_cached_tokens = True, cached
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=Sequence.sort_key)
+            out.scheduled.append(self._plan(seq, n))
+            budget -= n
+            room -= 1
+        return budget
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (seq.sort_key(), seq))
+        self.num_waiting += 1
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self._waiting:
+            seq = self._waiting[0][1]
+            if seq.status is SequenceStatus.WAITING:
+                return seq
+            heapq.heappop(self._waiting)  # aborted while waiting
+        return None
+
+    def _oldest_arrival(self) -> float | None:
+        """Arrival time of the longest-waiting request (O(waiting); only the batch-forming
+        policies ask, and only while nothing runs)."""
+        return min((s.arrival_time for _, s in self._waiting if s.status is SequenceStatus.WAITING),
+                   default=None)
+
+    # ---- bookkeeping ---------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
+        """Apply a step's results; return one output per request that produced a token
+        or finished (aborts since the last update included)."""
+        results = self.take_aborted()
+        row = 0
+        finished = False
+        for item in out.scheduled:
+            seq = item.seq
+            if item.samples:
+                row += 1
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted mid-step: its output was already reported
+            seq.num_computed_tokens += item.num_tokens
+            self.allocator.cache_blocks(seq)
+            if not item.samples:
+                continue
+            token = sampled.token_ids[row - 1]
+            logprobs = [sampled.logprobs[row - 1]] if sampled.logprobs[row - 1] is not None else []
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+                finished = True
+            results.append(self._output(seq, [token], logprobs))
+        if finished:
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        return results
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        n = len(seq.token_ids)
+        if n - seq.num_prompt_tokens >= p.max_tokens or n >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.allocator.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        del self.requests[seq.request_id]
+
+    @staticmethod
+    def _output(seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def block_tables(self) -> list[list[int]]:
+        return [s.block_table for s in self.running]

@@ -1,0 +1,162 @@
+"""Token-exact greedy outputs against Hugging Face transformers on small random checkpoints,
+with chunked prefill, preemption and prefix-cache hits (float32 on CPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling import SamplingParams
+from tests.checkpoints import hf_greedy, load_hf, make_checkpoint
+
+VOCAB = 384
+
+
+def workload(seed: int = 0, n: int = 16, shared_prefix: int = 0):
+    """Mixed prompt lengths from 1 to 500 tokens and mixed max_tokens."""
+    rng = random.Random(seed)
+    lengths = [1, 2, 15, 16, 17, 33, 64, 100, 127, 200, 255, 300, 381, 450, 499, 500][:n]
+    lengths += [rng.randint(1, 500) for _ in range(n - len(lengths))]
+    prefix = [rng.randrange(3, VOCAB) for _ in range(shared_prefix)]
+    prompts = [(prefix + [rng.randrange(3, VOCAB) for _ in range(n_tok)])[: max(n_tok, 1)] for n_tok in lengths]
+    max_tokens = [rng.randint(1, 20) for _ in prompts]
+    return prompts, max_tokens
+
+
+class Oracle:
+    """A checkpoint plus transformers' greedy outputs, computed once per prompt."""
+
+    def __init__(self, path):
+        self.path = path
+        self.hf = load_hf(path)
+        self._memo: dict[tuple, list[int]] = {}
+
+    def expected(self, prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in self._memo:
+            self._memo[key] = hf_greedy(self.hf, prompt, max_tokens)
+        return self._memo[key]
+
+    def check(self, prompts, max_tokens, **engine_kw) -> Engine:
+        engine = Engine(EngineConfig(model=str(self.path), dtype="float32", **engine_kw))
+        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+        outputs = engine.generate(prompts, params)
+        for i, (prompt, m, got) in enumerate(zip(prompts, max_tokens, outputs)):
+            assert got == self.expected(prompt, m), f"request {i} (prompt {len(prompt)} tokens) diverged"
+        counts = engine.check_integrity()
+        assert counts.referenced == 0
+        return engine
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return Oracle(make_checkpoint(tmp_path_factory.mktemp("llama"), "llama", vocab_size=VOCAB))
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("llama", {}),
+    ("mistral", {}),
+    ("qwen2", {}),  # q/k/v bias
+    ("llama", {"max_shard_size": "100KB"}),  # sharded with an index file
+    ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),  # tied, no GQA
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}}),  # Llama 3.1 scaling
+])
+def test_architectures_match_transformers(tmp_path, arch, kw):
+    path = make_checkpoint(tmp_path / "ckpt", arch, vocab_size=VOCAB, **kw)
+    if "max_shard_size" in kw:
+        assert (path / "model.safetensors.index.json").is_file()
+    prompts, max_tokens = workload(seed=1, n=16)
+    Oracle(path).check(prompts, max_tokens)
+
+
+def test_chunked_prefill_matches(llama):
+    prompts, max_tokens = workload(seed=2, n=20)
+    engine = llama.check(prompts, max_tokens, max_num_batched_tokens=48, max_num_seqs=8)
+    assert engine.num_steps > sum(len(p) for p in prompts) // 48  # prompts really were chunked
+
+
+def test_preemption_matches(llama):
+    prompts, max_tokens = workload(seed=3, n=16)
+    # 40 blocks of 16 tokens: far less than the ~3,600 tokens in flight, so sequences
+    # are preempted and recomputed many times.
+    engine = llama.check(prompts, max_tokens, num_kv_blocks=40, max_num_batched_tokens=256)
+    assert engine.stats().num_preemptions > 0
+
+
+def test_prefix_cache_hits_match(llama):
+    prompts, max_tokens = workload(seed=4, n=16, shared_prefix=100)
+    engine = llama.check(prompts, max_tokens)
+    # Second round: every prompt's full blocks are cached now.
+    before = engine.stats().num_prefix_cache_hit_blocks
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    assert engine.generate(prompts, params) == [llama.expected(p, m) for p, m in zip(prompts, max_tokens)]
+    assert engine.stats().num_prefix_cache_hit_blocks - before >= sum((len(p) - 1) // 16 for p in prompts)
+    engine.check_integrity()
+
+
+def test_cached_prompt_tokens_reported(llama):
+    engine = Engine(EngineConfig(model=str(llama.path), dtype="float32"))
+    prompt = list(range(3, 3 + 40))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine.generate([prompt], params)
+    engine.add_request("again", prompt + [5, 6], params)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].num_cached_tokens == 32 and outs[-1].num_prompt_tokens == 42
+
+
+def test_eos_and_stop_tokens_end_requests(llama):
+    engine = Engine(EngineConfig(model=str(llama.path), dtype="float32"))
+    prompt = [5, 9, 13, 200]
+    ref = llama.expected(prompt, 8)
+    stop = ref[3]
+    engine.add_request("s", prompt, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(stop,)))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == ref[: ref.index(stop) + 1]
+    assert outs[-1].finish_reason == "stop"
+
+
+def test_abort_frees_blocks_and_reports(llama):
+    engine = Engine(EngineConfig(model=str(llama.path), dtype="float32", max_num_batched_tokens=32))
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    engine.add_request("decoding", [5] * 10, params)
+    engine.step()
+    engine.add_request("prefilling", [6] * 200, params)
+    engine.step()
+    engine.add_request("waiting", [7] * 5, params)
+    for rid in ("decoding", "prefilling", "waiting"):
+        assert engine.abort(rid)
+    assert engine.check_integrity().referenced == 0
+    outs = engine.step()
+    assert sorted((o.request_id, o.finish_reason, o.finished) for o in outs) == [
+        ("decoding", "abort", True), ("prefilling", "abort", True), ("waiting", "abort", True)]
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(prompt=[]), "prompt is empty"),
+    (dict(prompt=[VOCAB]), "outside the vocabulary"),
+    (dict(prompt=[-1]), "outside the vocabulary"),
+    (dict(prompt=[1] * 1000, max_tokens=100), "exceeds the context limit"),
+    (dict(request_id=""), "request_id"),
+])
+def test_bad_requests_are_refused(llama, bad, match):
+    engine = Engine(EngineConfig(model=str(llama.path), dtype="float32", num_kv_blocks=200))
+    args = dict(request_id="r", prompt=[5, 6], max_tokens=4) | bad
+    with pytest.raises(ValueError, match=match):
+        engine.add_request(args["request_id"], args["prompt"], SamplingParams(max_tokens=args["max_tokens"]))
+    assert not engine.has_unfinished()
+
+
+def test_request_larger_than_pool_is_refused(llama):
+    engine = Engine(EngineConfig(model=str(llama.path), dtype="float32", num_kv_blocks=4))
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request("big", [5] * 60, SamplingParams(max_tokens=10))
