@@ -156,7 +156,7 @@ class BlockAllocator:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
             parent = seq.block_hashes[i - 1] if i else b""
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.adapter))
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt))
 
     # ---- integrity -----------------------------------------------------------
 

@@ -159,6 +159,11 @@ class EngineConfig:
     max_batch_size: int = 32  # static/dynamic: requests per formed batch
     batch_window_ms: float | None = None  # dynamic: run a partial batch this long after its first request (default 10); static: optional timeout
     seed: int = 0  # engine-level RNG for unseeded sampling
+    adapter_dir: str | None = None  # root of the PEFT LoRA adapters (one directory each); None: base only
+    max_loras: int = 4  # device adapter slots (distinct adapters in one step)
+    max_cpu_loras: int = 16  # adapters kept in host memory (LRU)
+    max_lora_rank: int = 16  # adapters of a higher rank are refused
+    preload_adapters: tuple[str, ...] = ()  # loaded into host memory at start-up
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two from 1 to 128", self.block_size)
@@ -172,6 +177,9 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
         _check(self.batching in BATCHING_POLICIES, "batching", " | ".join(BATCHING_POLICIES), self.batching)
         _check(self.max_batch_size >= 1, "max_batch_size", ">= 1", self.max_batch_size)
+        _check(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
+        _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras ({self.max_loras})", self.max_cpu_loras)
+        _check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "in [1, 512]", self.max_lora_rank)
         _check(self.batch_window_ms is None or self.batch_window_ms >= 0, "batch_window_ms", ">= 0", self.batch_window_ms)
 
     @property

@@ -14,25 +14,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from pathlib import Path
 from dataclasses import dataclass
 
 import structlog
 
 from engine.block_allocator import BlockAllocator, BlockCounts
 from engine.config import EngineConfig, ModelConfig
+from engine.lora import AdapterError, LoraConfig, LoraManager, UnknownAdapterError
 from engine.model_runner import ModelRunner
 from engine.policies import make_policy
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import RequestOutput, Sequence
 
-__all__ = ["Engine", "EngineStats", "RequestOutput", "UnknownAdapterError"]
+__all__ = ["AdapterError", "Engine", "EngineStats", "RequestOutput", "UnknownAdapterError"]
 
 log = structlog.get_logger(__name__)
-
-
-class UnknownAdapterError(LookupError):
-    """The request names a LoRA adapter this engine cannot serve."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +53,21 @@ class Engine:
         # model_config.max_model_len is the engine's context limit from here on.
         self.model_config = dataclasses.replace(mc, max_position_embeddings=max_len)
         self.runner = ModelRunner(config, self.model_config)
+        self.adapters = None
+        if config.adapter_dir is not None:
+            self.adapters = LoraManager(
+                LoraConfig(Path(config.adapter_dir), config.max_loras, config.max_cpu_loras, config.max_lora_rank),
+                self.model_config, self.runner.dtype, self.runner.device)
+            self.runner.adapters = self.adapters
+            for name in config.preload_adapters:
+                self.adapters.load_async(name)
         self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.allocator,
             make_policy(config.batching, config.max_batch_size, config.batch_window_ms),
             self.model_config.eos_token_ids,
+            self.adapters,
         )
         self.num_steps = 0
         self._generate_ids = itertools.count()
@@ -69,16 +76,22 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, adapter: str | None = None) -> None:
-        """Queue a request. Raises ValueError (bad input) or UnknownAdapterError."""
+        """Queue a request. Raises ValueError (bad input, AdapterError included) or
+        UnknownAdapterError. The adapter's weights load in the background."""
         self._validate(request_id, prompt_token_ids, params, priority)
+        salt = None
         if adapter:
-            raise UnknownAdapterError(f"adapter {adapter!r} is not available on this engine")
+            if self.adapters is None:
+                raise UnknownAdapterError(f"adapter {adapter!r} not found: this engine serves no adapters")
+            salt = self.adapters.spec(adapter).fingerprint
+            self.adapters.load_async(adapter)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             priority=priority,
             adapter=adapter or None,
+            cache_salt=salt,
             generator=None if params.seed is None else make_generator(params.seed, self.runner.device),
         )
         self.scheduler.add(seq)

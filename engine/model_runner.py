@@ -11,6 +11,7 @@ import torch
 
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.loader import load_model
+from engine.lora import LoraBatch, LoraManager
 from engine.model import ForwardBatch
 from engine.sampling import Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
@@ -45,6 +46,7 @@ class ModelRunner:
             for _ in range(model_config.num_layers)
         ]
         self.sampler = Sampler(seed=config.seed)
+        self.adapters: LoraManager | None = None  # set by the engine when it serves adapters
         log.info("model_loaded", model=config.model, dtype=str(self.dtype), device=str(self.device),
                  kv_blocks=self.num_blocks, block_size=self.block_size)
 
@@ -138,6 +140,13 @@ class ModelRunner:
             tables.append(table)
             if item.samples:
                 logits_indices.append(query_start[-1] - 1)
+        lora = None
+        if self.adapters is not None and any(item.seq.lora_slot is not None for item in plan.scheduled):
+            token_slots: list[int] = []
+            for item in plan.scheduled:
+                slot = item.seq.lora_slot
+                token_slots += [-1 if slot is None else slot] * item.num_tokens
+            lora = LoraBatch(self.adapters, token_slots)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
@@ -150,6 +159,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             max_query_len=max(item.num_tokens for item in plan.scheduled),
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            lora=lora,
         )
 
     @torch.inference_mode()

@@ -18,10 +18,15 @@ import heapq
 import time
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from engine.block_allocator import BlockAllocator
 from engine.policies import BatchingPolicy
 from engine.sampling import SamplerOutput
 from engine.sequence import RequestOutput, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from engine.lora import LoraManager
 
 
 @dataclass(frozen=True)
@@ -52,10 +57,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, policy: BatchingPolicy,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), adapters: "LoraManager | None" = None) -> None:
         self.config = config
         self.allocator = allocator
         self.policy = policy
+        self.adapters = adapters  # gates admission: an adapter must be loaded and get a slot
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Sequence] = {}  # every unfinished request
         self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
@@ -80,12 +86,19 @@ class Scheduler:
             return False
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._leave_running(seq)
         else:
             self.num_waiting -= 1
-        self.allocator.free(seq)  # a waiting sequence holds none; harmless
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
         self._aborted.append(self._output(seq, [], []))
         return True
+
+    def _leave_running(self, seq: Sequence) -> None:
+        """The one exit from the running set: blocks back to the pool, adapter slot unpinned."""
+        self.allocator.free(seq)
+        if seq.lora_slot is not None:
+            self.adapters.release(seq.adapter)
+            seq.lora_slot = None
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
@@ -144,7 +157,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the KV (prefix-cached blocks stay reusable)."""
         self.running.remove(seq)
-        self.allocator.free(seq)
+        self._leave_running(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -153,15 +166,22 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
         limit = self.policy.admission_limit(now, len(self.running), self.num_waiting, self._oldest_arrival)
         room = min(limit, self.config.max_num_seqs - len(self.running))
-        while room > 0 and budget > 0 and self._waiting:
+        deferred: list[Sequence] = []  # waiting on their adapter; others may pass them
+        while room > 0 and budget > 0:
             seq = self._peek_waiting()
             if seq is None:
                 break
+            gate = self._adapter_gate(seq)
+            if gate != "ok":
+                heapq.heappop(self._waiting)
+                if gate == "wait":
+                    deferred.append(seq)
+                continue
             cached = self.allocator.allocate_prefix(seq)
             n = min(seq.num_tokens - cached, budget)
             reserve = max(cached + n, self.policy.reserve_tokens(seq))
             if not self.allocator.allocate_slots(seq, reserve):
-                self.allocator.free(seq)
+                self._leave_running(seq)
                 break  # strict priority order: the head waits for blocks
             heapq.heappop(self._waiting)
             self.num_waiting -= 1
@@ -173,7 +193,28 @@ class Scheduler:
             out.scheduled.append(self._plan(seq, n))
             budget -= n
             room -= 1
+        for seq in deferred:
+            heapq.heappush(self._waiting, (seq.sort_key(), seq))
         return budget
+
+    def _adapter_gate(self, seq: Sequence) -> str:
+        """"ok" (base model, or adapter loaded into a pinned slot), "wait" (loading, or
+        every slot pinned by running sequences) or "failed" (the request is finished)."""
+        if seq.adapter is None:
+            return "ok"
+        state = self.adapters.poll(seq.adapter)
+        if state == "loading":
+            return "wait"
+        if state == "failed":
+            del self.requests[seq.request_id]
+            self.num_waiting -= 1
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            out = self._output(seq, [], [])
+            out.error = f"adapter {seq.adapter!r} failed to load: {self.adapters.failed[seq.adapter]}"
+            self._aborted.append(out)
+            return "failed"
+        seq.lora_slot = self.adapters.acquire(seq.adapter)
+        return "wait" if seq.lora_slot is None else "ok"
 
     def _push_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -234,7 +275,7 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.allocator.free(seq)
+        self._leave_running(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         del self.requests[seq.request_id]
 

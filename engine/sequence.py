@@ -30,7 +30,8 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
-    adapter: str | None = None
+    adapter: str | None = None  # LoRA adapter name; None = base model
+    cache_salt: str | None = None  # prefix-cache salt: the adapter's identity (name + file version)
     arrival_time: float = field(default_factory=time.monotonic)
     # Ties in priority are broken by this strictly increasing counter (FIFO).
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
@@ -48,6 +49,7 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled: bool = False
     scheduled_step: int = -1  # the last step that scheduled it (scheduler bookkeeping)
+    lora_slot: int | None = None  # device adapter slot, pinned while running
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -86,3 +88,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    error: str | None = None  # why an "abort" happened, when the engine ended it itself

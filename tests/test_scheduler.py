@@ -142,7 +142,7 @@ def test_prefix_cache_is_salted_by_adapter():
     s.add(seq("base", 10, max_tokens=2))
     run_to_end(s)
     other = seq("lora", 10, max_tokens=2)
-    other.adapter = "a1"
+    other.cache_salt = "a1@v1"
     s.add(other)
     plan, _ = fake_step(s)
     assert plan.scheduled[0].start == 0  # nothing reused across adapters
