@@ -8,6 +8,7 @@ thread-safe queue, and the step thread hands each request's outputs back with
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from engine.batcher import BatcherConfig, DynamicBatcher
 from engine.engine import Engine, EngineStats
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
@@ -39,6 +41,15 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Embed:
+    inputs: list[list[int]]
+    pooling: str
+    normalize: bool
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
 class _Sink:
     """Where the step thread delivers one request's outputs (or its admission error)."""
 
@@ -51,9 +62,12 @@ class _Sink:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, embed_batching: BatcherConfig | None = None) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Embed | None] = queue.SimpleQueue()
+        self._embeds: collections.deque[_Embed] = collections.deque()  # step thread: one batch per step
+        self._embed_config = embed_batching or BatcherConfig()
+        self._batcher: DynamicBatcher | None = None
         self._sinks: dict[str, _Sink] = {}  # owned by the step thread
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
@@ -64,6 +78,8 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
         self._stopped.set()
         self._commands.put(None)
         self._thread.join(timeout)
@@ -100,12 +116,44 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def embed(self, inputs: list[list[int]], pooling: str = "mean", normalize: bool = False,
+                    priority: int = 0, timeout_ms: float | None = None) -> list[list[float]]:
+        """Embeddings, grouped with other requests by the dynamic batcher and computed on
+        the step thread between generation steps. Raises ValueError, QueueFullError,
+        QueueTimeoutError."""
+        if self._batcher is None:
+            self._batcher = DynamicBatcher(self._embed_config, self._run_embed_batch)
+            self._batcher.start()
+        items = [(list(ids), pooling, normalize) for ids in inputs]
+        if not items:
+            raise ValueError("no inputs to embed")
+        return await self._batcher.submit(items, priority, timeout_ms)
+
+    @property
+    def embed_batch_sizes(self) -> list[int]:
+        return [] if self._batcher is None else self._batcher.batch_sizes
+
+    async def _run_embed_batch(self, items: list[tuple[list[int], str, bool]]) -> list[list[float]]:
+        loop = asyncio.get_running_loop()
+        results: list[list[float] | None] = [None] * len(items)
+        groups: dict[tuple[str, bool], list[int]] = {}
+        for i, (_, pooling, normalize) in enumerate(items):
+            groups.setdefault((pooling, normalize), []).append(i)
+        for (pooling, normalize), idx in groups.items():
+            fut = loop.create_future()
+            self._commands.put(_Embed([items[i][0] for i in idx], pooling, normalize, loop, fut))
+            for i, vec in zip(idx, await fut):
+                results[i] = vec
+        return results
+
     # ---- the step thread -----------------------------------------------------
 
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished())
+                self._drain_commands(block=not self.engine.has_unfinished() and not self._embeds)
+                if self._embeds:  # one embedding batch between two generation steps
+                    self._run_embed(self._embeds.popleft())
                 steps = self.engine.num_steps
                 for out in self.engine.step():
                     sink = self._sinks.get(out.request_id)
@@ -135,8 +183,19 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _apply(self, cmd: _Add | _Abort | None) -> None:
+    def _run_embed(self, cmd: _Embed) -> None:
+        try:
+            result = self.engine.embed(cmd.inputs, cmd.pooling, cmd.normalize)
+        except Exception as exc:  # bad input: the caller gets it, the loop lives on
+            cmd.loop.call_soon_threadsafe(_settle, cmd.future, None, exc)
+            return
+        cmd.loop.call_soon_threadsafe(_settle, cmd.future, result, None)
+
+    def _apply(self, cmd: _Add | _Abort | _Embed | None) -> None:
         if cmd is None:
+            return
+        if isinstance(cmd, _Embed):
+            self._embeds.append(cmd)
             return
         if isinstance(cmd, _Abort):
             self.engine.abort(cmd.request_id)
@@ -147,3 +206,12 @@ class AsyncEngine:
             cmd.sink.put(exc)
             return
         self._sinks[cmd.request_id] = cmd.sink
+
+
+def _settle(future: asyncio.Future, result: object, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

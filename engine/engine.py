@@ -103,12 +103,7 @@ class Engine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        if not prompt:
-            raise ValueError("the prompt is empty: send at least one token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        self._check_tokens(prompt, "the prompt")
         limit = self.model_config.max_model_len
         if len(prompt) + params.max_tokens > limit:
             raise ValueError(
@@ -121,6 +116,14 @@ class Engine:
                 f"this request needs up to {blocks} KV blocks but the engine's pool has "
                 f"{self.allocator.num_usable_blocks}; lower max_tokens or give the engine more KV memory"
             )
+
+    def _check_tokens(self, ids: list[int], what: str) -> None:
+        if not ids:
+            raise ValueError(f"{what} is empty: send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{what}: token id {bad!r} is outside the vocabulary [0, {vocab})")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (waiting, mid-prefill, decoding); its blocks are
@@ -151,6 +154,20 @@ class Engine:
             for out in self.step():
                 results[out.request_id] += out.new_token_ids
         return [results[rid] for rid in ids]
+
+    def embed(self, inputs: list[list[int]], pooling: str = "mean", normalize: bool = False) -> list[list[float]]:
+        """Embeddings of token sequences from the base model's final hidden states.
+        Runs outside the KV pool: a cache-free forward, between generation steps."""
+        if pooling not in ("mean", "last"):
+            raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}")
+        if not inputs:
+            raise ValueError("no inputs to embed")
+        for i, ids in enumerate(inputs):
+            self._check_tokens(ids, f"input {i}")
+            if len(ids) > self.model_config.max_model_len:
+                raise ValueError(f"input {i} has {len(ids)} tokens, over the context limit of "
+                                 f"{self.model_config.max_model_len}")
+        return self.runner.embed(inputs, pooling, normalize).tolist()
 
     # ---- introspection -------------------------------------------------------
 

@@ -91,6 +91,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int],
+                           scale: float) -> torch.Tensor:
+    """Causal attention within each packed sequence [starts[i], starts[i+1]), without a cache.
+    q: (T, H, D), k/v: (T, KVH, D) -> (T, H, D)."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for lo, hi in zip(starts, starts[1:]):
+        qi = q[lo:hi].transpose(0, 1)  # (H, n, D)
+        ki = k[lo:hi].transpose(0, 1).repeat_interleave(group, 0)
+        vi = v[lo:hi].transpose(0, 1).repeat_interleave(group, 0)
+        out[lo:hi] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -119,12 +133,15 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rope(batch.positions, q, k)
-        k_cache, v_cache = kv_cache
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = paged_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
-            batch.seq_lens, self.scale, batch.max_query_len,
-        )  # (T, H, D)
+        if kv_cache is None:  # embeddings: whole sequences, nothing to keep
+            o = dense_causal_attention(q, k, v, batch.query_start_loc.tolist(), self.scale)
+        else:
+            k_cache, v_cache = kv_cache
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            o = paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                batch.seq_lens, self.scale, batch.max_query_len,
+            )  # (T, H, D)
         o = o.reshape(-1, self.q_size)
         out = self.o_proj(o)
         if lora is not None:
@@ -181,10 +198,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None
     ) -> torch.Tensor:
+        """Final hidden states (T, hidden). kv_caches None: cache-free (embeddings)."""
         x = self.embed_tokens(batch.input_ids)  # (T, hidden)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches or [None] * len(self.layers)):
             x = layer(x, batch, self.rope, kv_cache, batch.lora)
         return self.norm(x)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import structlog
 import torch
+import torch.nn.functional as F
 
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.loader import load_model
@@ -161,6 +162,31 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             lora=lora,
         )
+
+    @torch.inference_mode()
+    def embed(self, inputs: list[list[int]], pooling: str, normalize: bool) -> torch.Tensor:
+        """(N, hidden) float32 embeddings: final hidden states (after the last norm), pooled."""
+        lens = [len(x) for x in inputs]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor([t for x in inputs for t in x], dtype=torch.long, device=dev),
+            positions=torch.tensor([p for n in lens for p in range(n)], dtype=torch.long, device=dev),
+            slot_mapping=torch.empty(0, dtype=torch.long, device=dev),
+            block_tables=torch.empty(0, 0, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            max_query_len=max(lens),
+            logits_indices=torch.empty(0, dtype=torch.long, device=dev),
+        )
+        hidden = self.model(batch, None).float()  # (T, hidden)
+        if pooling == "last":
+            pooled = hidden[torch.tensor(starts[1:], device=dev) - 1]
+        else:
+            pooled = torch.stack([hidden[a:b].mean(0) for a, b in zip(starts, starts[1:])])
+        return F.normalize(pooled, dim=-1) if normalize else pooled
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> SamplerOutput:

@@ -142,7 +142,7 @@ def test_abort_frees_blocks_and_reports(llama):
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(prompt=[]), "prompt is empty"),
+    (dict(prompt=[]), "the prompt is empty"),
     (dict(prompt=[VOCAB]), "outside the vocabulary"),
     (dict(prompt=[-1]), "outside the vocabulary"),
     (dict(prompt=[1] * 1000, max_tokens=100), "exceeds the context limit"),
