@@ -1,0 +1,109 @@
+"""Compute kernels: paged KV-cache attention and batched multi-LoRA.
+
+Each op has a torch reference (``*_ref``, also the CPU path) and a Triton version
+(``*_triton``). The dispatchers below (``store_kv``, ``paged_attention``, ``lora_shrink``,
+``lora_expand``) pick Triton for CUDA tensors and the reference otherwise;
+``OMNIBUS_FORCE_TRITON=1`` forces Triton on CPU, for testing under ``TRITON_INTERPRET=1``.
+
+Triton is only imported when a Triton kernel is first used, so this package imports on hosts
+without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.attention import paged_attention_ref, store_kv_ref
+from kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
+
+__all__ = [
+    "store_kv_ref",
+    "paged_attention_ref",
+    "lora_shrink_ref",
+    "lora_expand_ref",
+    "lora_shrink_triton",
+    "lora_expand_triton",
+    "store_kv",
+    "paged_attention",
+    "lora_shrink",
+    "lora_expand",
+    "use_triton",
+]
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether ops on ``t`` run the Triton kernels: on CUDA, or when forced by the env var
+    (read at every call, so tests can set it with monkeypatch)."""
+    return t.is_cuda or os.environ.get("OMNIBUS_FORCE_TRITON") == "1"
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes new keys/values into their cache slots; see :func:`store_kv_ref`."""
+    if use_triton(key):
+        from kernels.attention_triton import store_kv_triton
+
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed mixed batch over the paged cache; see
+    :func:`paged_attention_ref`. Returns (T, H, D) in q's dtype."""
+    if use_triton(q):
+        from kernels.attention_triton import paged_attention_triton
+
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
+            out=out,
+        )
+    return paged_attention_ref(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
+        out=out,
+    )
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slots: torch.Tensor,
+) -> torch.Tensor:
+    """Per-segment ``x @ A[slot].T`` as (T, max_rank) float32; see :func:`lora_shrink_ref`."""
+    if use_triton(x):
+        return lora_shrink_triton(x, lora_a, seg_starts, seg_slots)
+    return lora_shrink_ref(x, lora_a, seg_starts, seg_slots)
+
+
+def lora_expand(
+    y: torch.Tensor,
+    lora_b: torch.Tensor,
+    seg_starts: torch.Tensor,
+    seg_slots: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """In place ``out += scale * y @ B[slot].T`` per segment; see :func:`lora_expand_ref`."""
+    if use_triton(y):
+        lora_expand_triton(y, lora_b, seg_starts, seg_slots, scales, out)
+    else:
+        lora_expand_ref(y, lora_b, seg_starts, seg_slots, scales, out)
