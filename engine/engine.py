@@ -43,6 +43,13 @@ class EngineStats:
     num_steps: int
     num_preemptions: int
     num_prefix_cache_hit_blocks: int
+    num_running_adapters: int = 0
+    resident_adapters: tuple[str, ...] = ()  # adapters in device slots
+    # batching-study counters, cumulative over steps (see scheduler.StepCounters)
+    slots_stepped: int = 0
+    useful_tokens: int = 0
+    kv_tokens_stored: int = 0
+    kv_tokens_reserved: int = 0
 
 
 class Engine:
@@ -177,6 +184,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         counts = self.allocator.counts()
+        c = self.scheduler.counters
         return EngineStats(
             num_waiting=self.scheduler.num_waiting,
             num_running=len(self.scheduler.running),
@@ -186,4 +194,10 @@ class Engine:
             num_steps=self.num_steps,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_hit_blocks=self.allocator.num_cache_hits,
+            num_running_adapters=len({s.adapter for s in self.scheduler.running if s.adapter}),
+            resident_adapters=tuple(self.adapters.resident()) if self.adapters else (),
+            slots_stepped=c.slots_stepped,
+            useful_tokens=c.useful_tokens,
+            kv_tokens_stored=c.kv_tokens_stored,
+            kv_tokens_reserved=c.kv_tokens_reserved,
         )

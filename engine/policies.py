@@ -26,6 +26,7 @@ UNLIMITED = 1 << 30
 
 class BatchingPolicy:
     name = "base"
+    forms_batches = False  # True: a batch holds its slots until its last request finishes
 
     def admission_limit(self, now: float, num_running: int, num_waiting: int,
                         oldest_arrival: Callable[[], float | None]) -> int:
@@ -54,6 +55,7 @@ class FormedBatchPolicy(BatchingPolicy):
     max_batch_size: int
     window_s: float | None
     name: str = "static"
+    forms_batches = True
 
     def admission_limit(self, now, num_running, num_waiting, oldest_arrival) -> int:
         if num_running or not num_waiting:

@@ -45,6 +45,17 @@ class ScheduledSeq:
 
 
 @dataclass
+class StepCounters:
+    """Cumulative counts over the steps that computed something."""
+
+    steps: int = 0
+    slots_stepped: int = 0  # batch slots held per step (formed batches keep finished slots)
+    useful_tokens: int = 0  # tokens computed (prompt chunks + decodes)
+    kv_tokens_stored: int = 0  # KV entries holding real tokens, summed over steps
+    kv_tokens_reserved: int = 0  # KV slots allocated to running sequences, summed over steps
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
     preempted: list[Sequence] = field(default_factory=list)
@@ -70,6 +81,8 @@ class Scheduler:
         self._aborted: list[RequestOutput] = []  # reported by the next update()
         self._step = 0
         self.num_preemptions = 0
+        self.counters = StepCounters()
+        self._batch_slots = 0  # formed-batch policies: size of the batch now running
 
     # ---- requests ------------------------------------------------------------
 
@@ -128,9 +141,25 @@ class Scheduler:
             if self._reserve_running(seq, n, out):
                 out.scheduled.append(self._plan(seq, n))
                 budget -= n
+        idle = not self.running
         budget = self._admit(out, budget, time.monotonic() if now is None else now)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        if idle:
+            self._batch_slots = len(self.running)
+        if not out.is_empty:
+            self._count(out)
         return out
+
+    def _count(self, out: SchedulerOutput) -> None:
+        """Utilization counters for the batching study (O(running) per step)."""
+        c = self.counters
+        c.steps += 1
+        c.slots_stepped += self._batch_slots if self.policy.forms_batches else len(self.running)
+        c.useful_tokens += out.num_batched_tokens
+        bs = self.allocator.block_size
+        for seq in self.running:
+            c.kv_tokens_stored += seq.num_computed_tokens
+            c.kv_tokens_reserved += len(seq.block_table) * bs
 
     def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
         seq.scheduled_step = self._step

@@ -276,3 +276,21 @@ def test_random_workloads_never_leak_and_always_finish(events, num_blocks, budge
         assert out.finish_reason in ("length", "abort")
     counts = s.allocator.check_integrity([])
     assert counts.referenced == 0 and counts.free + counts.cached == counts.total
+
+
+def test_utilization_counters_show_static_slots_held_by_finished_requests():
+    results = {}
+    for policy in ("continuous", "static"):
+        s = make_scheduler(policy=policy, max_batch_size=2, max_seqs=2, num_blocks=64)
+        s.add(seq("short", 4, max_tokens=1))
+        s.add(seq("long", 4, max_tokens=6))
+        s.add(seq("next", 4, max_tokens=1))
+        s.add(seq("next2", 4, max_tokens=1))
+        run_to_end(s)
+        results[policy] = s.counters
+    cont, static = results["continuous"], results["static"]
+    # Same work either way...
+    assert cont.useful_tokens == static.useful_tokens == 4 * 4 + 5  # prefills + long's 5 decodes
+    # ...but static holds the finished "short" request's slot until "long" ends.
+    assert static.slots_stepped > cont.slots_stepped
+    assert 0 < static.kv_tokens_stored <= static.kv_tokens_reserved
