@@ -151,7 +151,10 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished() and not self._embeds)
+                idle = not self.engine.has_unfinished() and not self._embeds
+                if idle:
+                    self.engine.check_integrity()  # cheap proof, run whenever the engine goes idle
+                self._drain_commands(block=idle)
                 if self._embeds:  # one embedding batch between two generation steps
                     self._run_embed(self._embeds.popleft())
                 steps = self.engine.num_steps

@@ -164,6 +164,7 @@ class EngineConfig:
     max_cpu_loras: int = 16  # adapters kept in host memory (LRU)
     max_lora_rank: int = 16  # adapters of a higher rank are refused
     preload_adapters: tuple[str, ...] = ()  # loaded into host memory at start-up
+    decode_graphs: bool | None = None  # pad decode steps to bucket sizes (CUDA graphs); None: on for CUDA
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two from 1 to 128", self.block_size)

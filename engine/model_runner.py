@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.loader import load_model
+from engine.cuda_graph import DecodeGraphs
 from engine.lora import LoraBatch, LoraManager
 from engine.model import ForwardBatch
 from engine.sampling import Sampler, SamplerOutput
@@ -48,6 +49,13 @@ class ModelRunner:
         ]
         self.sampler = Sampler(seed=config.seed)
         self.adapters: LoraManager | None = None  # set by the engine when it serves adapters
+        use_graphs = config.decode_graphs if config.decode_graphs is not None else self.device.type == "cuda"
+        self.graphs = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
+                                       -(-model_config.max_model_len // self.block_size), self.device,
+                                       capture=self.device.type == "cuda")
+        self.idle_meter = GpuIdleMeter() if self.device.type == "cuda" else None
         log.info("model_loaded", model=config.model, dtype=str(self.dtype), device=str(self.device),
                  kv_blocks=self.num_blocks, block_size=self.block_size)
 
@@ -191,7 +199,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> SamplerOutput:
         batch = self.prepare(plan)
-        hidden = self.model(batch, self.kv_caches)  # (T, hidden)
+        if self.idle_meter is not None:
+            self.idle_meter.step_started()
+        try:
+            return self._forward_and_sample(plan, batch)
+        finally:
+            if self.idle_meter is not None:
+                self.idle_meter.step_ended()
+
+    def _forward_and_sample(self, plan: SchedulerOutput, batch: ForwardBatch) -> SamplerOutput:
+        if self.graphs is not None and self.graphs.can_run(batch, len(plan.scheduled)):
+            hidden = self.graphs.run(batch)  # (n, hidden): decode-only, one token per sequence
+        else:
+            hidden = self.model(batch, self.kv_caches)  # (T, hidden)
         rows = [item.seq for item in plan.scheduled if item.samples]
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
@@ -202,3 +222,34 @@ class ModelRunner:
         prompts = [s.prompt_token_ids for s in rows] if needs_history else [[] for _ in rows]
         outputs = [s.output_token_ids for s in rows] if needs_history else [[] for _ in rows]
         return self.sampler(logits, params, prompts, outputs, [s.generator for s in rows])
+
+
+class GpuIdleMeter:
+    """Share of wall time the GPU spends waiting on Python between steps, from CUDA
+    events at each step's first and last launch (read one step late, never syncing)."""
+
+    def __init__(self) -> None:
+        self.busy_ms = 0.0
+        self.idle_ms = 0.0
+        self._prev_end: torch.cuda.Event | None = None
+        self._pending: tuple | None = None
+
+    def step_started(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def step_ended(self) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        if self._pending is not None:  # the previous step's events have completed by now
+            prev_end, start, stop = self._pending
+            if prev_end is not None:
+                self.idle_ms += prev_end.elapsed_time(start)
+            self.busy_ms += start.elapsed_time(stop)
+        self._pending = (self._prev_end, self._start, end)
+        self._prev_end = end
+
+    @property
+    def idle_share(self) -> float:
+        total = self.busy_ms + self.idle_ms
+        return self.idle_ms / total if total else 0.0

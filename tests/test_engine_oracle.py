@@ -88,6 +88,14 @@ def test_preemption_matches(llama):
     assert engine.stats().num_preemptions > 0
 
 
+def test_padded_decode_buckets_match(llama):
+    """The CUDA-graph path's padding (to bucket sizes, through the null block), run
+    eagerly on the CPU, leaves every output token-exact."""
+    prompts, max_tokens = workload(seed=5, n=19)
+    engine = llama.check(prompts, max_tokens, decode_graphs=True)
+    assert engine.runner.graphs.num_runs > 10
+
+
 def test_prefix_cache_hits_match(llama):
     prompts, max_tokens = workload(seed=4, n=16, shared_prefix=100)
     engine = llama.check(prompts, max_tokens)
