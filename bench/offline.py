@@ -91,46 +91,14 @@ def run_omnibus(path: Path, prompts, lengths) -> float:
     return sum(lengths) / elapsed
 
 
-def run_hf_static(path: Path, prompts, lengths, batch: int = 16) -> float:
+def run_hf(path: Path, prompts, lengths) -> tuple[float, float]:
+    """transformers static `generate` (batches of 16) and continuous batching, same weights."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        ids = torch.tensor(prompts[i:i + batch])  # equal prompt lengths: no padding needed
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max(lengths[i:i + batch]), pad_token_id=0)
-        assert out.shape[1] == ids.shape[1] + max(lengths[i:i + batch])
-    return sum(lengths) / (time.perf_counter() - t0)
-
-
-def run_hf_continuous(path: Path, prompts, lengths) -> float:
-    import transformers
+    from bench.peers import hf_continuous_tok_s, hf_static_tok_s
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    gen_cfg = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(lengths), eos_token_id=None)
-    manager = model.init_continuous_batching(generation_config=gen_cfg)
-    manager.start()
-    try:
-        t0 = time.perf_counter()
-        for p, m in zip(prompts, lengths):
-            manager.add_request(p, max_new_tokens=m)
-        done = 0
-        produced = 0
-        while done < len(prompts):
-            result = manager.get_result(timeout=60)
-            if result is None:
-                raise RuntimeError("transformers continuous batching stalled")
-            if result.is_finished():
-                done += 1
-                produced += len(result.generated_tokens)
-        elapsed = time.perf_counter() - t0
-    finally:
-        manager.stop(block=True)
-    return produced / elapsed
+    return hf_static_tok_s(model, prompts, lengths, batch=16), hf_continuous_tok_s(model, prompts, lengths)
 
 
 def scheduler_step_time(num_seqs: int = 256, steps: int = 200) -> float:
@@ -171,10 +139,11 @@ def main() -> None:
     path = build_model(args.model_dir or Path(tmp.name) / "bench-20m")
     prompts, lengths = workload(args.requests)
     peak = matmul_gflops()
+    hf_static, hf_continuous = run_hf(path, prompts, lengths)
     results = {
         "omnibus_tok_s": run_omnibus(path, prompts, lengths),
-        "hf_static_tok_s": run_hf_static(path, prompts, lengths),
-        "hf_continuous_tok_s": run_hf_continuous(path, prompts, lengths),
+        "hf_static_tok_s": hf_static,
+        "hf_continuous_tok_s": hf_continuous,
     }
     results |= {
         "vs_hf_static": results["omnibus_tok_s"] / results["hf_static_tok_s"],

@@ -164,6 +164,7 @@ class EngineConfig:
     max_cpu_loras: int = 16  # adapters kept in host memory (LRU)
     max_lora_rank: int = 16  # adapters of a higher rank are refused
     preload_adapters: tuple[str, ...] = ()  # loaded into host memory at start-up
+    load_format: str = "safetensors"  # "dummy": random weights from config.json alone (benchmarks)
     decode_graphs: bool | None = None  # pad decode steps to bucket sizes (CUDA graphs); None: on for CUDA
 
     def __post_init__(self) -> None:
@@ -178,6 +179,7 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
         _check(self.batching in BATCHING_POLICIES, "batching", " | ".join(BATCHING_POLICIES), self.batching)
         _check(self.max_batch_size >= 1, "max_batch_size", ">= 1", self.max_batch_size)
+        _check(self.load_format in ("safetensors", "dummy"), "load_format", "safetensors or dummy", self.load_format)
         _check(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
         _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras ({self.max_loras})", self.max_cpu_loras)
         _check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "in [1, 512]", self.max_lora_rank)

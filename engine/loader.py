@@ -69,32 +69,61 @@ def _fused_slices(model: LlamaForCausalLM, fused: str) -> list[int]:
     return [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
 
 
-def load_model(cfg: ModelConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
-               max_len: int) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint."""
-    path = Path(path)
-    files = checkpoint_files(path)
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaForCausalLM:
+    """The model with uninitialized weights, allocated once on `device`."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_len)
     model = model.to_empty(device=device).to(dtype)
     model.rope = type(model.rope)(cfg, max_len).to(device)  # buffers are computed, not loaded
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+def load_model(cfg: ModelConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
+               max_len: int) -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint."""
+    path = Path(path)
+    files = checkpoint_files(path)
+    model = empty_model(cfg, dtype, device, max_len)
+
+    def tensors():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    load_weights(model, tensors(), str(path))
+    return model
+
+
+def load_weights(model: LlamaForCausalLM, tensors, source: str = "state dict") -> None:
+    """Fill every parameter from (HF name, tensor) pairs; refuse unknown, misshapen or missing ones."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                _copy(model, params, name, f.get_tensor(name), loaded)
-    if cfg.tie_word_embeddings:
+    for name, tensor in tensors:
+        if not name.endswith(_IGNORED_SUFFIXES):
+            _copy(model, params, name, tensor, loaded)
+    if model.cfg.tie_word_embeddings:
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
     if missing:
-        raise ModelLoadError(f"checkpoint {path} lacks weights for: {', '.join(missing[:8])}"
+        raise ModelLoadError(f"checkpoint {source} lacks weights for: {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
-    return model.eval()
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
+                 seed: int = 0) -> LlamaForCausalLM:
+    """Random weights created on the device (benchmarks of large shapes, no checkpoint)."""
+    model = empty_model(cfg, dtype, device, max_len)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model
 
 
 def _copy(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], name: str,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.loader import load_model
+from engine.loader import load_model, random_model
 from engine.cuda_graph import DecodeGraphs
 from engine.lora import LoraBatch, LoraManager
 from engine.model import ForwardBatch
@@ -38,7 +38,10 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = resolve_dtype(config, model_config)
         self.block_size = config.block_size
-        self.model = load_model(model_config, config.model, self.dtype, self.device, model_config.max_model_len)
+        if config.load_format == "dummy":
+            self.model = random_model(model_config, self.dtype, self.device, model_config.max_model_len, config.seed)
+        else:
+            self.model = load_model(model_config, config.model, self.dtype, self.device, model_config.max_model_len)
         self.num_blocks = self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         # Zeros, not empty: padded attention reads of the null block must be finite.

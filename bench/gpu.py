@@ -1,0 +1,272 @@
+"""GPU roofline benchmark: `make bench-gpu` (python -m bench.gpu --out docs/benchmarks/gpu.md).
+
+A Llama-3-8B-shaped bf16 model with random weights made on the device (no download).
+In one run it reports:
+
+1. decode step time at batch 1, 8, 32, 128, 256 against the roofline: (weight bytes +
+   KV bytes read) ÷ the device-to-device copy bandwidth measured in the same run;
+2. offline output tokens/s on a ShareGPT-shaped workload (prompts ~200 tokens,
+   outputs ~180, both log-normal, ignore_eos) against transformers' static
+   `generate` and continuous batching, all on the same weights;
+3. the share of each step in which the GPU waits on Python;
+4. throughput with 8 and 32 LoRA adapters (rank 16, q/k/v/o) against base only.
+
+`--smoke` runs the same code at a tiny shape (on the CPU when there is no GPU), which
+is how the test suite keeps this script runnable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.peers import hf_continuous_tok_s, hf_static_tok_s
+from bench.workloads import LogNormal, ShareGptSpec
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times)
+
+
+def write_config(path: Path, shape: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = dict(shape, model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False,
+               bos_token_id=1, eos_token_id=2, dtype="bfloat16")
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def make_engine(path: Path, device: str, dtype: str, **kw):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    return Engine(EngineConfig(model=str(path), device=device, dtype=dtype, load_format="dummy",
+                               max_num_seqs=256, max_num_batched_tokens=8192, **kw))
+
+
+def weight_bytes(engine) -> int:
+    """Bytes a decode step must read: every matmul weight (the embedding table is gathered)."""
+    model = engine.runner.model
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+def decode_roofline(engine, batch_sizes: list[int], prompt_len: int, bw: float) -> list[dict]:
+    from engine.sampling import SamplingParams
+
+    mc = engine.model_config
+    kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * engine.runner.kv_caches[0][0].element_size()
+    rng = random.Random(0)
+    rows = []
+    for bs in batch_sizes:
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        ids = [f"d{bs}-{i}" for i in range(bs)]
+        for rid in ids:
+            engine.add_request(rid, [rng.randrange(3, mc.vocab_size) for _ in range(prompt_len)], params)
+        while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running) or \
+                engine.scheduler.num_waiting:
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        times, ctx = [], []
+        for _ in range(10):
+            ctx.append(sum(s.num_tokens for s in engine.scheduler.running))
+            _sync(engine.runner.device)
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        for rid in ids:
+            engine.abort(rid)
+        engine.step()
+        step = statistics.median(times)
+        floor = (weight_bytes(engine) + statistics.median(ctx) * kv_per_token) / bw
+        rows.append({"batch": bs, "step_ms": 1e3 * step, "roofline_ms": 1e3 * floor, "of_roofline": floor / step})
+    return rows
+
+
+def workload(n: int, vocab: int, scale: float, seed: int = 0):
+    spec = ShareGptSpec(LogNormal(200, 0.5, 16, 1024), LogNormal(180, 0.5, 16, 512)).scaled(scale)
+    rng = random.Random(seed)
+    lengths = spec.lengths(n, rng)
+    prompts = [[rng.randrange(3, vocab) for _ in range(p)] for p, _ in lengths]
+    return prompts, [o for _, o in lengths]
+
+
+def omnibus_tok_s(engine, prompts, lengths, adapters: list[str] | None = None) -> float:
+    from engine.sampling import SamplingParams
+
+    for i, (p, m) in enumerate(zip(prompts, lengths)):
+        engine.add_request(f"w{time.monotonic_ns()}-{i}", p,
+                           SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True),
+                           adapter=adapters[i % len(adapters)] if adapters else None)
+    produced = 0
+    _sync(engine.runner.device)
+    t0 = time.perf_counter()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.error:
+                raise RuntimeError(out.error)
+            produced += len(out.new_token_ids)
+    return produced / (time.perf_counter() - t0)
+
+
+def make_adapters(root: Path, shape: dict, count: int, rank: int = 16) -> list[str]:
+    """Random PEFT-format LoRA adapters (q/k/v/o) written as safetensors."""
+    from safetensors.torch import save_file
+
+    h, heads, kv = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    hd = h // heads
+    outs = {"q_proj": heads * hd, "k_proj": kv * hd, "v_proj": kv * hd, "o_proj": h}
+    names = []
+    for a in range(count):
+        d = root / f"lora{a}"
+        d.mkdir(parents=True, exist_ok=True)
+        g = torch.Generator().manual_seed(a)
+        tensors = {}
+        for layer in range(shape["num_hidden_layers"]):
+            for proj, out in outs.items():
+                in_f = heads * hd if proj == "o_proj" else h
+                pre = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+                tensors[f"{pre}.lora_A.weight"] = (torch.randn(rank, in_f, generator=g) * 0.01).bfloat16()
+                tensors[f"{pre}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.01).bfloat16()
+        save_file(tensors, d / "adapter_model.safetensors")
+        (d / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(outs)}))
+        names.append(d.name)
+    return names
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="markdown file for the results")
+    ap.add_argument("--smoke", action="store_true", help="tiny shape, CPU allowed (keeps the script tested)")
+    ap.add_argument("--requests", type=int, default=None, help="offline workload size (default 256; smoke 8)")
+    ap.add_argument("--skip-hf", action="store_true", help="skip the transformers peers")
+    args = ap.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        raise SystemExit("no CUDA device: run with --smoke to exercise the script on the CPU")
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = TINY if args.smoke else LLAMA3_8B
+    dtype = "bfloat16" if cuda else "float32"
+    n = args.requests or (8 if args.smoke else 256)
+    batches = [1, 2, 4] if args.smoke else [1, 8, 32, 128, 256]
+    tmp = tempfile.TemporaryDirectory()
+    path = write_config(Path(tmp.name) / "model", shape)
+    result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                    "shape": "tiny" if args.smoke else "llama-3-8b", "dtype": dtype}
+    result["copy_bandwidth_gb_s"] = copy_bandwidth(device, (1 << 30) if cuda else (16 << 20)) / 1e9
+
+    hf = None
+    if not args.skip_hf:
+        import transformers
+
+        cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False)
+        with torch.device(device):
+            hf = transformers.LlamaForCausalLM._from_config(cfg, dtype=getattr(torch, dtype)).eval()
+    util = {"gpu_memory_utilization": 0.8} if cuda else {"kv_cache_memory": 64 << 20}
+    engine = make_engine(path, device.type, dtype, **util)
+    if hf is not None:
+        from engine.loader import load_weights
+        load_weights(engine.runner.model, hf.state_dict().items())
+    result["decode"] = decode_roofline(engine, batches, 64 if args.smoke else 512, result["copy_bandwidth_gb_s"] * 1e9)
+
+    prompts, lengths = workload(n, shape["vocab_size"], 0.1 if args.smoke else 1.0)
+    meter = engine.runner.idle_meter
+    if meter is not None:
+        meter.busy_ms = meter.idle_ms = 0.0
+    result["omnibus_tok_s"] = omnibus_tok_s(engine, prompts, lengths)
+    result["gpu_idle_share"] = meter.idle_share if meter is not None else None
+    if hf is not None:
+        result["hf_static_tok_s"] = hf_static_tok_s(hf, prompts, lengths)
+        result["hf_continuous_tok_s"] = hf_continuous_tok_s(hf, prompts, lengths)
+        result["vs_hf_static"] = result["omnibus_tok_s"] / result["hf_static_tok_s"]
+        result["vs_hf_continuous"] = result["omnibus_tok_s"] / result["hf_continuous_tok_s"]
+        del hf
+    del engine
+    if cuda:
+        torch.cuda.empty_cache()
+
+    adapters = make_adapters(Path(tmp.name) / "adapters", shape, 32, rank=8 if args.smoke else 16)
+    lora_engine = make_engine(path, device.type, dtype, adapter_dir=str(Path(tmp.name) / "adapters"),
+                              max_loras=32, max_cpu_loras=32, max_lora_rank=16, **util)
+    result["lora"] = {"base_tok_s": omnibus_tok_s(lora_engine, prompts, lengths)}
+    for k in (8, 32):
+        result["lora"][f"{k}_adapters_tok_s"] = omnibus_tok_s(lora_engine, prompts, lengths, adapters[:k])
+        result["lora"][f"{k}_vs_base"] = result["lora"][f"{k}_adapters_tok_s"] / result["lora"]["base_tok_s"]
+    print(json.dumps(result, indent=2))
+    if args.out:
+        write_markdown(args.out, result, n)
+    return result
+
+
+def write_markdown(out: Path, r: dict, n: int) -> None:
+    rows = "\n".join(f"| {d['batch']} | {d['step_ms']:.2f} | {d['roofline_ms']:.2f} | {100 * d['of_roofline']:.0f}% |"
+                     for d in r["decode"])
+    hf = ""
+    if "hf_static_tok_s" in r:
+        hf = (f"| transformers static `generate` (batches of 16) | {r['hf_static_tok_s']:.0f} | {r['vs_hf_static']:.1f}× |\n"
+              f"| transformers continuous batching | {r['hf_continuous_tok_s']:.0f} | {r['vs_hf_continuous']:.1f}× |\n")
+    lora = r["lora"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"""# GPU benchmark ({r['device']})
+
+`make bench-gpu`; {r['shape']} shape, {r['dtype']}, random weights; torch {r['torch']}.
+Measured device-to-device copy bandwidth: {r['copy_bandwidth_gb_s']:.0f} GB/s (read + write).
+
+## Decode step vs roofline (prompts of 512 tokens)
+
+| batch | step (ms) | roofline (ms) | share of roofline |
+|---:|---:|---:|---:|
+{rows}
+
+## Offline throughput ({n} ShareGPT-shaped requests)
+
+| system | output tokens/s | Omnibus ÷ system |
+|---|---:|---:|
+| Omnibus | {r['omnibus_tok_s']:.0f} | 1.0× |
+{hf}
+GPU idle share of each step (waiting on Python): {r['gpu_idle_share']}.
+
+## Multi-LoRA
+
+| adapters | output tokens/s | vs base |
+|---:|---:|---:|
+| base | {lora['base_tok_s']:.0f} | 1.00 |
+| 8 | {lora['8_adapters_tok_s']:.0f} | {lora['8_vs_base']:.2f} |
+| 32 | {lora['32_adapters_tok_s']:.0f} | {lora['32_vs_base']:.2f} |
+""")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+if __name__ == "__main__":
+    main()
