@@ -168,3 +168,11 @@ def test_request_larger_than_pool_is_refused(llama):
     engine = Engine(EngineConfig(model=str(llama.path), dtype="float32", num_kv_blocks=4))
     with pytest.raises(ValueError, match="KV blocks"):
         engine.add_request("big", [5] * 60, SamplingParams(max_tokens=10))
+
+
+def test_triton_kernels_in_the_engine_match(llama, monkeypatch):
+    """The engine on the Triton kernels (KV store, paged attention; interpreted on the CPU)
+    stays token-exact: mixed prefill chunks, cached prefixes and decodes in one launch."""
+    monkeypatch.setenv("OMNIBUS_FORCE_TRITON", "1")
+    prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)]
+    llama.check(prompts, [4, 3, 5], max_num_batched_tokens=24)

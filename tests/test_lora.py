@@ -222,3 +222,13 @@ def test_pickle_rank_and_shape_refused(setup, tmp_path):
         time.sleep(0.002)
     assert [(o.finish_reason, "does not fit this base model" in (o.error or "")) for o in outs] == [("abort", True)]
     engine.check_integrity()
+
+
+def test_triton_lora_kernels_in_the_engine_match_peft(setup, monkeypatch):
+    """Shrink/expand (and attention) on the Triton kernels, interpreted on the CPU."""
+    monkeypatch.setenv("OMNIBUS_FORCE_TRITON", "1")
+    base, adapters_dir, oracles = setup
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir), max_loras=4))
+    reqs = [(name, [9 + j, 40, 41 + j, 77], 3) for j, name in enumerate([None, "a-r2", "b-r8", "c-r4", "d-r16"])]
+    for (adapter, prompt, n), out in zip(reqs, run(engine, reqs)):
+        assert out == expected(oracles, adapter, prompt, n), f"adapter {adapter} diverged"
