@@ -39,6 +39,25 @@ test-slow: setup proto
 test-gpu: setup proto
 	$(PY) -m pytest -q -m gpu tests
 
+# `make run`: one engine worker and the router on localhost, serving MODEL (by default
+# the demo checkpoint, built on first use without any download; delete models/demo to
+# rebuild it). Ctrl-C stops both.
+# Then, in another shell: $(PY) -m router.client "Once upon a time"
+DEMO_MODEL := models/demo
+MODEL ?= $(DEMO_MODEL)
+ENGINE_PORT ?= 50061
+ROUTER_PORT ?= 50051
+ENGINE_FLAGS ?=
+ROUTER_FLAGS ?=
+
+$(DEMO_MODEL)/config.json: | setup
+	$(PY) scripts/build_demo_model.py --out $(DEMO_MODEL) --steps 300
+
+run: setup proto $(MODEL)/config.json
+	@trap 'kill $$engine 2>/dev/null; wait $$engine 2>/dev/null' EXIT; \
+	$(PY) -m engine serve --port $(ENGINE_PORT) --model $(MODEL) $(ENGINE_FLAGS) & engine=$$!; \
+	$(PY) -m router serve --port $(ROUTER_PORT) --engine localhost:$(ENGINE_PORT) --model $(MODEL) $(ROUTER_FLAGS)
+
 bench-offline: setup
 	$(PY) -m bench.offline --out docs/benchmarks/offline.md
 

@@ -1,0 +1,137 @@
+"""`python -m engine serve ...`: one engine worker process.
+
+The parser imports nothing heavy, so `--help` (and tests that check command lines
+against it) do not load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.server import ServerConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine", description="Omnibus engine worker")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser(
+        "serve",
+        help="serve omnibus.v1.Engine for one model on one device",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)"
+    )
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--model", required=True, help="Hugging Face model directory (safetensors)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes for the KV pool (default: --gpu-memory-utilization on CUDA, 1 GiB on CPU)",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="exact KV pool size; overrides the memory sizing",
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context cap below the model's own"
+    )
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--batching", default="continuous", choices=["continuous", "dynamic", "static", "none"]
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the shared generator for unseeded requests"
+    )
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0: off")
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long in-flight streams may take to finish",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The engine's and the server's configs for parsed `serve` flags; ValueError if invalid."""
+    from engine.config import EngineConfig
+    from engine.server import ServerConfig
+
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        drain_seconds=args.drain_seconds,
+    )
+    engine = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        batching=args.batching,
+        seed=args.seed,
+    )
+    return engine, server
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config, server_config = configs_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from router.logs import configure_logging
+
+    configure_logging(args.log_level)
+    return _serve(config, server_config)
+
+
+def _serve(config: EngineConfig, server_config: ServerConfig) -> int:
+    import uvloop
+
+    from engine.engine import Engine
+    from engine.server import serve, warm_up
+
+    try:
+        engine = Engine(config)
+    except (OSError, ValueError) as exc:  # ModelLoadError is a ValueError
+        print(f"error: cannot load {config.model}: {exc}", file=sys.stderr)
+        return 1
+    warm_up(engine)
+    try:
+        uvloop.run(serve(engine, server_config))
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

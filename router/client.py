@@ -1,0 +1,93 @@
+"""`python -m router.client "Once upon a time"`: stream one completion to stdout.
+
+The finish reason, token counts and timing go to stderr, so stdout is just the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import grpc
+from omnibus.v1 import inference_pb2, inference_pb2_grpc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m router.client", description="Stream a completion from a router"
+    )
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--target", default="localhost:50051", help="router address")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--adapter", default="", help="LoRA adapter (x-adapter-id)")
+    p.add_argument(
+        "--key",
+        default=os.environ.get("OMNIBUS_API_KEY", ""),
+        help="API key (default: $OMNIBUS_API_KEY)",
+    )
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    return p
+
+
+def make_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
+    sampling = inference_pb2.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        stop=args.stop,
+    )
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    if args.seed is not None:
+        sampling.seed = args.seed
+    return inference_pb2.GenerateRequest(
+        text=args.prompt, sampling=sampling, priority=args.priority
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    metadata = []
+    if args.key:
+        metadata.append(("authorization", f"Bearer {args.key}"))
+    if args.adapter:
+        metadata.append(("x-adapter-id", args.adapter))
+    with grpc.insecure_channel(args.target) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        try:
+            for response in stub.Generate(
+                make_request(args), metadata=metadata, timeout=args.timeout
+            ):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                if response.finish_reason:
+                    print()
+                    _summary(response)
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _summary(last: inference_pb2.GenerateResponse) -> None:
+    u, t = last.usage, last.timing
+    print(
+        f"[{inference_pb2.FinishReason.Name(last.finish_reason)}] prompt {u.prompt_tokens} tokens "
+        f"({u.cached_prompt_tokens} cached), completion {u.completion_tokens} tokens; "
+        f"queued {t.queue_seconds * 1000:.0f} ms, "
+        f"first token {t.time_to_first_token_seconds * 1000:.0f} ms, "
+        f"total {t.total_seconds * 1000:.0f} ms",
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

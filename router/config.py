@@ -1,0 +1,118 @@
+"""Router configuration: frozen dataclasses validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _check(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """What one tenant may use. 0 means no limit."""
+
+    max_concurrent: int = 0  # requests queued or running at once
+    # Token-rate budget: prompt + max_tokens are charged when a request is admitted and
+    # the unused part of max_tokens is refunded when it ends. Bursts up to one minute's worth.
+    tokens_per_minute: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.max_concurrent >= 0, "max_concurrent", ">= 0 (0: no cap)", self.max_concurrent)
+        _check(
+            self.tokens_per_minute >= 0,
+            "tokens_per_minute",
+            ">= 0 (0: no budget)",
+            self.tokens_per_minute,
+        )
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything `python -m router serve` is started with."""
+
+    model: str  # HF model directory: tokenizer.json and config.json (limits)
+    engines: tuple[str, ...]  # engine worker addresses, host:port
+    host: str = "127.0.0.1"
+    port: int = 50051
+    model_name: str = ""  # public model id; "" = the model directory's name
+    max_model_len: int | None = None  # context cap below the model's own
+    metrics_port: int = 0  # Prometheus /metrics; 0 = off
+    keys_file: str | None = None  # JSON tenants file; None = everyone is tenant "default"
+    tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # tenants without their own
+    # Request validation.
+    max_prompt_tokens: int | None = None  # None: the context length - 1
+    max_tokens_limit: int = 4096  # largest max_tokens accepted
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_request_bytes: int = 1 << 20  # serialized GenerateRequest
+    max_abs_priority: int = 100  # priorities outside [-N, N] are refused
+    # Admission control and queueing.
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1 << 20  # prompt + max_tokens of every queued request
+    max_queue_seconds: float = 60.0  # longest wait for an engine, client deadline or not
+    priority_aging_seconds: float = 10.0  # waiting this long is worth one priority level; 0 = off
+    # Engines.
+    max_inflight_per_engine: int = 0  # 0: the engine's reported max_num_seqs
+    engine_report_interval_ms: int = 50
+    engine_stale_seconds: float = 5.0  # no load report for this long: engine unhealthy
+    engine_retry_initial_seconds: float = 0.2  # reconnect backoff, doubling up to the max
+    engine_retry_max_seconds: float = 2.0
+    max_engine_attempts: int = 3  # tries of a request whose engine failed before any token
+    drain_seconds: float = 10.0  # SIGTERM: how long in-flight streams may take to finish
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _check(bool(self.engines), "engines", "at least one host:port", self.engines)
+        for address in self.engines:
+            _check(_is_host_port(address), "engine address", "host:port", address)
+        _check(0 <= self.port < 65536, "port", "in [0, 65535]", self.port)
+        _check(0 <= self.metrics_port < 65536, "metrics_port", "in [0, 65535]", self.metrics_port)
+        _check(
+            self.max_model_len is None or self.max_model_len >= 2,
+            "max_model_len",
+            ">= 2",
+            self.max_model_len,
+        )
+        _check(
+            self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+            "max_prompt_tokens",
+            ">= 1",
+            self.max_prompt_tokens,
+        )
+        positive = {
+            "max_tokens_limit": self.max_tokens_limit,
+            "max_stop_string_chars": self.max_stop_string_chars,
+            "max_request_bytes": self.max_request_bytes,
+            "max_queued_requests": self.max_queued_requests,
+            "max_queued_tokens": self.max_queued_tokens,
+            "max_queue_seconds": self.max_queue_seconds,
+            "engine_report_interval_ms": self.engine_report_interval_ms,
+            "engine_stale_seconds": self.engine_stale_seconds,
+            "engine_retry_initial_seconds": self.engine_retry_initial_seconds,
+            "max_engine_attempts": self.max_engine_attempts,
+        }
+        for name, value in positive.items():
+            _check(value > 0, name, "> 0", value)
+        non_negative = {
+            "max_stop_strings": self.max_stop_strings,
+            "max_abs_priority": self.max_abs_priority,
+            "priority_aging_seconds": self.priority_aging_seconds,
+            "max_inflight_per_engine": self.max_inflight_per_engine,
+            "drain_seconds": self.drain_seconds,
+        }
+        for name, value in non_negative.items():
+            _check(value >= 0, name, ">= 0", value)
+        _check(
+            self.engine_retry_max_seconds >= self.engine_retry_initial_seconds,
+            "engine_retry_max_seconds",
+            ">= engine_retry_initial_seconds",
+            self.engine_retry_max_seconds,
+        )
+
+
+def _is_host_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)

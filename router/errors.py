@@ -1,0 +1,23 @@
+"""The one exception type the router uses to refuse or end a request."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RequestError(Exception):
+    """A request ends with this gRPC status and message.
+
+    `reason` is a short, fixed label for metrics and logs (never user text).
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.reason = reason
+
+
+def invalid(message: str) -> RequestError:
+    """INVALID_ARGUMENT: the client must change the request."""
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, "invalid_argument")
