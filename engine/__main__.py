@@ -55,7 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument(
-        "--batching", default="continuous", choices=["continuous", "dynamic", "static", "none"]
+        "--batching", default="continuous", choices=["continuous", "dynamic", "static", "none"],
+        help="batching strategy: continuous joins and leaves every step; dynamic and static form "
+        "batches that run until their last request ends; none runs one request at a time",
+    )
+    p.add_argument(
+        "--max-batch-size", type=int, default=32, help="dynamic/static: requests per formed batch"
+    )
+    p.add_argument(
+        "--batch-window-ms", type=float, default=None,
+        help="dynamic: run a partial batch this long after its first request (default 10); "
+        "static: optional timeout (default: wait for a full batch)",
     )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the shared generator for unseeded requests"
@@ -95,6 +105,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         batching=args.batching,
+        max_batch_size=args.max_batch_size,
+        batch_window_ms=args.batch_window_ms,
         seed=args.seed,
     )
     return engine, server

@@ -302,6 +302,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             num_steps=stats.num_steps,
             num_requests=self._num_requests,
             num_active_streams=len(self._active),
+            num_preemptions=stats.num_preemptions,
+            num_prefix_cache_hit_blocks=stats.num_prefix_cache_hit_blocks,
+            slots_stepped=stats.slots_stepped,
+            useful_tokens=stats.useful_tokens,
+            kv_tokens_stored=stats.kv_tokens_stored,
+            kv_tokens_reserved=stats.kv_tokens_reserved,
         )
 
     def load_report(self) -> engine_pb2.LoadReport:
