@@ -116,10 +116,11 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
             max_query_len=n,
-            logits_indices=torch.tensor([n - 1], device=dev),
+            # as many logits rows as a step can sample, so the sampler's peak is counted too
+            logits_indices=torch.arange(min(n, self.config.max_num_seqs), device=dev),
         )
         hidden = self.model(batch, caches)
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return self.model.compute_logits(hidden[batch.logits_indices]).softmax(dim=-1)
 
     def warmup(self) -> None:
         """Run once before serving so first requests do not pay for lazy initialization."""
