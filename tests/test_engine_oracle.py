@@ -176,3 +176,14 @@ def test_triton_kernels_in_the_engine_match(llama, monkeypatch):
     monkeypatch.setenv("OMNIBUS_FORCE_TRITON", "1")
     prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)]
     llama.check(prompts, [4, 3, 5], max_num_batched_tokens=24)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llama):
+    engine = Engine(EngineConfig(model=str(llama.path), dtype="float32"))
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    (alone,) = engine.generate([[5, 6, 7, 8]], seeded)
+    others = [SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True) for m in (3, 20, 7)]
+    batch = engine.generate([[9, 9], [5, 6, 7, 8], [40] * 30, [11]], [others[0], seeded, others[1], others[2]])
+    assert batch[1] == alone
+    unseeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, ignore_eos=True)
+    assert engine.generate([[5, 6, 7, 8]] * 3, unseeded) != [alone] * 3  # the seed is what pins it
