@@ -9,7 +9,7 @@ PROTO_SRC := $(wildcard protos/omnibus/v1/*.proto)
 PROTO_STAMP := $(PROTO_OUT)/.stamp
 export PYTHONPATH := $(CURDIR):$(CURDIR)/$(PROTO_OUT)
 
-.PHONY: setup proto test test-slow test-gpu run bench-offline clean
+.PHONY: setup proto test test-slow test-gpu run bench-offline bench-lora clean
 
 setup: $(STAMP)
 
@@ -60,6 +60,18 @@ run: setup proto $(MODEL)/config.json
 
 bench-offline: setup
 	$(PY) -m bench.offline --out docs/benchmarks/offline.md
+
+# The four batching policies on one CPU model and workload (~6 min on 2 cores).
+bench-strategies: setup proto
+	$(PY) -m bench strategies --out docs/benchmarks/strategies.md
+
+# On a CUDA host: Llama-3-8B-shaped roofline, throughput vs transformers, multi-LoRA.
+bench-gpu: setup
+	$(PY) -m bench.gpu --out docs/benchmarks/gpu.md
+
+# Multi-LoRA throughput: 1, 8, 32 and 128 adapters against the base model, in one run.
+bench-lora: setup proto
+	$(PY) -m bench.lora --out docs/benchmarks/lora.md
 
 clean:
 	rm -rf $(PROTO_OUT) .pytest_cache

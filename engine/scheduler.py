@@ -156,6 +156,7 @@ class Scheduler:
         c.steps += 1
         c.slots_stepped += self._batch_slots if self.policy.forms_batches else len(self.running)
         c.useful_tokens += out.num_batched_tokens
+        c.kv_tokens_stored += out.num_batched_tokens  # written by this step
         bs = self.allocator.block_size
         for seq in self.running:
             c.kv_tokens_stored += seq.num_computed_tokens
@@ -196,7 +197,9 @@ class Scheduler:
         limit = self.policy.admission_limit(now, len(self.running), self.num_waiting, self._oldest_arrival)
         room = min(limit, self.config.max_num_seqs - len(self.running))
         deferred: list[Sequence] = []  # waiting on their adapter; others may pass them
-        while room > 0 and budget > 0:
+        # A formed batch is admitted whole (its KV reserved) even when this step's token
+        # budget runs out: the prefill of its later members continues in the next steps.
+        while room > 0 and (budget > 0 or self.policy.forms_batches):
             seq = self._peek_waiting()
             if seq is None:
                 break
@@ -219,7 +222,8 @@ class Scheduler:
                 seq.first_scheduled, seq.num_cached_tokens = True, cached
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=Sequence.sort_key)
-            out.scheduled.append(self._plan(seq, n))
+            if n > 0:
+                out.scheduled.append(self._plan(seq, n))
             budget -= n
             room -= 1
         for seq in deferred:

@@ -294,3 +294,20 @@ def test_utilization_counters_show_static_slots_held_by_finished_requests():
     # ...but static holds the finished "short" request's slot until "long" ends.
     assert static.slots_stepped > cont.slots_stepped
     assert 0 < static.kv_tokens_stored <= static.kv_tokens_reserved
+
+
+def test_formed_batch_is_admitted_whole_beyond_the_token_budget():
+    s = make_scheduler(policy="static", max_batch_size=4, budget=16, num_blocks=64)
+    for i in range(5):
+        s.add(seq(f"r{i}", 10, max_tokens=3))
+    plan = s.schedule()
+    assert sorted(x.request_id for x in s.running) == ["r0", "r1", "r2", "r3"]  # the whole batch
+    assert [(i.seq.request_id, i.num_tokens) for i in plan.scheduled] == [("r0", 10), ("r1", 6)]
+    n = sum(i.samples for i in plan.scheduled)
+    s.update(plan, SamplerOutput([7] * n, [None] * n))
+    plan, _ = fake_step(s)
+    assert "r4" not in [i.seq.request_id for i in plan.scheduled]  # no joining a running batch
+    while s.running:
+        fake_step(s)
+    assert list(s.requests) == ["r4"]  # alone, it waits for a full batch (no timeout set)
+    assert fake_step(s)[0].is_empty
