@@ -200,6 +200,7 @@ class LoraManager:
         ]
         self.scales = torch.zeros(n, dtype=torch.float32, device=device)
         self.slot_names: list[str | None] = [None] * n
+        self.slot_targets: list[frozenset[str]] = [frozenset()] * n  # projections each slot's adapter adapts
         self.slot_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n))
         self.pins = [0] * n  # running sequences using each slot
         self.host: OrderedDict[str, AdapterWeights] = OrderedDict()  # LRU host tier
@@ -316,6 +317,7 @@ class LoraManager:
             sb[slot, :, : b.shape[1]].copy_(b)
         self.scales[slot] = weights.spec.scale
         self.slot_names[slot] = weights.spec.name
+        self.slot_targets[slot] = weights.spec.targets
 
     def unload(self, name: str) -> bool:
         """Drop `name` from both tiers unless a running sequence uses it."""
@@ -324,6 +326,7 @@ class LoraManager:
             if self.pins[slot]:
                 return False
             self.slot_names[slot] = None
+            self.slot_targets[slot] = frozenset()
             self.scales[slot] = 0.0
         self.host.pop(name, None)
         self.specs.pop(name, None)
@@ -350,12 +353,15 @@ class LoraBatch:
         self.seg_starts = torch.tensor(starts, dtype=torch.int32, device=dev)
         self.seg_slots = torch.tensor(slots, dtype=torch.int32, device=dev)
         dims = proj_dims(manager.model_config)
-        # column ranges of each projection inside the fused outputs
+        # Only projections some adapter in this batch targets cost anything.
+        active = frozenset().union(*(manager.slot_targets[s] for s in set(slots) if s >= 0))
+        # column ranges of each active projection inside the fused outputs
         self.columns: dict[str, list[tuple[str, int, int]]] = {}
         for fused, projs in FUSED.items():
             lo, cols = 0, []
             for p in projs:
-                cols.append((p, lo, lo + dims[p][1]))
+                if p in active:
+                    cols.append((p, lo, lo + dims[p][1]))
                 lo += dims[p][1]
             self.columns[fused] = cols
 

@@ -144,6 +144,10 @@ class Scheduler:
         idle = not self.running
         budget = self._admit(out, budget, time.monotonic() if now is None else now)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        if self.adapters is not None:
+            # Decodes grouped by adapter slot: one LoRA segment per adapter, not per sequence.
+            out.scheduled.sort(key=lambda it: (it.num_tokens > 1, -1 if it.seq.lora_slot is None
+                                                else it.seq.lora_slot))
         if idle:
             self._batch_slots = len(self.running)
         if not out.is_empty:
