@@ -19,6 +19,8 @@ COPY protos/omnibus protos/omnibus
 RUN mkdir -p protos/gen && python -m grpc_tools.protoc -Iprotos --python_out=protos/gen --pyi_out=protos/gen \
       --grpc_python_out=protos/gen protos/omnibus/v1/*.proto
 COPY router router
+# the one engine module the router shares: the adapter-name rule (no torch)
+COPY engine/__init__.py engine/adapter_names.py engine/
 USER nobody
 EXPOSE 50051 9090
 ENTRYPOINT ["python", "-m", "router"]

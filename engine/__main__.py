@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the shared generator for unseeded requests"
     )
+    _adapter_flags(p)
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0: off")
     p.add_argument(
         "--drain-seconds",
@@ -79,6 +81,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def _adapter_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument(
+        "--adapter-dir",
+        default=None,
+        metavar="DIR",
+        help="root of the PEFT LoRA adapters, one directory per adapter (adapter_config.json + "
+        "adapter_model.safetensors), named by the directory; without it only the base model is "
+        "served",
+    )
+    g.add_argument(
+        "--max-loras", type=int, default=4, help="device adapter slots (distinct adapters per step)"
+    )
+    g.add_argument(
+        "--max-cpu-loras", type=int, default=16, help="adapters kept in host memory (LRU)"
+    )
+    g.add_argument(
+        "--max-lora-rank", type=int, default=16, help="adapters of a higher rank are refused"
+    )
+    g.add_argument(
+        "--preload-adapters",
+        default="",
+        metavar="A,B,...",
+        help="comma-separated adapters loaded into host memory before the worker reports SERVING",
+    )
+
+
+def preload_list(value: str) -> tuple[str, ...]:
+    """The adapter names of --preload-adapters (blank entries dropped)."""
+    return tuple(name.strip() for name in value.split(",") if name.strip())
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
@@ -108,7 +142,19 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_batch_size=args.max_batch_size,
         batch_window_ms=args.batch_window_ms,
         seed=args.seed,
+        adapter_dir=args.adapter_dir,
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+        preload_adapters=preload_list(args.preload_adapters),
     )
+    if engine.preload_adapters and engine.adapter_dir is None:
+        raise ValueError("--preload-adapters needs --adapter-dir")
+    if len(set(engine.preload_adapters)) > engine.max_cpu_loras:
+        raise ValueError(
+            f"--preload-adapters lists {len(set(engine.preload_adapters))} adapters but host "
+            f"memory holds {engine.max_cpu_loras} (--max-cpu-loras)"
+        )
     return engine, server
 
 
@@ -129,14 +175,25 @@ def _serve(config: EngineConfig, server_config: ServerConfig) -> int:
     import uvloop
 
     from engine.engine import Engine
-    from engine.server import serve, warm_up
+    from engine.server import preload, serve, warm_up
 
+    if config.adapter_dir is not None and not Path(config.adapter_dir).is_dir():
+        print(f"error: --adapter-dir {config.adapter_dir} is not a directory", file=sys.stderr)
+        return 1
     try:
         engine = Engine(config)
-    except (OSError, ValueError) as exc:  # ModelLoadError is a ValueError
+    except (OSError, ValueError) as exc:  # ModelLoadError and AdapterError are ValueErrors
         print(f"error: cannot load {config.model}: {exc}", file=sys.stderr)
         return 1
+    except LookupError as exc:  # UnknownAdapterError: a --preload-adapters name
+        print(f"error: --preload-adapters: {exc}", file=sys.stderr)
+        return 1
     warm_up(engine)
+    try:
+        preload(engine)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:
         uvloop.run(serve(engine, server_config))
     except OSError as exc:

@@ -45,6 +45,9 @@ class EngineStats:
     num_prefix_cache_hit_blocks: int
     num_running_adapters: int = 0
     resident_adapters: tuple[str, ...] = ()  # adapters in device slots
+    cached_adapters: tuple[str, ...] = ()  # adapters in host memory (resident ones included), sorted
+    adapter_loads: int = 0  # adapters read from disk into host memory since start
+    adapter_evictions: int = 0  # device slots refilled with another adapter since start
     # batching-study counters, cumulative over steps (see scheduler.StepCounters)
     slots_stepped: int = 0
     useful_tokens: int = 0
@@ -196,6 +199,9 @@ class Engine:
             num_prefix_cache_hit_blocks=self.allocator.num_cache_hits,
             num_running_adapters=len({s.adapter for s in self.scheduler.running if s.adapter}),
             resident_adapters=tuple(self.adapters.resident()) if self.adapters else (),
+            cached_adapters=tuple(sorted(self.adapters.host)) if self.adapters else (),
+            adapter_loads=self.adapters.stats["loads"] if self.adapters else 0,
+            adapter_evictions=self.adapters.stats["evictions"] if self.adapters else 0,
             slots_stepped=c.slots_stepped,
             useful_tokens=c.useful_tokens,
             kv_tokens_stored=c.kv_tokens_stored,

@@ -29,12 +29,12 @@ import structlog
 import torch
 from safetensors import safe_open
 
+from engine.adapter_names import ADAPTER_NAME_RE
 from engine.config import ModelConfig
 from kernels import lora_expand, lora_shrink
 
 log = structlog.get_logger(__name__)
 
-ADAPTER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # fused module of the model -> the projections it holds, in output order
 FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
@@ -107,8 +107,12 @@ class AdapterSpec:
             raise AdapterError(f"adapter {name!r} has no adapter_config.json")
         try:
             raw = json.loads(cfg_file.read_text())
+        except OSError as exc:
+            raise AdapterError(f"adapter_config.json of {name!r} cannot be read: {exc.strerror}") from exc
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise AdapterError(f"adapter_config.json of {name!r} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise AdapterError(f"adapter_config.json of {name!r} is not a JSON object")
         return cls._from_config(name, weights, raw, max_rank)
 
     @classmethod
@@ -246,6 +250,9 @@ class LoraManager:
         self.stats["load_seconds"].append(time.perf_counter() - t0)
         return weights
 
+    def is_loading(self, name: str) -> bool:
+        return name in self._loading
+
     def poll(self, name: str) -> str:
         """"ready", "loading" or "failed" (the reason is in `failed`). Step thread only."""
         if name in self.host:
@@ -273,7 +280,8 @@ class LoraManager:
         self.host[name] = weights
         self.stats["loads"] += 1
         while len(self.host) > self.config.max_cpu_loras:
-            victim = next((n for n in self.host if n not in self.slot_names), None)
+            # least recently used first; never the newcomer, never one in a device slot
+            victim = next((n for n in self.host if n != name and n not in self.slot_names), None)
             if victim is None:
                 break  # every host adapter is on the device; keep them
             del self.host[victim]
@@ -291,7 +299,9 @@ class LoraManager:
         least recently used unpinned slot). None when every slot is pinned."""
         slot = self.slot_of(name)
         if slot is None:
-            slot = next((s for s in self.slot_lru if self.pins[s] == 0), None)
+            free = [s for s in self.slot_lru if self.pins[s] == 0]
+            # an empty slot first, else the least recently used unpinned one
+            slot = next((s for s in free if self.slot_names[s] is None), free[0] if free else None)
             if slot is None:
                 return None
             self._fill_slot(slot, self.host[name])

@@ -5,6 +5,11 @@ requests in and tokens out, so it never blocks on a step. A request's deadline i
 gRPC deadline the router passes on: when it passes the sequence is aborted and its KV
 blocks are freed. SIGTERM drains: health goes NOT_SERVING, new requests get
 UNAVAILABLE, in-flight streams get `drain_seconds` to finish and are aborted after.
+
+LoRA adapters: Generate names one (loaded in the background on first use), load
+reports carry the adapters in device slots, in host memory and on disk (for the
+router's adapter-affine routing), and LoadAdapter / UnloadAdapter / ListAdapters
+manage them at run time through the step thread (AsyncEngine).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import cast
+from typing import NoReturn, cast
 
 import grpc
 import structlog
@@ -29,11 +34,12 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AdapterStateError, AsyncEngine
 from engine.engine import Engine, EngineStats, UnknownAdapterError
+from engine.lora import LoraManager
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 
@@ -45,6 +51,9 @@ MIN_REPORT_INTERVAL_S = 0.01
 HEARTBEAT_S = 1.0  # a report at least this often, changed or not: routers treat silence as death
 ABORT_WAIT_S = 2.0  # after the drain grace, how long aborted streams get to report ABORTED
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ADAPTER_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+CATALOG_REFRESH_S = 2.0  # how often the adapter root is re-listed for load reports
+PRELOAD_TIMEOUT_S = 600.0
 UNSET = inference_pb2.FINISH_REASON_UNSPECIFIED  # still streaming
 _FINISH = {
     "stop": inference_pb2.STOP,
@@ -139,6 +148,12 @@ class EngineMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.adapter_requests = Counter(
+            "omnibus_engine_adapter_requests",
+            "Generate calls the engine accepted for a LoRA adapter, by adapter",
+            ["adapter"],
+            registry=r,
+        )
         r.register(_StatsCollector(aengine))
 
     def observe(self, arrival: float, first: float | None, tokens: int, outcome: str) -> None:
@@ -183,12 +198,76 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily(
             "omnibus_engine_preemptions", "Sequences preempted", value=s.num_preemptions
         )
+        adapters = self._aengine.engine.adapters
+        if adapters is not None:
+            yield from _adapter_metrics(s, adapters)
+
+
+def _adapter_metrics(
+    s: EngineStats, adapters: LoraManager
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+    gauges = {
+        "adapter_slots": ("Device adapter slots (--max-loras)", adapters.config.max_loras),
+        "adapters_resident": ("Adapters in device slots", len(s.resident_adapters)),
+        "adapters_cached": ("Adapters in host memory (resident ones included)",
+                            len(s.cached_adapters)),
+        "adapters_running": ("Distinct adapters of the running sequences",
+                             s.num_running_adapters),
+    }
+    for name, (doc, value) in gauges.items():
+        yield GaugeMetricFamily(f"omnibus_engine_{name}", doc, value=value)
+    yield CounterMetricFamily(
+        "omnibus_engine_adapter_loads", "Adapters read from disk into host memory",
+        value=s.adapter_loads,
+    )
+    yield CounterMetricFamily(
+        "omnibus_engine_adapter_evictions", "Device slots refilled with another adapter",
+        value=s.adapter_evictions,
+    )
+    # The loader thread appends one duration per successful disk load; list() copies it
+    # atomically, and the histogram is rebuilt from it at scrape time.
+    seconds = list(adapters.stats["load_seconds"])
+    buckets = [(str(b), float(sum(1 for x in seconds if x <= b))) for b in ADAPTER_LOAD_BUCKETS]
+    buckets.append(("+Inf", float(len(seconds))))
+    yield HistogramMetricFamily(
+        "omnibus_engine_adapter_load_seconds",
+        "Time to read and check an adapter's weights from disk",
+        buckets=buckets,
+        sum_value=sum(seconds),
+    )
+
+
+class AdapterCatalog:
+    """The adapter names under the adapter root, for load reports. Listing a directory
+    is blocking I/O (the root may be a network mount), so it runs on a worker thread,
+    every CATALOG_REFRESH_S and after each load or unload."""
+
+    def __init__(self, adapters: LoraManager | None) -> None:
+        self._adapters = adapters
+        self.names: tuple[str, ...] = tuple(adapters.available()) if adapters else ()
+
+    async def refresh(self) -> None:
+        if self._adapters is None:
+            return
+        try:
+            # available() only lists the root: safe off the step thread.
+            self.names = tuple(await asyncio.to_thread(self._adapters.available))
+        except OSError as exc:  # keep the last listing; say why it is stale
+            log.warning("adapter_root_unreadable", error=str(exc))
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(CATALOG_REFRESH_S)
+            await self.refresh()
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
-    def __init__(self, aengine: AsyncEngine, metrics: EngineMetrics) -> None:
+    def __init__(
+        self, aengine: AsyncEngine, metrics: EngineMetrics, catalog: AdapterCatalog | None = None
+    ) -> None:
         self._aengine = aengine
         self._metrics = metrics
+        self.catalog = catalog or AdapterCatalog(aengine.engine.adapters)
         self._active: set[str] = set()  # request ids streaming now
         self._num_requests = 0
         self.draining = False
@@ -223,6 +302,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         finally:
             self._active.discard(rid)
             self._metrics.observe(arrival, first, tokens, outcome)
+            if request.adapter and outcome not in ("invalid_argument", "not_found"):
+                self._metrics.adapter_requests.labels(request.adapter).inc()
 
     async def _outputs(
         self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext
@@ -248,6 +329,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 # The timeout wraps only the wait for the next step, never the yield.
                 async with asyncio.timeout_at(deadline):
                     out = await anext(stream)
+                if out.error is not None:  # the engine ended it: its adapter failed to load
+                    raise AdapterStateError(out.error)
                 yield out
                 if out.finished:
                     return
@@ -310,6 +393,63 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             kv_tokens_reserved=stats.kv_tokens_reserved,
         )
 
+    # ---- adapters ------------------------------------------------------------
+
+    async def LoadAdapter(
+        self, request: engine_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.LoadAdapterResponse:
+        try:
+            loaded = await self._aengine.load_adapter(request.adapter)
+        except (ValueError, LookupError, RuntimeError) as exc:
+            await self._adapter_refusal(context, "load", request.adapter, exc)
+        await self.catalog.refresh()
+        log.info("adapter_loaded", adapter=loaded.adapter, resident=loaded.resident,
+                 was_loaded=loaded.was_loaded)
+        return engine_pb2.LoadAdapterResponse(
+            adapter=loaded.adapter, resident=loaded.resident, was_loaded=loaded.was_loaded
+        )
+
+    async def UnloadAdapter(
+        self, request: engine_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.UnloadAdapterResponse:
+        try:
+            was_loaded = await self._aengine.unload_adapter(request.adapter)
+        except (ValueError, LookupError, RuntimeError) as exc:
+            await self._adapter_refusal(context, "unload", request.adapter, exc)
+        await self.catalog.refresh()
+        log.info("adapter_unloaded", adapter=request.adapter, was_loaded=was_loaded)
+        return engine_pb2.UnloadAdapterResponse(adapter=request.adapter, was_loaded=was_loaded)
+
+    async def ListAdapters(
+        self, request: engine_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ListAdaptersResponse:
+        try:
+            inventory = await self._aengine.list_adapters()
+        except RuntimeError as exc:
+            await self._adapter_refusal(context, "list", "", exc)
+        await self.catalog.refresh()
+        adapters = self._aengine.engine.adapters
+        reply = engine_pb2.ListAdaptersResponse(
+            resident=inventory.resident,
+            cached=inventory.cached,
+            available=self.catalog.names,
+            enabled=adapters is not None,
+        )
+        if adapters is not None:
+            reply.max_loras = adapters.config.max_loras
+            reply.max_cpu_loras = adapters.config.max_cpu_loras
+            reply.max_lora_rank = adapters.config.max_lora_rank
+        return reply
+
+    async def _adapter_refusal(
+        self, context: grpc.aio.ServicerContext, action: str, adapter: str, exc: Exception
+    ) -> NoReturn:
+        code, message = _error_status(exc)
+        log.info("adapter_refused", action=action, adapter=adapter[:140], code=code.name,
+                 message=message)
+        await context.abort(code, message)
+        raise AssertionError("unreachable: context.abort raises")
+
     def load_report(self) -> engine_pb2.LoadReport:
         return self._report(self._aengine.stats())
 
@@ -324,6 +464,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             block_size=engine.config.block_size,
             max_model_len=engine.model_config.max_model_len,
             draining=self.draining,
+            resident_adapters=sorted(stats.resident_adapters),
+            cached_adapters=stats.cached_adapters,
+            available_adapters=self.catalog.names,
         )
 
     async def drain(self, grace: float) -> None:
@@ -341,6 +484,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 def _error_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, UnknownAdapterError):
         return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, AdapterStateError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, TimeoutError):
@@ -369,12 +514,51 @@ def warm_up(engine: Engine) -> None:
         engine.step()
 
 
-async def serve(engine: Engine, config: ServerConfig) -> None:
-    """Serves `engine` (already loaded and warmed up) until SIGTERM or SIGINT, then drains."""
+def preload(engine: Engine, timeout: float = PRELOAD_TIMEOUT_S) -> None:
+    """Waits until the --preload-adapters (whose loads Engine() started) are in host
+    memory. Raises ValueError naming an adapter that failed to load. Runs before the
+    step thread starts, so polling the manager here is safe."""
+    adapters = engine.adapters
+    pending = list(engine.config.preload_adapters) if adapters is not None else []
+    end = time.monotonic() + timeout
+    while pending:
+        for name in list(pending):
+            state = adapters.poll(name)
+            if state == "failed":
+                raise ValueError(f"cannot preload adapter {name!r}: {adapters.failed[name]}")
+            if state == "ready":
+                pending.remove(name)
+        if pending and time.monotonic() > end:
+            raise ValueError(f"preloading {pending} took more than {timeout:.0f} s")
+        time.sleep(0.005)
+
+
+@dataclass
+class RunningServer:
+    """An engine worker's gRPC server, started; `stop()` drains and shuts it down."""
+
+    server: grpc.aio.Server
+    service: EngineService
+    aengine: AsyncEngine
+    health_servicer: health.aio.HealthServicer
+    tasks: list[asyncio.Task[None]]
+
+    async def stop(self, drain_seconds: float) -> None:
+        await _set_health(self.health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.service.drain(drain_seconds)
+        for task in self.tasks:
+            task.cancel()
+        await self.server.stop(0.2)  # what is left are load and health watches
+        self.aengine.shutdown()
+
+
+async def start(engine: Engine, config: ServerConfig) -> RunningServer:
+    """Starts serving `engine` (already loaded and warmed up) on the running event loop."""
     aengine = AsyncEngine(engine)
     aengine.start()
     metrics = EngineMetrics(aengine)
-    service = EngineService(aengine, metrics)
+    catalog = AdapterCatalog(engine.adapters)
+    service = EngineService(aengine, metrics, catalog)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServicer_to_server(service, server)
@@ -389,6 +573,7 @@ async def serve(engine: Engine, config: ServerConfig) -> None:
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()
+    tasks = [asyncio.create_task(catalog.run(), name="adapter-catalog")]
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     if config.metrics_port:
         start_http_server(config.metrics_port, registry=metrics.registry)
@@ -400,13 +585,20 @@ async def serve(engine: Engine, config: ServerConfig) -> None:
         kv_blocks=stats.num_total_blocks,
         max_num_seqs=engine.config.max_num_seqs,
         max_model_len=engine.model_config.max_model_len,
+        adapters=len(catalog.names) if engine.adapters else None,
+        cached_adapters=list(stats.cached_adapters),
     )
+    return RunningServer(server, service, aengine, health_servicer, tasks)
+
+
+async def serve(engine: Engine, config: ServerConfig) -> None:
+    """Serves `engine` (already loaded and warmed up) until SIGTERM or SIGINT, then drains."""
+    running = await start(engine, config)
     await _wait_for_signal()
-    log.info("engine_draining", in_flight=service.num_active, grace_seconds=config.drain_seconds)
-    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await service.drain(config.drain_seconds)
-    await server.stop(0.2)  # what is left are load and health watches
-    aengine.shutdown()
+    log.info(
+        "engine_draining", in_flight=running.service.num_active, grace_seconds=config.drain_seconds
+    )
+    await running.stop(config.drain_seconds)
     log.info("engine_stopped")
 
 

@@ -66,6 +66,13 @@ def _auth_flags(p: argparse.ArgumentParser) -> None:
         "without it every caller is tenant 'default'",
     )
     g.add_argument(
+        "--admin-key-file",
+        default=None,
+        help="file holding one admin key for the omnibus.v1.Admin service (adapter load / "
+        "unload); tenants marked \"admin\": true in the keys file are admins too; "
+        "without either the admin API is off",
+    )
+    g.add_argument(
         "--tenant-max-concurrent",
         type=int,
         default=0,

@@ -41,6 +41,7 @@ class RouterConfig:
     max_model_len: int | None = None  # context cap below the model's own
     metrics_port: int = 0  # Prometheus /metrics; 0 = off
     keys_file: str | None = None  # JSON tenants file; None = everyone is tenant "default"
+    admin_key_file: str | None = None  # file holding an admin key (omnibus.v1.Admin)
     tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # tenants without their own
     # Request validation.
     max_prompt_tokens: int | None = None  # None: the context length - 1

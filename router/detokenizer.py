@@ -72,8 +72,13 @@ class IncrementalDetokenizer:
         prefix_text, full_text = self._window()
         if full_text.endswith(_REPLACEMENT) or not full_text.startswith(prefix_text):
             return ""
+        delta = full_text[len(prefix_text) :]
+        if not delta:
+            # Nothing new (e.g. a stripped leading space, a skipped special token): keep
+            # the window where it is, so those tokens keep their context for later ones.
+            return ""
         self._prefix, self._read = self._read, len(self._ids)
-        return full_text[len(prefix_text) :]
+        return delta
 
     def flush(self) -> str:
         """Everything not emitted yet, complete or not. Call once, at the end."""

@@ -9,12 +9,14 @@ flight on each engine itself, because reports lag behind its own dispatches.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 
 import grpc
 import structlog
 from omnibus.v1 import engine_pb2, engine_pb2_grpc
 
+from router.adapters import Affinity
 from router.config import RouterConfig
 
 log = structlog.get_logger("router.engines")
@@ -51,6 +53,11 @@ class EngineClient:
         self.report: engine_pb2.LoadReport | None = None
         self.healthy = False
         self.inflight = 0  # requests this router has dispatched here and not finished
+        self._adapter_inflight: Counter[str] = Counter()  # the same, per adapter
+        # From the latest report: adapters in device slots, in host memory, on disk.
+        self.adapters_resident: frozenset[str] = frozenset()
+        self.adapters_cached: frozenset[str] = frozenset()
+        self.adapters_available: frozenset[str] = frozenset()
         self._retry_delay = config.engine_retry_initial_seconds
         self._task: asyncio.Task[None] | None = None
 
@@ -86,12 +93,34 @@ class EngineClient:
             else 0.0
         )
 
-    def acquire(self) -> None:
+    def acquire(self, adapter: str = "") -> None:
+        """Counts a request dispatched here (`adapter`: its LoRA adapter, "" for none)."""
         self.inflight += 1
+        if adapter:
+            self._adapter_inflight[adapter] += 1
 
-    def release(self) -> None:
+    def release(self, adapter: str = "") -> None:
+        """The request `acquire` counted has ended."""
         self.inflight -= 1
+        if adapter:
+            self._adapter_inflight[adapter] -= 1
+            if not self._adapter_inflight[adapter]:
+                del self._adapter_inflight[adapter]
         self._on_change()
+
+    # ---- adapters ------------------------------------------------------------
+
+    def has_adapter(self, adapter: str) -> bool:
+        """The engine can serve `adapter`: it is under the engine's adapter root."""
+        return adapter in self.adapters_available
+
+    def affinity(self, adapter: str) -> Affinity:
+        """How ready the engine is to run a request for `adapter` (see router/adapters.py)."""
+        if adapter in self.adapters_resident or self._adapter_inflight[adapter]:
+            return Affinity.RESIDENT
+        if adapter in self.adapters_cached:
+            return Affinity.CACHED
+        return Affinity.COLD
 
     def mark_failed(self, reason: str) -> None:
         """A call found the engine gone: stop sending it work until it reports again."""
@@ -137,6 +166,9 @@ class EngineClient:
 
     def _on_report(self, report: engine_pb2.LoadReport) -> None:
         self.report = report
+        self.adapters_resident = frozenset(report.resident_adapters)
+        self.adapters_cached = frozenset(report.cached_adapters)
+        self.adapters_available = frozenset(report.available_adapters)
         self._retry_delay = self._config.engine_retry_initial_seconds
         self._set_healthy(True, "load report received")
 
@@ -146,3 +178,12 @@ class EngineClient:
             log.info(event, engine=self.address, reason=reason)
         self.healthy = healthy
         self._on_change()
+
+
+def available_adapters(engines: Iterable[EngineClient]) -> set[str]:
+    """The adapters on the disk of any engine that takes requests now."""
+    names: set[str] = set()
+    for engine in engines:
+        if engine.accepting:
+            names |= engine.adapters_available
+    return names

@@ -55,6 +55,19 @@ class RouterMetrics:
             r,
         )
         self.e2e = _histogram("omnibus_router_e2e_latency_seconds", "Arrival to last token", r)
+        self.adapter_requests = Counter(
+            "omnibus_router_adapter_requests",
+            "Requests admitted for a LoRA adapter, by adapter",
+            ["adapter"],
+            registry=r,
+        )
+        self.adapter_dispatches = Counter(
+            "omnibus_router_adapter_dispatches",
+            "Adapter requests sent to an engine, by how ready the engine was: resident "
+            "(device slot), cached (host memory) or cold (a disk load)",
+            ["affinity"],
+            registry=r,
+        )
         r.register(_StateCollector(queue, engines))
 
     def serve(self, port: int) -> None:
@@ -101,6 +114,14 @@ class _StateCollector(Collector):
         )
         free = family("kv_blocks_free", "Free KV blocks, as last reported")
         total = family("kv_blocks_total", "Usable KV blocks, as last reported")
+        resident = family("adapters_resident", "Adapters in device slots, as last reported")
+        cached = family("adapters_cached", "Adapters in host memory, as last reported")
+        available = family("adapters_available", "Adapters on the engine's disk, as last reported")
+        where = GaugeMetricFamily(
+            "omnibus_router_engine_adapter_resident",
+            "1 for each adapter in an engine's device slots, as last reported",
+            labels=["engine", "adapter"],
+        )
         for e in self._engines:
             labels = [e.address]
             report = e.report
@@ -111,4 +132,10 @@ class _StateCollector(Collector):
                 waiting.add_metric(labels, report.num_waiting)
                 free.add_metric(labels, report.num_free_blocks)
                 total.add_metric(labels, report.num_total_blocks)
+                resident.add_metric(labels, len(report.resident_adapters))
+                cached.add_metric(labels, len(report.cached_adapters))
+                available.add_metric(labels, len(report.available_adapters))
+                for adapter in report.resident_adapters:
+                    where.add_metric([e.address, adapter], 1)
         yield from (healthy, inflight, running, waiting, free, total)
+        yield from (resident, cached, available, where)

@@ -1,7 +1,9 @@
 """The router process: the public `omnibus.v1.Inference` service in front of engines.
 
-A request's path: authenticate → validate and tokenize → admit (tenant limits, queue
-caps) → wait in the priority queue until an engine has room → stream the engine's
+A request's path: authenticate → check the adapter (x-adapter-id: name, the tenant's
+list, some engine has it) → validate and tokenize → admit (tenant limits, queue
+caps) → wait in the priority queue until an engine has room (with the adapter,
+preferring one where it is resident) → stream the engine's
 tokens back as text (incremental detokenization, stop strings) → a last message with
 finish reason, usage and timing. A client cancel or deadline cancels the engine call,
 which makes the engine free the sequence's KV blocks.
@@ -21,15 +23,17 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from omnibus.v1 import engine_pb2, inference_pb2, inference_pb2_grpc
+from omnibus.v1 import admin_pb2, admin_pb2_grpc, engine_pb2, inference_pb2, inference_pb2_grpc
 from tokenizers import Tokenizer
 
+from router.adapters import ADAPTER_HEADER, check_adapter_name
+from router.admin import AdminService
 from router.admission import Admission, Permit
 from router.auth import KeyStore, Tenant
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer, byte_fallback_ids, special_ids
 from router.dispatcher import Dispatcher, Ticket
-from router.engines import EngineClient
+from router.engines import EngineClient, available_adapters
 from router.errors import RequestError
 from router.metrics import RouterMetrics
 from router.queue import RequestQueue
@@ -39,7 +43,7 @@ from router.validation import ModelLimits, Validator, ValidRequest, load_tokeniz
 log = structlog.get_logger("router")
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-ADAPTER_HEADER = "x-adapter-id"
+ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 STOP, UNSPECIFIED = inference_pb2.STOP, inference_pb2.FINISH_REASON_UNSPECIFIED
 
 
@@ -96,7 +100,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
         try:
-            self._keys.authenticate(context.invocation_metadata() or ())
+            tenant = self._keys.authenticate(context.invocation_metadata() or ())
         except RequestError as err:
             await self._refuse(context, err, "")
         limits = self._limits
@@ -106,7 +110,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             vocab_size=limits.vocab_size,
             max_tokens_limit=limits.max_tokens,
         )
-        return inference_pb2.ListModelsResponse(base_model=model)
+        names = sorted(n for n in available_adapters(self._engines) if tenant.may_use(n))
+        adapters = [inference_pb2.AdapterInfo(id=n, base_model_id=limits.model_id) for n in names]
+        return inference_pb2.ListModelsResponse(base_model=model, adapters=adapters)
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -143,15 +149,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
     ) -> _Job:
         metadata = context.invocation_metadata() or ()
         tenant = self._keys.authenticate(metadata)
-        adapter = next((v for k, v in metadata if k == ADAPTER_HEADER), "")
+        adapter = str(next((v for k, v in metadata if k == ADAPTER_HEADER), ""))
         if adapter:
-            # Adapters are served from a later release; until then none exists.
-            raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
-                f"adapter {adapter!r} not found: this router serves only the base model "
-                f"(leave {ADAPTER_HEADER} empty)",
-                "unknown_adapter",
-            )
+            self._check_adapter_use(tenant, adapter)
         valid = await self._validator.validate(request, request_id)
         if not any(e.accepting for e in self._engines):
             raise RequestError(
@@ -159,9 +159,29 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 "no engine worker is available; retry later",
                 "no_engine",
             )
+        if adapter and adapter not in available_adapters(self._engines):
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"adapter {adapter!r} not found on any engine; ListModels lists the adapters "
+                "you may use",
+                "unknown_adapter",
+            )
         queue = self._dispatcher.queue
         permit = self._admission.admit(tenant, valid.cost, len(queue), queue.tokens)
+        if adapter:
+            self._metrics.adapter_requests.labels(adapter).inc()
         return _Job(valid, tenant, adapter, permit, arrival)
+
+    def _check_adapter_use(self, tenant: Tenant, adapter: str) -> None:
+        """A well-formed name (INVALID_ARGUMENT) the tenant may use (PERMISSION_DENIED)."""
+        check_adapter_name(adapter)
+        if not tenant.may_use(adapter):
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {tenant.name!r} may not use adapter {adapter!r}; ListModels lists the "
+                "adapters it may use",
+                "adapter_denied",
+            )
 
     async def _refuse(
         self, context: grpc.aio.ServicerContext, err: RequestError, request_id: str
@@ -201,11 +221,11 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     error=lost.error.message,
                 )
             finally:
-                engine.release()
+                engine.release(job.adapter)
 
     async def _wait_for_engine(self, job: _Job, context: grpc.aio.ServicerContext) -> EngineClient:
         """Queues the request until the dispatcher assigns it an engine with room."""
-        ticket = Ticket(job.request.priority, job.request.cost, job.arrival)
+        ticket = Ticket(job.request.priority, job.request.cost, job.arrival, job.adapter)
         self._dispatcher.submit(ticket)
         queue_left = job.arrival + self._config.max_queue_seconds - time.monotonic()
         client_left = context.time_remaining()
@@ -222,6 +242,8 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             raise
         job.dispatched = job.dispatched or time.monotonic()  # a retry keeps the first
         job.engine = engine.address
+        if ticket.affinity is not None:
+            self._metrics.adapter_dispatches.labels(ticket.affinity.label).inc()
         return engine
 
     def _queue_timeout(self, job: _Job, by_client: bool) -> RequestError:
@@ -324,6 +346,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         if code in (
             grpc.StatusCode.INVALID_ARGUMENT,
             grpc.StatusCode.NOT_FOUND,
+            grpc.StatusCode.FAILED_PRECONDITION,  # e.g. the adapter's weights failed to load
             grpc.StatusCode.RESOURCE_EXHAUSTED,
         ):
             return RequestError(code, details, f"engine_{code.name.lower()}")
@@ -362,6 +385,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             "request_done",
             request_id=job.request.request_id,
             tenant=job.tenant.name,
+            adapter=job.adapter,
             engine=job.engine,
             outcome=outcome,
             prompt_tokens=len(job.request.prompt_ids),
@@ -413,7 +437,7 @@ async def serve(config: RouterConfig) -> None:
     """Runs the router until SIGTERM or SIGINT, then drains for config.drain_seconds."""
     tokenizer = load_tokenizer(config.model)
     limits = ModelLimits.load(config)
-    keys = KeyStore.open(config.keys_file, config.tenant_limits)
+    keys = KeyStore.open(config.keys_file, config.tenant_limits, config.admin_key_file)
     queue: RequestQueue[Ticket] = RequestQueue(config.priority_aging_seconds)
     engines: list[EngineClient] = []
     dispatcher = Dispatcher(engines, queue)
@@ -427,7 +451,8 @@ async def serve(config: RouterConfig) -> None:
     engines.extend(EngineClient(address, config, on_engine_change) for address in config.engines)
     metrics = RouterMetrics(queue, engines)
     service = InferenceService(config, limits, tokenizer, keys, dispatcher, engines, metrics)
-    server = _grpc_server(config, service, health_servicer)
+    admin = AdminService(keys, engines)
+    server = _grpc_server(config, service, admin, health_servicer)
     await tracker.start()
     await server.start()
     dispatcher.start()
@@ -442,6 +467,7 @@ async def serve(config: RouterConfig) -> None:
         model=limits.model_id,
         context=limits.context,
         tenants=[t.name for t in keys.tenants],
+        admin_api=keys.admin_enabled,
     )
     await _wait_for_signal()
     log.info("router_draining", seconds=config.drain_seconds)
@@ -454,7 +480,10 @@ async def serve(config: RouterConfig) -> None:
 
 
 def _grpc_server(
-    config: RouterConfig, service: InferenceService, health_servicer: health.aio.HealthServicer
+    config: RouterConfig,
+    service: InferenceService,
+    admin: AdminService,
+    health_servicer: health.aio.HealthServicer,
 ) -> grpc.aio.Server:
     # gRPC's own cap sits above ours so that an oversized request gets our clear
     # INVALID_ARGUMENT rather than a bare RESOURCE_EXHAUSTED.
@@ -462,9 +491,11 @@ def _grpc_server(
         options=[("grpc.max_receive_message_length", 2 * config.max_request_bytes + 4096)]
     )
     inference_pb2_grpc.add_InferenceServicer_to_server(service, server)
+    admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
         SERVICE_NAME,
+        ADMIN_SERVICE_NAME,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     )

@@ -232,3 +232,24 @@ def test_triton_lora_kernels_in_the_engine_match_peft(setup, monkeypatch):
     reqs = [(name, [9 + j, 40, 41 + j, 77], 3) for j, name in enumerate([None, "a-r2", "b-r8", "c-r4", "d-r16"])]
     for (adapter, prompt, n), out in zip(reqs, run(engine, reqs)):
         assert out == expected(oracles, adapter, prompt, n), f"adapter {adapter} diverged"
+
+
+def test_host_tier_as_small_as_the_slots_keeps_a_new_adapter(setup):
+    """max_cpu_loras == max_loras: a newly read adapter must not be evicted from host memory
+    at once to make room (it would have no weights to fill its slot with)."""
+    base, adapters_dir, oracles = setup
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir),
+                                 max_loras=1, max_cpu_loras=1))
+    reqs = [("a-r2", [5, 6, 7], 3), ("b-r8", [5, 6, 7], 3), ("a-r2", [8, 9], 2)]
+    for (adapter, prompt, n), out in zip(reqs, run(engine, reqs)):
+        assert out == expected(oracles, adapter, prompt, n)
+
+
+def test_unreadable_adapter_config_is_a_clear_error(setup, tmp_path):
+    base, _, _ = setup
+    bad = tmp_path / "root" / "dirconfig"
+    (bad / "adapter_config.json").mkdir(parents=True)  # a directory where a file should be
+    (bad / "adapter_model.safetensors").write_bytes(b"")
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(tmp_path / "root")))
+    with pytest.raises(AdapterError, match="cannot be read"):
+        engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="dirconfig")

@@ -116,3 +116,11 @@ def test_invalid_trailing_bytes_are_released_by_flush():
 def test_byte_fallback_ids_are_the_256_byte_tokens():
     assert len(byte_fallback_ids(SENTENCEPIECE)) == 256
     assert byte_fallback_ids(BPE) == frozenset()
+
+
+def test_tokens_that_decode_to_nothing_keep_their_context():
+    # '▁', <unk> (skipped), '▁': alone each first '▁' is stripped as a leading space, but
+    # together they decode to one space; streamed one at a time the text must agree.
+    ids = [259, 0, 259]
+    assert SENTENCEPIECE.decode(ids) == " "
+    assert "".join(stream(SENTENCEPIECE, ids, [1])) == " "
