@@ -23,9 +23,9 @@ from engine.block_allocator import BlockAllocator, BlockCounts
 from engine.config import EngineConfig, ModelConfig
 from engine.lora import AdapterError, LoraConfig, LoraManager, UnknownAdapterError
 from engine.model_runner import ModelRunner
-from engine.policies import make_policy
+from engine.policies import ContinuousPolicy, make_policy
 from engine.sampling import SamplingParams, make_generator
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, StepCounters
 from engine.sequence import RequestOutput, Sequence
 
 __all__ = ["AdapterError", "Engine", "EngineStats", "RequestOutput", "UnknownAdapterError"]
@@ -151,6 +151,19 @@ class Engine:
         if not plan.is_empty:
             self.num_steps += 1
         return self.scheduler.update(plan, sampled)
+
+    def warmup(self) -> None:
+        """One short request through the whole path (prefill, decode, sampling) before
+        serving, whatever the batching policy: a static policy would otherwise wait for a
+        full batch. The batching-study counters start from zero afterwards."""
+        policy = self.scheduler.policy
+        self.scheduler.policy = ContinuousPolicy()
+        try:
+            token = self.model_config.bos_token_id or 0
+            self.generate([[token] * 4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        finally:
+            self.scheduler.policy = policy
+            self.scheduler.counters = StepCounters()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  priorities: list[int] | None = None) -> list[list[int]]:

@@ -506,12 +506,7 @@ async def _wait_until(done: Callable[[], bool], timeout: float, poll: float = 0.
 def warm_up(engine: Engine) -> None:
     """One prefill and one decode step before serving, so the first request does not pay
     for lazy initialization (allocator, kernels, CUDA context)."""
-    token = engine.model_config.bos_token_id or 0
-    engine.add_request(
-        "warm-up", [token] * 4, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    )
-    while engine.has_unfinished():
-        engine.step()
+    engine.warmup()
 
 
 def preload(engine: Engine, timeout: float = PRELOAD_TIMEOUT_S) -> None:

@@ -311,3 +311,16 @@ def test_formed_batch_is_admitted_whole_beyond_the_token_budget():
         fake_step(s)
     assert list(s.requests) == ["r4"]  # alone, it waits for a full batch (no timeout set)
     assert fake_step(s)[0].is_empty
+
+
+def test_engine_warmup_runs_under_a_static_policy(tmp_path):
+    """A static engine must not wait for a full batch of warm-up requests."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from tests.checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "m", "llama")
+    engine = Engine(EngineConfig(model=str(path), batching="static", max_batch_size=8, num_kv_blocks=32))
+    engine.warmup()
+    assert engine.num_steps >= 2 and not engine.has_unfinished()
+    assert engine.scheduler.policy.name == "static" and engine.scheduler.counters.steps == 0
