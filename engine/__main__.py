@@ -72,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seed of the shared generator for unseeded requests"
     )
     _adapter_flags(p)
+    g = p.add_argument_group("Embed dynamic batching")
+    g.add_argument("--embed-max-batch-size", type=int, default=32, help="inputs per embedding batch")
+    g.add_argument("--embed-max-queue-delay-ms", type=float, default=5.0,
+                   help="longest wait for a fuller batch after the oldest request arrived")
+    g.add_argument("--embed-preferred-batch-sizes", default="",
+                   help="comma-separated batch sizes sent as soon as the queue can fill one")
+    g.add_argument("--embed-max-queue-size", type=int, default=1024,
+                   help="queued Embed requests at most (more: RESOURCE_EXHAUSTED)")
+    g.add_argument("--embed-queue-timeout-ms", type=float, default=None,
+                   help="default queue timeout of an Embed request (DEADLINE_EXCEEDED after)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0: off")
     p.add_argument(
         "--drain-seconds",
@@ -117,14 +127,27 @@ def preload_list(value: str) -> tuple[str, ...]:
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
     """The engine's and the server's configs for parsed `serve` flags; ValueError if invalid."""
+    from engine.batcher import BatcherConfig
     from engine.config import EngineConfig
     from engine.server import ServerConfig
 
+    try:
+        preferred = tuple(int(x) for x in args.embed_preferred_batch_sizes.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--embed-preferred-batch-sizes must be integers, got "
+                         f"{args.embed_preferred_batch_sizes!r}") from None
     server = ServerConfig(
         host=args.host,
         port=args.port,
         metrics_port=args.metrics_port,
         drain_seconds=args.drain_seconds,
+        embed_batching=BatcherConfig(
+            max_batch_size=args.embed_max_batch_size,
+            max_queue_delay_ms=args.embed_max_queue_delay_ms,
+            preferred_batch_sizes=preferred,
+            max_queue_size=args.embed_max_queue_size,
+            default_timeout_ms=args.embed_queue_timeout_ms,
+        ),
     )
     engine = EngineConfig(
         model=args.model,

@@ -19,7 +19,7 @@ import signal
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn, cast
 
 import grpc
@@ -38,6 +38,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from engine.async_engine import AdapterStateError, AsyncEngine
+from engine.batcher import BatcherConfig, QueueFullError, QueueTimeoutError
 from engine.engine import Engine, EngineStats, UnknownAdapterError
 from engine.lora import LoraManager
 from engine.sampling import SamplingParams
@@ -70,6 +71,7 @@ class ServerConfig:
     port: int = 50061
     metrics_port: int = 0  # 0: no /metrics endpoint
     drain_seconds: float = 30.0  # SIGTERM: time in-flight streams get to finish
+    embed_batching: BatcherConfig = field(default_factory=BatcherConfig)  # the Embed RPC's batcher
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -335,6 +337,27 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 if out.finished:
                     return
 
+    async def Embed(
+        self, request: engine_pb2.EngineEmbedRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.EngineEmbedResponse:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the engine is shutting down; send the request to another engine")
+        pooling = "last" if request.pooling == inference_pb2.LAST else "mean"
+        try:
+            vectors = await self._aengine.embed(
+                [list(x.ids) for x in request.inputs], pooling, request.normalize,
+                request.priority, request.queue_timeout_ms or None)
+        except QueueFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"embed {exc}")
+        except QueueTimeoutError as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"embed request {exc}")
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return engine_pb2.EngineEmbedResponse(embeddings=[
+            inference_pb2.Embedding(values=v, num_tokens=len(x.ids))
+            for v, x in zip(vectors, request.inputs)])
+
     def _refusal(
         self, request: engine_pb2.EngineGenerateRequest
     ) -> tuple[grpc.StatusCode | None, str]:
@@ -549,7 +572,7 @@ class RunningServer:
 
 async def start(engine: Engine, config: ServerConfig) -> RunningServer:
     """Starts serving `engine` (already loaded and warmed up) on the running event loop."""
-    aengine = AsyncEngine(engine)
+    aengine = AsyncEngine(engine, config.embed_batching)
     aengine.start()
     metrics = EngineMetrics(aengine)
     catalog = AdapterCatalog(engine.adapters)

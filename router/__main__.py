@@ -100,6 +100,8 @@ def _validation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stop-strings", type=int, default=_DEFAULTS["max_stop_strings"])
     g.add_argument("--max-stop-string-chars", type=int, default=_DEFAULTS["max_stop_string_chars"])
     g.add_argument("--max-request-bytes", type=int, default=_DEFAULTS["max_request_bytes"])
+    g.add_argument("--max-embed-inputs", type=int, default=_DEFAULTS["max_embed_inputs"],
+                   help="inputs of one Embed request at most")
     g.add_argument(
         "--max-abs-priority",
         type=int,

@@ -50,6 +50,7 @@ class RouterConfig:
     max_stop_string_chars: int = 256
     max_request_bytes: int = 1 << 20  # serialized GenerateRequest
     max_abs_priority: int = 100  # priorities outside [-N, N] are refused
+    max_embed_inputs: int = 64  # inputs of one Embed request at most
     # Admission control and queueing.
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20  # prompt + max_tokens of every queued request
@@ -87,6 +88,7 @@ class RouterConfig:
             "max_tokens_limit": self.max_tokens_limit,
             "max_stop_string_chars": self.max_stop_string_chars,
             "max_request_bytes": self.max_request_bytes,
+            "max_embed_inputs": self.max_embed_inputs,
             "max_queued_requests": self.max_queued_requests,
             "max_queued_tokens": self.max_queued_tokens,
             "max_queue_seconds": self.max_queue_seconds,

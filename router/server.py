@@ -34,7 +34,7 @@ from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer, byte_fallback_ids, special_ids
 from router.dispatcher import Dispatcher, Ticket
 from router.engines import EngineClient, available_adapters
-from router.errors import RequestError
+from router.errors import RequestError, invalid
 from router.metrics import RouterMetrics
 from router.queue import RequestQueue
 from router.stop import StopStringMatcher
@@ -137,6 +137,51 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         finally:
             job.permit.release(len(job.request.prompt_ids) + job.completion_tokens)
             self._record(job, outcome)
+
+    async def Embed(
+        self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.EmbedResponse:
+        """Validates and tokenizes the inputs, then hands them to the least loaded healthy
+        engine, whose dynamic batcher groups them with other callers' (no router queue:
+        the engine's embed queue has its own cap and timeouts)."""
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            metadata = context.invocation_metadata() or ()
+            tenant = self._keys.authenticate(metadata)
+            if next((v for k, v in metadata if k == ADAPTER_HEADER), ""):
+                raise invalid("embeddings come from the base model: leave x-adapter-id empty")
+            inputs = await self._validator.embed_inputs(request)
+            engines = [e for e in self._engines if e.healthy and not (e.report and e.report.draining)]
+            if not engines:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   "no engine worker is available; retry later", "no_engine")
+            tokens = sum(map(len, inputs))
+            permit = self._admission.admit(tenant, tokens, 0, 0)  # tenant caps and budgets
+        except RequestError as err:
+            await self._refuse(context, err, request_id)
+        engine = min(engines, key=lambda e: e.load)
+        try:
+            reply = await engine.stub.Embed(
+                engine_pb2.EngineEmbedRequest(
+                    inputs=[inference_pb2.TokenIds(ids=x) for x in inputs],
+                    pooling=request.pooling,
+                    normalize=request.normalize,
+                    priority=request.priority,
+                ),
+                timeout=context.time_remaining(),
+            )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+                message = f"engine {engine.address} failed the request: {exc.details()}"
+                code = grpc.StatusCode.UNAVAILABLE
+            else:  # INVALID_ARGUMENT, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, CANCELLED: as is
+                message = exc.details() or code.name
+            await self._refuse(context, RequestError(code, message, code.name.lower()), request_id)
+        finally:
+            permit.release(tokens)  # _refuse above raises, so the permit exists here
+        return inference_pb2.EmbedResponse(
+            request_id=request_id, embeddings=reply.embeddings, total_tokens=tokens)
 
     # ---- admission -----------------------------------------------------------
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from google.protobuf.message import Message
 from omnibus.v1 import engine_pb2, inference_pb2
 from tokenizers import Tokenizer
 
@@ -108,25 +109,52 @@ class Validator:
         self._check_length(len(prompt), sampling.max_tokens)
         return ValidRequest(request_id, prompt, sampling, stop, request.priority)
 
+    async def embed_inputs(self, request: inference_pb2.EmbedRequest) -> list[list[int]]:
+        """Checks an Embed request and tokenizes its text inputs. Raises
+        RequestError(INVALID_ARGUMENT)."""
+        size = request.ByteSize()
+        if size > self._config.max_request_bytes:
+            raise invalid(
+                f"the request is {size} bytes; the limit is {self._config.max_request_bytes} bytes"
+            )
+        _check_request_id(request.request_id)
+        self._check_priority(request.priority)
+        count, cap = len(request.inputs), self._config.max_embed_inputs
+        if not 1 <= count <= cap:
+            raise invalid(f"send 1 to {cap} inputs per Embed request, got {count}")
+        inputs = []
+        for i, item in enumerate(request.inputs):
+            ids = await self._ids(item, "input", f"input {i}")
+            if len(ids) > self._limits.context:
+                raise invalid(f"input {i} has {len(ids)} tokens; the model's context is "
+                              f"{self._limits.context}")
+            inputs.append(ids)
+        return inputs
+
     async def _prompt_ids(self, request: inference_pb2.GenerateRequest) -> list[int]:
-        kind = request.WhichOneof("prompt")
+        return await self._ids(request, "prompt", "prompt")
+
+    async def _ids(self, message: Message, oneof: str, subject: str) -> list[int]:
+        """Token ids of a `text` / `token_ids` oneof (`subject`: "prompt", "input 3"),
+        tokenizing text off the event loop."""
+        kind = message.WhichOneof(oneof)
         if kind is None:
-            raise invalid("the prompt is missing: set either text or token_ids")
+            raise invalid(f"the {subject} is missing: set either text or token_ids")
         if kind == "token_ids":
-            ids = list(request.token_ids.ids)
+            ids = list(message.token_ids.ids)
             if not ids:
-                raise invalid("token_ids is empty: send at least one token id")
+                raise invalid(f"the {subject}'s token_ids is empty: send at least one token id")
             vocab = self._limits.vocab_size
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise invalid(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+                raise invalid(f"{subject} token id {bad} is outside the vocabulary [0, {vocab})")
             return ids
-        if not request.text:
-            raise invalid("the prompt text is empty")
-        # Tokenizing a long prompt takes milliseconds; keep the event loop free meanwhile.
-        ids = (await asyncio.to_thread(self._tokenizer.encode, request.text)).ids
+        if not message.text:
+            raise invalid(f"the {subject} text is empty")
+        # Tokenizing a long text takes milliseconds; keep the event loop free meanwhile.
+        ids = (await asyncio.to_thread(self._tokenizer.encode, message.text)).ids
         if not ids:
-            raise invalid("the prompt text produced no tokens")
+            raise invalid(f"the {subject} text produced no tokens")
         return ids
 
     def _check_length(self, prompt_tokens: int, max_tokens: int) -> None:

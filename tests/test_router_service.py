@@ -224,7 +224,7 @@ BAD_REQUESTS = [
         pb.GenerateRequest(text=""),
         "the prompt text is empty",
     ),  # a oneof member is present even when empty
-    (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids is empty: send at least one token id"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds()), "the prompt's token_ids is empty: send at least one token id"),
     (
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, VOCAB])),
         f"prompt token id {VOCAB} is outside the vocabulary [0, {VOCAB})",

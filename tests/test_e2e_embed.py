@@ -1,0 +1,108 @@
+"""Embed over real processes: router + engine, checked against transformers' hidden states."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from omnibus.v1 import inference_pb2 as pb
+from omnibus.v1 import inference_pb2_grpc
+from tokenizers import Tokenizer
+
+from tests.checkpoints import load_hf
+from tests.grpc_helpers import engine_process, router_process, tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = tiny_checkpoint(tmp_path_factory)
+    logs = tmp_path_factory.mktemp("embed-logs")
+    # A long queue delay with preferred size 4: batches of 4 leave at once, the rest wait.
+    engine = engine_process(model, logs, "engine", "--num-kv-blocks", "64", "--embed-max-batch-size", "8",
+                            "--embed-preferred-batch-sizes", "4", "--embed-max-queue-delay-ms", "200",
+                            "--embed-max-queue-size", "6").wait_serving()
+    router = router_process(model, [engine.address], logs, "router", "--max-embed-inputs", "5").wait_serving()
+    yield model, router
+    router.stop()
+    engine.stop()
+
+
+def embed(router, request, metadata=()):
+    with grpc.insecure_channel(router.address) as channel:
+        return inference_pb2_grpc.InferenceStub(channel).Embed(request, metadata=metadata, timeout=60)
+
+
+def test_embeddings_equal_transformers_hidden_states(cluster):
+    model, router = cluster
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    hf = load_hf(model)
+    texts = ["Once upon a time", "the fox ran to the river"]
+    reply = embed(router, pb.EmbedRequest(
+        inputs=[pb.EmbedInput(text=texts[0]), pb.EmbedInput(token_ids=pb.TokenIds(ids=[5, 6, 7, 8]))],
+        pooling=pb.LAST, normalize=True, request_id="e1"))
+    assert reply.request_id == "e1" and len(reply.embeddings) == 2
+    ids = [tok.encode(texts[0]).ids, [5, 6, 7, 8]]
+    assert [e.num_tokens for e in reply.embeddings] == [len(x) for x in ids]
+    assert reply.total_tokens == sum(map(len, ids))
+    for e, x in zip(reply.embeddings, ids):
+        with torch.no_grad():
+            h = hf(torch.tensor([x]), output_hidden_states=True).hidden_states[-1][0, -1]
+        torch.testing.assert_close(torch.tensor(list(e.values)), torch.nn.functional.normalize(h, dim=-1),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def test_embedding_is_the_same_alone_or_batched(cluster):
+    _, router = cluster
+    req = pb.EmbedRequest(inputs=[pb.EmbedInput(text="the fox ran")], pooling=pb.MEAN)
+    alone = list(embed(router, req).embeddings[0].values)
+    with ThreadPoolExecutor(4) as pool:  # four concurrent requests fill a preferred batch of 4
+        others = [pool.submit(embed, router, pb.EmbedRequest(inputs=[pb.EmbedInput(text=t)]))
+                  for t in ("a", "bb cc", "once upon")]
+        batched = list(pool.submit(embed, router, req).result().embeddings[0].values)
+        for f in others:
+            f.result()
+    torch.testing.assert_close(torch.tensor(batched), torch.tensor(alone), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("request_,metadata,code,message", [
+    (pb.EmbedRequest(), (), grpc.StatusCode.INVALID_ARGUMENT, "send 1 to 5 inputs per Embed request, got 0"),
+    (pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")] * 6), (), grpc.StatusCode.INVALID_ARGUMENT,
+     "send 1 to 5 inputs"),
+    (pb.EmbedRequest(inputs=[pb.EmbedInput(text="")]), (), grpc.StatusCode.INVALID_ARGUMENT,
+     "the input 0 text is empty"),
+    (pb.EmbedRequest(inputs=[pb.EmbedInput(text="a"), pb.EmbedInput(token_ids=pb.TokenIds(ids=[10**6]))]), (),
+     grpc.StatusCode.INVALID_ARGUMENT, "input 1 token id 1000000 is outside the vocabulary"),
+    (pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")]), (("x-adapter-id", "a1"),),
+     grpc.StatusCode.INVALID_ARGUMENT, "embeddings come from the base model"),
+])
+def test_bad_embed_requests(cluster, request_, metadata, code, message):
+    _, router = cluster
+    with pytest.raises(grpc.RpcError) as err:
+        embed(router, request_, metadata)
+    assert err.value.code() == code
+    assert message in err.value.details()
+
+
+def test_full_embed_queue_is_resource_exhausted(cluster, tmp_path):
+    """An engine whose embed queue holds 2 requests for up to 5 s: a third is refused."""
+    import time
+
+    model, _ = cluster
+    engine = engine_process(model, tmp_path, "capped", "--num-kv-blocks", "64", "--embed-max-queue-size", "2",
+                            "--embed-max-queue-delay-ms", "5000").wait_serving()
+    router = router_process(model, [engine.address], tmp_path, "capped-router").wait_serving()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            queued = [pool.submit(embed, router, pb.EmbedRequest(inputs=[pb.EmbedInput(text=f"w{i}")]))
+                      for i in range(2)]
+            time.sleep(1.0)  # setup, not a measurement: let both reach the engine's queue
+            with pytest.raises(grpc.RpcError) as err:
+                embed(router, pb.EmbedRequest(inputs=[pb.EmbedInput(text="late")]))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "embed queue full (2 requests waiting)" in err.value.details()
+            assert all(len(f.result().embeddings) == 1 for f in queued)  # served when the window ends
+    finally:
+        router.stop()
+        engine.stop()
