@@ -9,7 +9,7 @@ PROTO_SRC := $(wildcard protos/omnibus/v1/*.proto)
 PROTO_STAMP := $(PROTO_OUT)/.stamp
 export PYTHONPATH := $(CURDIR):$(CURDIR)/$(PROTO_OUT)
 
-.PHONY: setup proto test test-slow test-gpu run bench-offline bench-lora clean
+.PHONY: setup proto test test-slow test-gpu run bench-offline bench-strategies bench-lora bench-gpu clean
 
 setup: $(STAMP)
 
@@ -35,9 +35,11 @@ test: setup proto
 test-slow: setup proto
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow tests
 
-# On a CUDA host: kernels at real shapes, CUDA graphs vs eager.
-test-gpu: setup proto
-	$(PY) -m pytest -q -m gpu tests
+# On a CUDA host: kernels at real shapes, CUDA graphs vs eager. These use the host's own
+# Python (GPU_PY) with its CUDA torch and triton: the venv's torch is the CPU build.
+GPU_PY ?= python3
+test-gpu:
+	$(GPU_PY) -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py
 
 # `make run`: one engine worker and the router on localhost, serving MODEL (by default
 # the demo checkpoint, built on first use without any download; delete models/demo to
@@ -66,8 +68,8 @@ bench-strategies: setup proto
 	$(PY) -m bench strategies --out docs/benchmarks/strategies.md
 
 # On a CUDA host: Llama-3-8B-shaped roofline, throughput vs transformers, multi-LoRA.
-bench-gpu: setup
-	$(PY) -m bench.gpu --out docs/benchmarks/gpu.md
+bench-gpu:
+	$(GPU_PY) -m bench.gpu --out docs/benchmarks/gpu.md
 
 # Multi-LoRA throughput: 1, 8, 32 and 128 adapters against the base model, in one run.
 bench-lora: setup proto
