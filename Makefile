@@ -9,7 +9,7 @@ PROTO_SRC := $(wildcard protos/omnibus/v1/*.proto)
 PROTO_STAMP := $(PROTO_OUT)/.stamp
 export PYTHONPATH := $(CURDIR):$(CURDIR)/$(PROTO_OUT)
 
-.PHONY: setup proto test test-slow test-gpu run bench-offline bench-strategies bench-lora bench-gpu clean
+.PHONY: setup proto test test-gpu run bench-offline bench-strategies bench-lora bench-gpu clean
 
 setup: $(STAMP)
 
@@ -30,10 +30,7 @@ $(PROTO_STAMP): $(STAMP) $(PROTO_SRC)
 
 # The whole CPU suite (Triton kernels run under the interpreter).
 test: setup proto
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not slow and not gpu" tests
-
-test-slow: setup proto
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
 
 # On a CUDA host: kernels at real shapes, CUDA graphs vs eager. These use the host's own
 # Python (GPU_PY) with its CUDA torch and triton: the venv's torch is the CPU build.

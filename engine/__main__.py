@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="BYTES",
-        help="bytes for the KV pool (default: --gpu-memory-utilization on CUDA, 1 GiB on CPU)",
+        help="bytes for the KV pool (default: --gpu-memory-utilization on CUDA, 512 MiB on CPU)",
     )
     p.add_argument(
         "--num-kv-blocks",

@@ -148,7 +148,7 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda[:N]"
     dtype: str = "auto"  # "auto" (the checkpoint's) | "float32" | "bfloat16" | "float16"
     block_size: int = 16  # tokens per KV block
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None: gpu_memory_utilization (CUDA) or 1 GiB (CPU)
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: gpu_memory_utilization (CUDA) or 512 MiB (CPU)
     num_kv_blocks: int | None = None  # exact pool size (tests); overrides kv_cache_memory
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use in all
     max_num_seqs: int = 256  # running sequences per step
