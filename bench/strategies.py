@@ -194,14 +194,6 @@ def engine_command(
     return cmd
 
 
-def static_timeout_ms(cfg: StudyConfig, rates: list[float] | None) -> float:
-    """The timeout static batching gets. Only so that the engine's start-up warm-up (one
-    request: a batch that never fills) can finish; far longer than filling a batch takes at
-    the lowest rate (4x the mean), so measured batches fill first. The report checks it."""
-    slowest = 4 * cfg.batch_size / min(rates) if rates else 0.0
-    return 1000 * max(20.0, slowest)
-
-
 def router_command(cfg: StudyConfig, port: int, engine_port: int) -> list[str]:
     return [
         sys.executable,
@@ -413,7 +405,7 @@ def run_study(cfg: StudyConfig) -> dict:
     try:
         for policy in order:
             _log(f"--- {policy}: starting engine + router")
-            timeout = static_timeout_ms(cfg, rates) if policy == "static" else None
+            timeout = None  # static waits for full batches: the engine's warm-up bypasses the policy
             with serving(cfg, policy, log_dir, timeout) as (router, engine):
                 vocab = asyncio.run(serve.list_models(router)).base_model.vocab_size
                 caps = cfg.caps if policy in ("continuous", "static") else [max(cfg.caps)]
@@ -433,7 +425,7 @@ def run_study(cfg: StudyConfig) -> dict:
         "config": _config_dict(cfg),
         "rates": rates,
         "latency_cap": latency_cap,
-        "static_timeout_ms": static_timeout_ms(cfg, rates) if "static" in cfg.policies else None,
+        "static_timeout_ms": None,
         "points": [asdict(p) for p in points],
         "started": started,
         "elapsed_s": time.time() - started,
@@ -1033,9 +1025,8 @@ def _paged_note(data: dict, kv: dict) -> str:
         f"Continuous batching's {_pct(1 - kv['continuous'])} waste is mostly the partly filled "
         "last "
         f"block of each sequence ({c['block_size']}-token blocks against sequences of "
-        f"{c['input_len']} prompt + about {c['mean_output']:g} output tokens), and the counters "
-        "sample each step before it runs, so a prompt's blocks count as reserved but empty in the "
-        "step that fills them; the published < 4% is for sequences hundreds of tokens long."
+        f"{c['input_len']} prompt + about {c['mean_output']:g} output tokens); the published < 4% "
+        "is for sequences hundreds of tokens long."
     )
 
 

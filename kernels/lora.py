@@ -63,23 +63,30 @@ def lora_expand_ref(
     """
     for slot, tokens in _tokens_by_slot(seg_starts, seg_slots):
         delta = (y[tokens].float() @ lora_b[slot].float().T) * scales[slot].float()  # (n, out)
-        # Sum in float32 and round once, like the kernel.
-        out[tokens] = (out[tokens].float() + delta).to(out.dtype)
+        if isinstance(tokens, slice) and out.dtype == torch.float32:
+            out[tokens].add_(delta)  # one contiguous run: update the view in place, no gather
+        else:  # sum in float32 and round once, like the kernel
+            out[tokens] = (out[tokens].float() + delta).to(out.dtype)
 
 
 def _tokens_by_slot(
     seg_starts: torch.Tensor, seg_slots: torch.Tensor
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yields (slot, token indices) once per adapter in use: one matmul per adapter rather
-    than per segment, since a batch often holds many short segments of the same adapter."""
+) -> Iterator[tuple[int, torch.Tensor | slice]]:
+    """Yields (slot, tokens) once per adapter in use: one matmul per adapter rather than
+    per segment, since a batch often holds many short segments of the same adapter. An
+    adapter whose tokens form one run (the engine groups them so) comes as a slice."""
     starts = seg_starts.tolist()
     slots = seg_slots.tolist()
-    by_slot: dict[int, list[int]] = {}
+    by_slot: dict[int, list[tuple[int, int]]] = {}
     for s, slot in enumerate(slots):
         if slot >= 0 and starts[s + 1] > starts[s]:
-            by_slot.setdefault(slot, []).extend(range(starts[s], starts[s + 1]))
-    for slot, tokens in by_slot.items():
-        yield slot, torch.tensor(tokens, device=seg_starts.device)
+            by_slot.setdefault(slot, []).append((starts[s], starts[s + 1]))
+    for slot, runs in by_slot.items():
+        if len(runs) == 1:
+            yield slot, slice(*runs[0])
+        else:
+            tokens = [t for lo, hi in runs for t in range(lo, hi)]
+            yield slot, torch.tensor(tokens, device=seg_starts.device)
 
 
 def lora_shrink_triton(
