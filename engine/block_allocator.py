@@ -58,6 +58,7 @@ class BlockAllocator:
         # Blocks with ref count 0, front = evicted first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block
+        self.num_cached_free = 0  # blocks in free_queue that hold a hash (kept, not counted per step)
         self.num_cache_hits = 0  # blocks served from the prefix cache since start
         self.num_evictions = 0
 
@@ -95,6 +96,7 @@ class BlockAllocator:
                 break
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
+                self.num_cached_free -= 1
             self.ref_counts[block] += 1
             seq.block_table.append(block)
         self.num_cache_hits += len(seq.block_table)
@@ -113,6 +115,7 @@ class BlockAllocator:
             h = self.hashes[block]
             if h is not None:  # evict: its cached KV is about to be overwritten
                 self.hashes[block] = None
+                self.num_cached_free -= 1
                 if self.cached.get(h) == block:
                     del self.cached[h]
                 self.num_evictions += 1
@@ -131,6 +134,7 @@ class BlockAllocator:
                     self.free_queue.move_to_end(block, last=False)
                 else:
                     self.free_queue[block] = None
+                    self.num_cached_free += 1
         seq.block_table = []
         seq.num_registered_blocks = 0
 
@@ -161,10 +165,10 @@ class BlockAllocator:
     # ---- integrity -----------------------------------------------------------
 
     def counts(self) -> BlockCounts:
-        cached = sum(1 for b in self.free_queue if self.hashes[b] is not None)
-        free = len(self.free_queue) - cached
-        return BlockCounts(free=free, cached=cached, referenced=self.num_usable_blocks - len(self.free_queue),
-                           total=self.num_usable_blocks)
+        """O(1): the engine publishes these after every step."""
+        cached = self.num_cached_free
+        return BlockCounts(free=len(self.free_queue) - cached, cached=cached,
+                           referenced=self.num_usable_blocks - len(self.free_queue), total=self.num_usable_blocks)
 
     def check_integrity(self, block_tables: Iterable[list[int]]) -> BlockCounts:
         """Prove the pool's bookkeeping: every usable block is free, cached or referenced
@@ -186,6 +190,9 @@ class BlockAllocator:
         if sum(h is not None for h in self.hashes) != len(self.cached):
             problems.append("blocks carry hashes missing from the cache index")
         counts = self.counts()
+        actual_cached = sum(1 for b in self.free_queue if self.hashes[b] is not None)
+        if actual_cached != counts.cached:
+            problems.append(f"cached-block counter says {counts.cached}, the free queue holds {actual_cached}")
         if counts.free + counts.cached + counts.referenced != counts.total:
             problems.append(f"free + cached + referenced != total: {counts}")
         if problems:
