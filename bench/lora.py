@@ -241,8 +241,8 @@ the run and {lb[0]:.2f} / {lb[1]:.2f} / {lb[2]:.2f} after. The same configuratio
 {spread:.1f}× between rounds, so differences of a few percent are noise.
 
 "LoRA matmuls" and "slot fills" are the shares of the best round's wall time spent in
-`LoraBatch.apply` (shrink + expand on all seven LoRA-capable projections, targeted by
-the adapter or not, with kernels/lora.py's torch reference on the CPU) and in
+`LoraBatch.apply` (shrink + expand on the projections some adapter in the step targets,
+one matmul pair per adapter, with kernels/lora.py's torch reference on the CPU) and in
 refilling device slots from host memory.
 
 | configuration | output tokens/s | ÷ base | LoRA matmuls | slot fills | rounds (tokens/s) |
