@@ -299,6 +299,10 @@ class AsyncEngine:
         except (ValueError, LookupError) as exc:
             cmd.sink.put(exc)
             return
+        except Exception as exc:  # e.g. an adapter file vanishing mid-read: refuse this request only
+            log.exception("add_request_failed", request_id=cmd.request_id)
+            cmd.sink.put(RuntimeError(f"the engine could not admit the request: {exc!r}"))
+            return
         self._sinks[cmd.request_id] = cmd.sink
 
     # ---- adapters, on the step thread ------------------------------------------
