@@ -139,7 +139,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "--max-inflight-per-engine",
         type=int,
         default=_DEFAULTS["max_inflight_per_engine"],
-        help="requests kept on one engine; 0: the engine's max_num_seqs",
+        help="requests kept on one engine; 0: the engine's max_num_seqs plus an eighth",
     )
     g.add_argument(
         "--engine-report-interval-ms", type=int, default=_DEFAULTS["engine_report_interval_ms"]

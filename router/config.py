@@ -57,7 +57,7 @@ class RouterConfig:
     max_queue_seconds: float = 60.0  # longest wait for an engine, client deadline or not
     priority_aging_seconds: float = 10.0  # waiting this long is worth one priority level; 0 = off
     # Engines.
-    max_inflight_per_engine: int = 0  # 0: the engine's reported max_num_seqs
+    max_inflight_per_engine: int = 0  # 0: the engine's reported max_num_seqs + 1/8 (a short engine queue)
     engine_report_interval_ms: int = 50
     engine_stale_seconds: float = 5.0  # no load report for this long: engine unhealthy
     engine_retry_initial_seconds: float = 0.2  # reconnect backoff, doubling up to the max

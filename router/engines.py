@@ -68,7 +68,11 @@ class EngineClient:
         """Most requests this router keeps on the engine at once."""
         if self._config.max_inflight_per_engine:
             return self._config.max_inflight_per_engine
-        return self.report.max_num_seqs if self.report else 0
+        if not self.report:
+            return 0
+        # An eighth beyond the engine's running cap waits in its priority-ordered queue, so
+        # a slot a finished request frees is refilled at the next step, not a round trip later.
+        return self.report.max_num_seqs + self.report.max_num_seqs // 8
 
     @property
     def load(self) -> int:
