@@ -142,8 +142,8 @@ class Scheduler:
                 out.scheduled.append(self._plan(seq, n))
                 budget -= n
         idle = not self.running
-        budget = self._admit(out, budget, time.monotonic() if now is None else now)
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        self._admit(out, budget, time.monotonic() if now is None else now)
+        out.num_batched_tokens = sum(item.num_tokens for item in out.scheduled)
         if self.adapters is not None:
             # Decodes grouped by adapter slot: one LoRA segment per adapter, not per sequence.
             out.scheduled.sort(key=lambda it: (it.num_tokens > 1, -1 if it.seq.lora_slot is None
@@ -197,16 +197,22 @@ class Scheduler:
         self.num_preemptions += 1
         self._push_waiting(seq)
 
-    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
         limit = self.policy.admission_limit(now, len(self.running), self.num_waiting, self._oldest_arrival)
         room = min(limit, self.config.max_num_seqs - len(self.running))
         deferred: list[Sequence] = []  # waiting on their adapter; others may pass them
         # A formed batch is admitted whole (its KV reserved) even when this step's token
         # budget runs out: the prefill of its later members continues in the next steps.
-        while room > 0 and (budget > 0 or self.policy.forms_batches):
+        while budget > 0 or self.policy.forms_batches:
             seq = self._peek_waiting()
             if seq is None:
                 break
+            if room <= 0:  # no seat: only a strictly lower-priority running sequence gives one up
+                refund = None if self.policy.forms_batches else self._preempt_for(seq, out)
+                if refund is None:
+                    break
+                budget, room = budget + refund, room + 1
+                continue
             gate = self._adapter_gate(seq)
             if gate != "ok":
                 heapq.heappop(self._waiting)
@@ -216,23 +222,46 @@ class Scheduler:
             cached = self.allocator.allocate_prefix(seq)
             n = min(seq.num_tokens - cached, budget)
             reserve = max(cached + n, self.policy.reserve_tokens(seq))
-            if not self.allocator.allocate_slots(seq, reserve):
-                self._leave_running(seq)
-                break  # strict priority order: the head waits for blocks
-            heapq.heappop(self._waiting)
-            self.num_waiting -= 1
-            seq.num_computed_tokens = cached
-            if not seq.first_scheduled:
-                seq.first_scheduled, seq.num_cached_tokens = True, cached
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=Sequence.sort_key)
-            if n > 0:
-                out.scheduled.append(self._plan(seq, n))
-            budget -= n
-            room -= 1
+            while not self.allocator.allocate_slots(seq, reserve):
+                refund = None if self.policy.forms_batches else self._preempt_for(seq, out)
+                if refund is None:
+                    break
+                budget, room = budget + refund, room + 1
+            else:
+                self._start_running(seq, cached, n, out)
+                budget -= n
+                room -= 1
+                continue
+            self._leave_running(seq)
+            break  # strict priority order: the head waits for blocks
         for seq in deferred:
             heapq.heappush(self._waiting, (seq.sort_key(), seq))
-        return budget
+
+    def _start_running(self, seq: Sequence, cached: int, n: int, out: SchedulerOutput) -> None:
+        heapq.heappop(self._waiting)
+        self.num_waiting -= 1
+        seq.num_computed_tokens = cached
+        if not seq.first_scheduled:
+            seq.first_scheduled, seq.num_cached_tokens = True, cached
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=Sequence.sort_key)
+        if n > 0:
+            out.scheduled.append(self._plan(seq, n))
+
+    def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> int | None:
+        """Preempt the lowest-priority, latest running sequence if its priority is strictly
+        below `seq`'s (equal priorities never preempt each other: no thrashing). A victim
+        already planned for this step leaves the plan; returns the tokens that frees from
+        the step's budget, or None when there is no such victim."""
+        victim = self.running[-1] if self.running else None  # sorted: lowest, latest last
+        if victim is None or victim.priority >= seq.priority:
+            return None
+        refund = sum(item.num_tokens for item in out.scheduled if item.seq is victim)
+        if refund:
+            out.scheduled = [item for item in out.scheduled if item.seq is not victim]
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return refund
 
     def _adapter_gate(self, seq: Sequence) -> str:
         """"ok" (base model, or adapter loaded into a pinned slot), "wait" (loading, or

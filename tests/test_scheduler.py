@@ -324,3 +324,30 @@ def test_engine_warmup_runs_under_a_static_policy(tmp_path):
     engine.warmup()
     assert engine.num_steps >= 2 and not engine.has_unfinished()
     assert engine.scheduler.policy.name == "static" and engine.scheduler.counters.steps == 0
+
+
+def test_high_priority_arrival_preempts_lower_priority_when_seats_run_out():
+    s = make_scheduler(max_seqs=2, budget=64)
+    s.add(seq("low1", 4, max_tokens=20, priority=0))
+    s.add(seq("low2", 4, max_tokens=20, priority=0))
+    fake_step(s)
+    s.add(seq("high", 4, max_tokens=2, priority=5))
+    s.add(seq("low3", 4, max_tokens=2, priority=0))  # equal priority never preempts
+    plan, _ = fake_step(s)
+    assert [v.request_id for v in plan.preempted] == ["low2"]  # the lowest, latest
+    assert [i.seq.request_id for i in plan.scheduled] == ["low1", "high"]
+    assert sum(i.num_tokens for i in plan.scheduled) == plan.num_batched_tokens == 1 + 4
+    done = run_to_end(s)
+    assert {k: v.num_output_tokens for k, v in done.items()} == {"low1": 20, "low2": 20, "high": 2, "low3": 2}
+
+
+def test_high_priority_arrival_preempts_for_blocks():
+    s = make_scheduler(num_blocks=5, block_size=4, max_seqs=8, budget=64, caching=False)  # 4 usable
+    s.add(seq("low", 12, max_tokens=4, priority=0))  # 3 blocks, a 4th to decode
+    fake_step(s)
+    s.add(seq("high", 8, max_tokens=2, priority=1))  # needs 2 blocks: only 1 free
+    plan, _ = fake_step(s)
+    assert [v.request_id for v in plan.preempted] == ["low"]
+    assert [i.seq.request_id for i in plan.scheduled] == ["high"]
+    done = run_to_end(s)
+    assert {k: v.num_output_tokens for k, v in done.items()} == {"low": 4, "high": 2}
