@@ -162,18 +162,25 @@ class ModelRunner:
             lora = LoraBatch(self.adapters, token_slots)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            input_ids=self._to_device(input_ids, torch.long),
+            positions=self._to_device(positions, torch.long),
+            slot_mapping=self._to_device(slots, torch.long),
+            block_tables=self._to_device(padded, torch.int32),
+            query_start_loc=self._to_device(query_start, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
             max_query_len=max(item.num_tokens for item in plan.scheduled),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            logits_indices=self._to_device(logits_indices, torch.long),
             lora=lora,
         )
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a device tensor. On CUDA through pinned memory without blocking,
+        so building the next step's inputs does not wait for the GPU to drain."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def embed(self, inputs: list[list[int]], pooling: str, normalize: bool) -> torch.Tensor:
