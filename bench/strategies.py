@@ -156,7 +156,7 @@ def free_port() -> int:
 
 
 def engine_command(
-    cfg: StudyConfig, policy: str, port: int, static_timeout_ms: float | None = None
+    cfg: StudyConfig, policy: str, port: int
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -189,8 +189,6 @@ def engine_command(
         cmd += ["--max-batch-size", str(cfg.batch_size)]
     if policy == "dynamic":
         cmd += ["--batch-window-ms", f"{cfg.window_ms:g}"]
-    if policy == "static" and static_timeout_ms is not None:
-        cmd += ["--batch-window-ms", f"{static_timeout_ms:.0f}"]
     return cmd
 
 
@@ -274,12 +272,12 @@ class _Child:
 
 
 @contextmanager
-def serving(cfg: StudyConfig, policy: str, log_dir: Path, static_timeout: float | None = None):
+def serving(cfg: StudyConfig, policy: str, log_dir: Path):
     """An engine with `policy` and a router in front; yields (router, engine) addresses."""
     engine_port, router_port = free_port(), free_port()
     children = []
     try:
-        cmd = engine_command(cfg, policy, engine_port, static_timeout)
+        cmd = engine_command(cfg, policy, engine_port)
         children.append(_Child(f"engine-{policy}", cmd, log_dir, cfg.engine_threads))
         children.append(
             _Child(f"router-{policy}", router_command(cfg, router_port, engine_port), log_dir, None)
@@ -405,8 +403,7 @@ def run_study(cfg: StudyConfig) -> dict:
     try:
         for policy in order:
             _log(f"--- {policy}: starting engine + router")
-            timeout = None  # static waits for full batches: the engine's warm-up bypasses the policy
-            with serving(cfg, policy, log_dir, timeout) as (router, engine):
+            with serving(cfg, policy, log_dir) as (router, engine):
                 vocab = asyncio.run(serve.list_models(router)).base_model.vocab_size
                 caps = cfg.caps if policy in ("continuous", "static") else [max(cfg.caps)]
                 for cap in caps:

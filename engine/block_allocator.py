@@ -73,10 +73,6 @@ class BlockAllocator:
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
 
-    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Extra blocks `seq` needs to hold `num_tokens` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
-
     # ---- allocation ----------------------------------------------------------
 
     def allocate_prefix(self, seq: Sequence) -> int:
