@@ -144,7 +144,7 @@ def run(model: Path, adapter_dir: Path, names: list[str], config: Config, prompt
         preload_adapters=tuple(used),
     ))  # fmt: skip
     preload(engine)  # every adapter in host memory before the clock starts
-    engine.runner.warmup()
+    engine.warmup()
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         engine.add_request(f"r{i}", prompt, params, adapter=used[i % len(used)] if used else None)

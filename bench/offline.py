@@ -82,7 +82,7 @@ def run_omnibus(path: Path, prompts, lengths) -> float:
 
     engine = Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=256,
                                  max_num_batched_tokens=2048, enable_prefix_caching=False))
-    engine.runner.warmup()
+    engine.warmup()
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lengths]
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)

@@ -210,7 +210,7 @@ class Engine:
             num_steps=self.num_steps,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_hit_blocks=self.allocator.num_cache_hits,
-            num_running_adapters=len({s.adapter for s in self.scheduler.running if s.adapter}),
+            num_running_adapters=sum(1 for pins in self.adapters.pins if pins) if self.adapters else 0,
             resident_adapters=tuple(self.adapters.resident()) if self.adapters else (),
             cached_adapters=tuple(sorted(self.adapters.host)) if self.adapters else (),
             adapter_loads=self.adapters.stats["loads"] if self.adapters else 0,

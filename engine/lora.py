@@ -203,6 +203,14 @@ class LoraManager:
             for _ in range(model_config.num_layers)
         ]
         self.scales = torch.zeros(n, dtype=torch.float32, device=device)
+        # fused module -> (projection, first column, end column) inside its output
+        self.columns: dict[str, list[tuple[str, int, int]]] = {}
+        for fused, projs in FUSED.items():
+            lo, cols = 0, []
+            for p in projs:
+                cols.append((p, lo, lo + dims[p][1]))
+                lo += dims[p][1]
+            self.columns[fused] = cols
         self.slot_names: list[str | None] = [None] * n
         self.slot_targets: list[frozenset[str]] = [frozenset()] * n  # projections each slot's adapter adapts
         self.slot_lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n))
@@ -350,30 +358,22 @@ class LoraBatch:
     """A step's adapter segments: tokens [starts[s], starts[s+1]) use slot slots[s]
     (-1: base model only)."""
 
-    def __init__(self, manager: LoraManager, token_slots: list[int]) -> None:
+    def __init__(self, manager: LoraManager, runs: list[tuple[int, int]]) -> None:
+        """`runs`: (slot, number of tokens) of each scheduled sequence, in token order."""
         self.manager = manager
         starts, slots = [0], []
-        for i, s in enumerate(token_slots):
-            if not slots or s != slots[-1]:
-                if slots:
-                    starts.append(i)
-                slots.append(s)
-        starts.append(len(token_slots))
+        for slot, n in runs:
+            if slots and slot == slots[-1]:
+                starts[-1] += n  # same adapter as the previous sequence: one segment
+            else:
+                slots.append(slot)
+                starts.append(starts[-1] + n)
         dev = manager.device
         self.seg_starts = torch.tensor(starts, dtype=torch.int32, device=dev)
         self.seg_slots = torch.tensor(slots, dtype=torch.int32, device=dev)
-        dims = proj_dims(manager.model_config)
         # Only projections some adapter in this batch targets cost anything.
         active = frozenset().union(*(manager.slot_targets[s] for s in set(slots) if s >= 0))
-        # column ranges of each active projection inside the fused outputs
-        self.columns: dict[str, list[tuple[str, int, int]]] = {}
-        for fused, projs in FUSED.items():
-            lo, cols = 0, []
-            for p in projs:
-                if p in active:
-                    cols.append((p, lo, lo + dims[p][1]))
-                lo += dims[p][1]
-            self.columns[fused] = cols
+        self.columns = {fused: [c for c in cols if c[0] in active] for fused, cols in manager.columns.items()}
 
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, fused: str) -> None:
         """out (T, out_fused) += LoRA delta of every projection in `fused`, per segment."""

@@ -69,7 +69,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, indexed by each token's position."""
+    """cos/sin tables for every position. `forward` looks a step's positions up once; every
+    layer then rotates its q and k with the result (`apply_rope`)."""
 
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
@@ -79,11 +80,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: (T, H, D), k: (T, KVH, D)
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # (T, 1, D)
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(dtype)[:, None, :]  # (T, 1, D)
+        sin = self.sin[positions].to(dtype)[:, None, :]
+        return cos, sin
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    """q: (T, H, D), k: (T, KVH, D) rotated by the step's (cos, sin), each (T, 1, D)."""
+    cos, sin = rope
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +127,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         lora=None,
     ) -> torch.Tensor:
@@ -132,7 +138,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(batch.positions, q, k)
+        q, k = apply_rope(q, k, rope)
         if kv_cache is None:  # embeddings: whole sequences, nothing to keep
             o = dense_causal_attention(q, k, v, batch.query_start_loc.tolist(), self.scale)
         else:
@@ -202,8 +208,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states (T, hidden). kv_caches None: cache-free (embeddings)."""
         x = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        rope = self.rope(batch.positions, x.dtype)  # once per step, shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches or [None] * len(self.layers)):
-            x = layer(x, batch, self.rope, kv_cache, batch.lora)
+            x = layer(x, batch, rope, kv_cache, batch.lora)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -122,10 +122,6 @@ class ModelRunner:
         hidden = self.model(batch, caches)
         return self.model.compute_logits(hidden[batch.logits_indices]).softmax(dim=-1)
 
-    def warmup(self) -> None:
-        """Run once before serving so first requests do not pay for lazy initialization."""
-        self._warmup_forward(min(self.config.max_num_batched_tokens, 256))
-
     # ---- one step ------------------------------------------------------------
 
     def prepare(self, plan: SchedulerOutput) -> ForwardBatch:
@@ -155,11 +151,8 @@ class ModelRunner:
                 logits_indices.append(query_start[-1] - 1)
         lora = None
         if self.adapters is not None and any(item.seq.lora_slot is not None for item in plan.scheduled):
-            token_slots: list[int] = []
-            for item in plan.scheduled:
-                slot = item.seq.lora_slot
-                token_slots += [-1 if slot is None else slot] * item.num_tokens
-            lora = LoraBatch(self.adapters, token_slots)
+            lora = LoraBatch(self.adapters, [(-1 if item.seq.lora_slot is None else item.seq.lora_slot,
+                                               item.num_tokens) for item in plan.scheduled])
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         return ForwardBatch(
@@ -227,12 +220,10 @@ class ModelRunner:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab)
-        params = [s.params for s in rows]
-        needs_history = any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                            for p in params)
-        prompts = [s.prompt_token_ids for s in rows] if needs_history else [[] for _ in rows]
-        outputs = [s.output_token_ids for s in rows] if needs_history else [[] for _ in rows]
-        return self.sampler(logits, params, prompts, outputs, [s.generator for s in rows])
+        # Token histories only for the rows whose penalties read them.
+        prompts = [s.prompt_token_ids if s.params.has_penalties else () for s in rows]
+        outputs = [s.output_token_ids if s.params.has_penalties else () for s in rows]
+        return self.sampler(logits, [s.params for s in rows], prompts, outputs, [s.generator for s in rows])
 
 
 class GpuIdleMeter:

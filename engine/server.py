@@ -348,12 +348,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             vectors = await self._aengine.embed(
                 [list(x.ids) for x in request.inputs], pooling, request.normalize,
                 request.priority, request.queue_timeout_ms or None)
-        except QueueFullError as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"embed {exc}")
-        except QueueTimeoutError as exc:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"embed request {exc}")
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (QueueFullError, QueueTimeoutError, ValueError) as exc:
+            await context.abort(*_error_status(exc))
         return engine_pb2.EngineEmbedResponse(embeddings=[
             inference_pb2.Embedding(values=v, num_tokens=len(x.ids))
             for v, x in zip(vectors, request.inputs)])
@@ -505,6 +501,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
 
 def _error_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"embed {exc}"
+    if isinstance(exc, QueueTimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, f"embed request {exc}"
     if isinstance(exc, UnknownAdapterError):
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, AdapterStateError):
