@@ -76,10 +76,13 @@ def weight_bytes(engine) -> int:
 
 
 def decode_roofline(engine, batch_sizes: list[int], prompt_len: int, bw: float) -> list[dict]:
+    """Decode step time per batch size, with and without overlapped scheduling, against
+    the bandwidth floor, plus the share of each step the GPU waited on Python."""
     from engine.sampling import SamplingParams
 
     mc = engine.model_config
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * engine.runner.kv_caches[0][0].element_size()
+    meter = engine.runner.idle_meter
     rng = random.Random(0)
     rows = []
     for bs in batch_sizes:
@@ -90,21 +93,33 @@ def decode_roofline(engine, batch_sizes: list[int], prompt_len: int, bw: float) 
         while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running) or \
                 engine.scheduler.num_waiting:
             engine.step()
-        for _ in range(3):
-            engine.step()
-        times, ctx = [], []
-        for _ in range(10):
-            ctx.append(sum(s.num_tokens for s in engine.scheduler.running))
+        row = {"batch": bs}
+        default = engine.overlap
+        for overlap in (True, False):
+            engine.overlap = overlap
+            for _ in range(3):
+                engine.step()
+            ctx = sum(s.num_tokens for s in engine.scheduler.running)
+            steps = 10
             _sync(engine.runner.device)
+            if meter is not None:
+                meter.reset()
             t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
+            for _ in range(steps):  # back to back: an overlapped step is only hidden behind the next
+                engine.step()
+            _sync(engine.runner.device)
+            key = "overlap" if overlap else "lockstep"
+            row[f"{key}_ms"] = 1e3 * (time.perf_counter() - t0) / steps
+            row[f"{key}_idle"] = meter.idle_share if meter is not None else None
+        engine.overlap = default
         for rid in ids:
             engine.abort(rid)
-        engine.step()
-        step = statistics.median(times)
-        floor = (weight_bytes(engine) + statistics.median(ctx) * kv_per_token) / bw
-        rows.append({"batch": bs, "step_ms": 1e3 * step, "roofline_ms": 1e3 * floor, "of_roofline": floor / step})
+        while engine.has_unfinished():
+            engine.step()
+        floor = (weight_bytes(engine) + (ctx + 5 * bs) * kv_per_token) / bw
+        row["roofline_ms"] = 1e3 * floor
+        row["of_roofline"] = row["roofline_ms"] / row["overlap_ms"]
+        rows.append(row)
     return rows
 
 
@@ -175,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape = TINY if args.smoke else LLAMA3_8B
     dtype = "bfloat16" if cuda else "float32"
     n = args.requests or (8 if args.smoke else 256)
-    batches = [1, 2, 4] if args.smoke else [1, 8, 32, 128, 256]
+    batches = [1, 2, 4] if args.smoke else [1, 8, 32, 64, 128, 256]
     tmp = tempfile.TemporaryDirectory()
     path = write_config(Path(tmp.name) / "model", shape)
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
@@ -199,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts, lengths = workload(n, shape["vocab_size"], 0.1 if args.smoke else 1.0)
     meter = engine.runner.idle_meter
     if meter is not None:
-        meter.busy_ms = meter.idle_ms = 0.0
+        meter.reset()
     result["omnibus_tok_s"] = omnibus_tok_s(engine, prompts, lengths)
     result["gpu_idle_share"] = meter.idle_share if meter is not None else None
     if hf is not None:
@@ -226,7 +241,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write_markdown(out: Path, r: dict, n: int) -> None:
-    rows = "\n".join(f"| {d['batch']} | {d['step_ms']:.2f} | {d['roofline_ms']:.2f} | {100 * d['of_roofline']:.0f}% |"
+    def pct(x: float | None) -> str:
+        return "n/a" if x is None else f"{100 * x:.1f}%"
+    rows = "\n".join(f"| {d['batch']} | {d['overlap_ms']:.2f} | {d['roofline_ms']:.2f} | {pct(d['of_roofline'])} | "
+                     f"{pct(d['overlap_idle'])} | {d['lockstep_ms']:.2f} | {pct(d['lockstep_idle'])} |"
                      for d in r["decode"])
     hf = ""
     if "hf_static_tok_s" in r:
@@ -241,8 +259,13 @@ Measured device-to-device copy bandwidth: {r['copy_bandwidth_gb_s']:.0f} GB/s (r
 
 ## Decode step vs roofline (prompts of 512 tokens)
 
-| batch | step (ms) | roofline (ms) | share of roofline |
-|---:|---:|---:|---:|
+Ten back-to-back decode steps per row. "Overlapped" plans and launches step N+1 before
+step N's tokens are read back (the default on CUDA); "lockstep" waits for each step's
+tokens before planning the next. GPU idle = share of the steps' wall time in which the
+GPU had nothing queued (CUDA events around each step's launches).
+
+| batch | overlapped step (ms) | roofline (ms) | share of roofline | GPU idle | lockstep step (ms) | GPU idle, lockstep |
+|---:|---:|---:|---:|---:|---:|---:|
 {rows}
 
 ## Offline throughput ({n} ShareGPT-shaped requests)
@@ -251,7 +274,7 @@ Measured device-to-device copy bandwidth: {r['copy_bandwidth_gb_s']:.0f} GB/s (r
 |---|---:|---:|
 | Omnibus | {r['omnibus_tok_s']:.0f} | 1.0× |
 {hf}
-GPU idle share of each step (waiting on Python): {r['gpu_idle_share']}.
+GPU idle share over the whole offline run (waiting on Python): {pct(r['gpu_idle_share'])}.
 
 ## Multi-LoRA
 

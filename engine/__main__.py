@@ -71,6 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the shared generator for unseeded requests"
     )
+    p.add_argument(
+        "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="plan and launch step N+1 before reading step N's tokens back, so the GPU never "
+        "waits on Python (default: on for CUDA, off for CPU, where it only adds a step of latency)",
+    )
+    p.add_argument(
+        "--decode-graphs", action=argparse.BooleanOptionalAction, default=None,
+        help="replay decode steps from CUDA graphs captured at bucketed batch sizes (default: on for CUDA)",
+    )
     _adapter_flags(p)
     g = p.add_argument_group("Embed dynamic batching")
     g.add_argument("--embed-max-batch-size", type=int, default=32, help="inputs per embedding batch")
@@ -165,6 +174,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_batch_size=args.max_batch_size,
         batch_window_ms=args.batch_window_ms,
         seed=args.seed,
+        overlap_scheduling=args.overlap_scheduling,
+        decode_graphs=args.decode_graphs,
         adapter_dir=args.adapter_dir,
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,

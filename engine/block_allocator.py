@@ -135,10 +135,11 @@ class BlockAllocator:
         seq.num_registered_blocks = 0
 
     def cache_blocks(self, seq: Sequence) -> None:
-        """Register `seq`'s full, computed blocks in the prefix cache."""
+        """Register `seq`'s full, computed blocks in the prefix cache (a block whose last
+        token is still pending waits: its hash needs that token)."""
         if not self.enable_prefix_caching:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
         if full <= seq.num_registered_blocks:
             return  # hot path: no block filled up since the last call
         self._hash_full_blocks(seq, full * self.block_size)

@@ -22,7 +22,7 @@ import structlog
 from engine.block_allocator import BlockAllocator, BlockCounts
 from engine.config import EngineConfig, ModelConfig
 from engine.lora import AdapterError, LoraConfig, LoraManager, UnknownAdapterError
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, Step
 from engine.policies import ContinuousPolicy, make_policy
 from engine.sampling import SamplingParams, make_generator
 from engine.scheduler import Scheduler, SchedulerConfig, StepCounters
@@ -81,6 +81,9 @@ class Engine:
         )
         self.num_steps = 0
         self._generate_ids = itertools.count()
+        overlap = config.overlap_scheduling
+        self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: Step | None = None  # launched, picks not yet reported (overlap only)
 
     # ---- requests ------------------------------------------------------------
 
@@ -141,16 +144,33 @@ class Engine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- the step ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Plan a step, launch it and report what the device has finished. Without
+        overlap that is this step; with it, the step launched by the previous call, whose
+        picks were copying back while this one was planned and launched."""
+        prev, self._in_flight = self._in_flight, None
+        results: list[RequestOutput] = []
+        if prev is not None and prev.reads_history:  # penalties must see the pending tokens
+            results += self.scheduler.update(prev.plan, prev.result())
+            prev = None
         plan = self.scheduler.schedule()
-        sampled = None if plan.is_empty else self.runner.execute(plan)
+        if prev is not None and plan.is_empty:
+            results += self.scheduler.update(prev.plan, prev.result())
+            prev = None
         if not plan.is_empty:
+            step = self.runner.launch(plan, prev)
             self.num_steps += 1
-        return self.scheduler.update(plan, sampled)
+            if prev is not None:
+                results += self.scheduler.update(prev.plan, prev.result())
+            if self.overlap:
+                self._in_flight = step
+            else:
+                results += self.scheduler.update(plan, step.result())
+        return results + self.scheduler.take_aborted()
 
     def warmup(self) -> None:
         """One short request through the whole path (prefill, decode, sampling) before

@@ -31,6 +31,7 @@ from safetensors import safe_open
 
 from engine.adapter_names import ADAPTER_NAME_RE
 from engine.config import ModelConfig
+from engine.transfer import to_device
 from kernels import lora_expand, lora_shrink
 
 log = structlog.get_logger(__name__)
@@ -369,8 +370,8 @@ class LoraBatch:
                 slots.append(slot)
                 starts.append(starts[-1] + n)
         dev = manager.device
-        self.seg_starts = torch.tensor(starts, dtype=torch.int32, device=dev)
-        self.seg_slots = torch.tensor(slots, dtype=torch.int32, device=dev)
+        self.seg_starts = to_device(starts, torch.int32, dev)
+        self.seg_slots = to_device(slots, torch.int32, dev)
         # Only projections some adapter in this batch targets cost anything.
         active = frozenset().union(*(manager.slot_targets[s] for s in set(slots) if s >= 0))
         self.columns = {fused: [c for c in cols if c[0] in active] for fused, cols in manager.columns.items()}

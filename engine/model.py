@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig, RopeScaling
-from kernels import paged_attention, store_kv
+from kernels import add_rms_norm, paged_attention, rms_norm, rope, silu_and_mul, store_kv
 
 
 @dataclass
@@ -34,18 +34,19 @@ class ForwardBatch:
 
 
 class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm (float32 statistics, cast back before the weight), so
+    outputs agree token for token. Given the residual stream, it first adds `x` into it
+    in place (one fused kernel on the GPU) and returns (normalized, residual)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers (float32 statistics, cast back before the weight)
-        # so outputs agree token for token.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
@@ -69,8 +70,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position. `forward` looks a step's positions up once; every
-    layer then rotates its q and k with the result (`apply_rope`)."""
+    """float32 cos/sin tables (max_len, D) for every position; each layer rotates its q
+    and k by the step's positions with `kernels.rope`."""
 
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
@@ -80,21 +81,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(dtype)[:, None, :]  # (T, 1, D)
-        sin = self.sin[positions].to(dtype)[:, None, :]
-        return cos, sin
-
-
-def apply_rope(q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-    """q: (T, H, D), k: (T, KVH, D) rotated by the step's (cos, sin), each (T, 1, D)."""
-    cos, sin = rope
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q: (T, H, D), k: (T, KVH, D) -> rotated (q, k); rotated in place on the GPU."""
+        return rope(q, k, self.cos, self.sin, positions)
 
 
 def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int],
@@ -127,7 +116,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rotary: RotaryEmbedding,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         lora=None,
     ) -> torch.Tensor:
@@ -138,7 +127,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, rope)
+        q, k = rotary(q, k, batch.positions)
         if kv_cache is None:  # embeddings: whole sequences, nothing to keep
             o = dense_causal_attention(q, k, v, batch.query_start_loc.tolist(), self.scale)
         else:
@@ -159,7 +148,6 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
@@ -167,8 +155,7 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # (T, 2I)
         if lora is not None:
             lora.apply(gate_up, x, self.layer_idx, "gate_up")
-        gate, up = gate_up.split(self.inter, dim=-1)
-        h = F.silu(gate) * up
+        h = silu_and_mul(gate_up)  # silu(gate) * up, (T, I)
         out = self.down_proj(h)
         if lora is not None:
             lora.apply(out, h, self.layer_idx, "down")
@@ -183,9 +170,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer_idx)
 
-    def forward(self, x, batch, rope, kv_cache, lora=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope, kv_cache, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    def forward(self, x, residual, batch, rotary, kv_cache, lora=None):
+        """x: the previous layer's MLP output, added into the residual stream here (the
+        first layer gets residual None and x the embeddings). Returns (mlp_out, residual)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, batch, rotary, kv_cache, lora)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -208,10 +202,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states (T, hidden). kv_caches None: cache-free (embeddings)."""
         x = self.embed_tokens(batch.input_ids)  # (T, hidden)
-        rope = self.rope(batch.positions, x.dtype)  # once per step, shared by every layer
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches or [None] * len(self.layers)):
-            x = layer(x, batch, rope, kv_cache, batch.lora)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch, self.rope, kv_cache, batch.lora)
+        return self.norm(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,9 @@ sampler. It never decides anything: the plan says which tokens to compute.
 
 from __future__ import annotations
 
+import collections
+from dataclasses import dataclass
+
 import structlog
 import torch
 import torch.nn.functional as F
@@ -15,8 +18,10 @@ from engine.loader import load_model, random_model
 from engine.cuda_graph import DecodeGraphs
 from engine.lora import LoraBatch, LoraManager
 from engine.model import ForwardBatch
-from engine.sampling import Sampler, SamplerOutput
+from engine.sampling import SampledBatch, Sampler, SamplerOutput
 from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+from engine.transfer import to_device
 
 log = structlog.get_logger(__name__)
 
@@ -124,7 +129,9 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------
 
-    def prepare(self, plan: SchedulerOutput) -> ForwardBatch:
+    def prepare(self, plan: SchedulerOutput, prev: Step | None = None) -> ForwardBatch:
+        """The step's inputs on the device. A sequence whose last input token is still
+        pending (sampled by `prev`, not yet reported) reads it from prev's device tensor."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -133,11 +140,18 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         logits_indices: list[int] = []
+        pending_dst: list[int] = []  # rows of input_ids filled from prev's picks
+        pending_src: list[int] = []
         for item in plan.scheduled:
             seq, start, n = item.seq, item.start, item.num_tokens
             end = start + n
             table = seq.block_table
-            input_ids += seq.token_ids[start:end]
+            known = seq.token_ids[start:end]
+            input_ids += known
+            if len(known) < n:  # the last input is prev's pick for this sequence
+                input_ids.append(0)
+                pending_dst.append(query_start[-1] + n - 1)
+                pending_src.append(prev.rows[seq])
             if n == 1:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -155,25 +169,22 @@ class ModelRunner:
                                                item.num_tokens) for item in plan.scheduled])
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        ids = to_device(input_ids, torch.long, dev)
+        if pending_dst:
+            picks = prev.sampled.tokens.index_select(0, to_device(pending_src, torch.long, dev))
+            ids.index_copy_(0, to_device(pending_dst, torch.long, dev), picks)
         return ForwardBatch(
-            input_ids=self._to_device(input_ids, torch.long),
-            positions=self._to_device(positions, torch.long),
-            slot_mapping=self._to_device(slots, torch.long),
-            block_tables=self._to_device(padded, torch.int32),
-            query_start_loc=self._to_device(query_start, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
+            input_ids=ids,
+            positions=to_device(positions, torch.long, dev),
+            slot_mapping=to_device(slots, torch.long, dev),
+            block_tables=to_device(padded, torch.int32, dev),
+            query_start_loc=to_device(query_start, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
             max_query_len=max(item.num_tokens for item in plan.scheduled),
-            logits_indices=self._to_device(logits_indices, torch.long),
+            logits_indices=to_device(logits_indices, torch.long, dev),
             lora=lora,
         )
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host list as a device tensor. On CUDA through pinned memory without blocking,
-        so building the next step's inputs does not wait for the GPU to drain."""
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def embed(self, inputs: list[list[int]], pooling: str, normalize: bool) -> torch.Tensor:
@@ -201,40 +212,75 @@ class ModelRunner:
         return F.normalize(pooled, dim=-1) if normalize else pooled
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> SamplerOutput:
-        batch = self.prepare(plan)
+    def launch(self, plan: SchedulerOutput, prev: Step | None = None) -> Step:
+        """Queue the plan's forward pass and sampling on the device and start copying the
+        picks back; returns without waiting for the device. `prev` is the step launched
+        before, when its picks have not been reported yet (overlapped scheduling)."""
+        batch = self.prepare(plan, prev)
         if self.idle_meter is not None:
             self.idle_meter.step_started()
-        try:
-            return self._forward_and_sample(plan, batch)
-        finally:
-            if self.idle_meter is not None:
-                self.idle_meter.step_ended()
-
-    def _forward_and_sample(self, plan: SchedulerOutput, batch: ForwardBatch) -> SamplerOutput:
         if self.graphs is not None and self.graphs.can_run(batch, len(plan.scheduled)):
             hidden = self.graphs.run(batch)  # (n, hidden): decode-only, one token per sequence
         else:
             hidden = self.model(batch, self.kv_caches)  # (T, hidden)
         rows = [item.seq for item in plan.scheduled if item.samples]
-        if not rows:
-            return SamplerOutput(token_ids=[], logprobs=[])
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab)
-        # Token histories only for the rows whose penalties read them.
-        prompts = [s.prompt_token_ids if s.params.has_penalties else () for s in rows]
-        outputs = [s.output_token_ids if s.params.has_penalties else () for s in rows]
-        return self.sampler(logits, [s.params for s in rows], prompts, outputs, [s.generator for s in rows])
+        if rows:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab)
+            # Token histories only for the rows whose penalties read them.
+            prompts = [s.prompt_token_ids if s.params.has_penalties else () for s in rows]
+            outputs = [s.output_token_ids if s.params.has_penalties else () for s in rows]
+            sampled = self.sampler.sample(logits, [s.params for s in rows], prompts, outputs,
+                                          [s.generator for s in rows])
+        else:
+            sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
+        if self.idle_meter is not None:
+            self.idle_meter.step_ended()
+        return Step(plan, sampled, {seq: i for i, seq in enumerate(rows)})
+
+    def execute(self, plan: SchedulerOutput) -> SamplerOutput:
+        """Run one step to completion: launch it and wait for its picks."""
+        return self.launch(plan).result()
+
+
+@dataclass
+class Step:
+    """A launched step: its plan, its picks on the device and which row is whose."""
+
+    plan: SchedulerOutput
+    sampled: SampledBatch  # on the device; the next step's prepare() may read it
+    rows: dict[Sequence, int]  # sampled row of each sequence that samples
+    host: SampledBatch | None = None
+
+    def __post_init__(self) -> None:
+        self.host = self.sampled.to_host()  # the copy starts now and completes on its own
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a sequence of this step samples with penalties, which read its tokens:
+        its next step must wait for this one's report."""
+        return any(seq.params.has_penalties for seq in self.rows)
+
+    def result(self) -> SamplerOutput:
+        """The picks on the host (waits for the step to finish on the device)."""
+        return self.host.output()
 
 
 class GpuIdleMeter:
     """Share of wall time the GPU spends waiting on Python between steps, from CUDA
-    events at each step's first and last launch (read one step late, never syncing)."""
+    events at each step's first and last launch. Events are read once they have
+    completed (`query`, never a sync), so overlapped steps are measured as they run."""
 
     def __init__(self) -> None:
         self.busy_ms = 0.0
         self.idle_ms = 0.0
         self._prev_end: torch.cuda.Event | None = None
-        self._pending: tuple | None = None
+        self._pending: collections.deque[tuple] = collections.deque()
+
+    def reset(self) -> None:
+        """Start counting afresh from the next step (the gap before it is not counted)."""
+        self._drain()
+        self.busy_ms = self.idle_ms = 0.0
+        self._prev_end = None
 
     def step_started(self) -> None:
         self._start = torch.cuda.Event(enable_timing=True)
@@ -243,15 +289,20 @@ class GpuIdleMeter:
     def step_ended(self) -> None:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        if self._pending is not None:  # the previous step's events have completed by now
-            prev_end, start, stop = self._pending
+        self._pending.append((self._prev_end, self._start, end))
+        self._prev_end = end
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._pending and self._pending[0][2].query():
+            prev_end, start, stop = self._pending.popleft()
             if prev_end is not None:
                 self.idle_ms += prev_end.elapsed_time(start)
             self.busy_ms += start.elapsed_time(stop)
-        self._pending = (self._prev_end, self._start, end)
-        self._prev_end = end
 
     @property
     def idle_share(self) -> float:
+        """Over the steps that have completed on the GPU so far."""
+        self._drain()
         total = self.busy_ms + self.idle_ms
         return self.idle_ms / total if total else 0.0

@@ -24,15 +24,18 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from engine.transfer import to_device
 
 __all__ = [
     "MAX_LOGPROBS",
     "SamplingParams",
     "TokenLogprobs",
     "SamplerOutput",
+    "SampledBatch",
     "Sampler",
     "allowed_tokens",
     "apply_penalties",
@@ -154,6 +157,45 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # None for rows that asked for none
 
 
+@dataclass
+class SampledBatch:
+    """One Sampler call's picks, still where they were computed. `to_host` starts the
+    device-to-host copy without waiting; `output` reads it (waiting only then)."""
+
+    tokens: torch.Tensor  # (B,) int64
+    logprob_rows: list[int] = field(default_factory=list)  # rows that asked for logprobs
+    widths: list[int] = field(default_factory=list)  # top-n asked, per logprob row
+    chosen: torch.Tensor | None = None  # (n,) float32 logprob of each row's pick
+    top_ids: torch.Tensor | None = None  # (n, w) int64, highest first
+    top_vals: torch.Tensor | None = None  # (n, w) float32
+    ready: torch.cuda.Event | None = None  # recorded after the copies, on CUDA
+
+    def to_host(self) -> SampledBatch:
+        if not self.tokens.is_cuda:
+            return self
+        def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        out = SampledBatch(pinned(self.tokens), self.logprob_rows, self.widths, pinned(self.chosen),
+                           pinned(self.top_ids), pinned(self.top_vals), torch.cuda.Event())
+        out.ready.record()
+        return out
+
+    def output(self) -> SamplerOutput:
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = self.tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+        if self.logprob_rows:
+            top_ids, top_vals = self.top_ids.tolist(), self.top_vals.tolist()
+            for j, (i, val) in enumerate(zip(self.logprob_rows, self.chosen.tolist())):
+                n = self.widths[j]
+                logprobs[i] = TokenLogprobs(tokens[i], val, tuple(zip(top_ids[j][:n], top_vals[j][:n])))
+        return SamplerOutput(tokens, logprobs)
+
+
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
     """A fresh torch.Generator on `device` seeded with `seed`, for one seeded request.
 
@@ -239,7 +281,7 @@ def _token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.devic
         raise ValueError(
             f"token ids for penalties must be in [0, {vocab - 1}] (vocab size {vocab})"
         )
-    padded = padded.to(device, non_blocking=True)
+    padded = to_device(padded, torch.long, device)
     counts = torch.zeros(len(seqs), vocab + 1, device=device)  # (n, V + 1)
     counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
@@ -268,11 +310,11 @@ def apply_penalties(
     device = x.device
     # Only penalized rows pay for the (n, V) count tensors.
     sub_params = [params[i] for i in rows]
-    knobs = torch.tensor(
+    knobs = to_device(
         [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in sub_params],
-        dtype=torch.float32,
-    ).to(device, non_blocking=True)  # (n, 3)
-    index = torch.tensor(rows, device=device)
+        torch.float32, device,
+    )  # (n, 3)
+    index = to_device(rows, torch.long, device)
     sub = x.index_select(0, index)  # (n, V), a copy we own
     out_counts = _token_counts([output_ids[i] for i in rows], vocab, device)  # (n, V)
     if any(p.repetition_penalty != 1.0 for p in sub_params):
@@ -338,15 +380,19 @@ class Sampler:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}  # one per device, made lazily
 
-    def __call__(
+    def __call__(self, *args, **kwargs) -> SamplerOutput:
+        """`sample` (same arguments), with the picks read back to the host."""
+        return self.sample(*args, **kwargs).output()
+
+    def sample(
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
-    ) -> SamplerOutput:
-        """Sample one token per row.
+    ) -> SampledBatch:
+        """Sample one token per row, leaving the result on the logits' device (no sync).
 
         Args:
             logits: (B, V) any float dtype; not modified.
@@ -362,8 +408,7 @@ class Sampler:
         _check_batch(logits, params, prompt_ids, output_ids, generators)
         batch = logits.shape[0]
         if all(p.greedy and not p.has_penalties and p.logprobs == 0 for p in params):
-            # The common serving case: one argmax, one device-to-host copy.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch)
+            return SampledBatch(logits.argmax(dim=-1))  # the common serving case
 
         x = apply_penalties(logits, params, prompt_ids, output_ids)  # (B, V) float32, read-only
         sampled = [i for i, p in enumerate(params) if not p.greedy]
@@ -372,15 +417,14 @@ class Sampler:
         else:
             tokens = x.argmax(dim=-1)  # (B,)
             if sampled:
-                index = torch.tensor(sampled, device=x.device)
+                index = to_device(sampled, torch.long, x.device)
                 picked = self._sample(
                     x.index_select(0, index),
                     [params[i] for i in sampled],
                     [generators[i] for i in sampled],
                 )
                 tokens.index_copy_(0, index, picked)  # tokens is ours
-        logprobs = _logprobs(x, tokens, params)
-        return SamplerOutput(tokens.tolist(), logprobs)
+        return _with_logprobs(x, tokens, params)
 
     def _sample(
         self,
@@ -392,10 +436,10 @@ class Sampler:
         n, vocab = x.shape
         device = x.device
         # All per-row knobs in one host-to-device copy. top_k <= V keeps it exact in float32.
-        knobs = torch.tensor(
+        knobs = to_device(
             [(p.temperature, min(p.top_k, vocab), p.top_p, p.min_p) for p in params],
-            dtype=torch.float32,
-        ).to(device, non_blocking=True)  # (N, 4)
+            torch.float32, device,
+        )  # (N, 4)
         x = x / knobs[:, 0:1]  # (N, V), new tensor
         use_k = any(p.top_k > 0 for p in params)
         use_p = any(p.top_p < 1.0 for p in params)
@@ -448,22 +492,15 @@ class Sampler:
         return gen
 
 
-def _logprobs(
-    x: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]
-) -> list[TokenLogprobs | None]:
-    """Logprobs of the chosen tokens and each row's top-n, from penalized logits x (B, V)."""
-    out: list[TokenLogprobs | None] = [None] * len(params)
+def _with_logprobs(x: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> SampledBatch:
+    """The picks plus, for rows that asked, the chosen token's logprob and the top-n,
+    from penalized logits x (B, V)."""
     rows = [i for i, p in enumerate(params) if p.logprobs > 0]
     if not rows:
-        return out
-    index = torch.tensor(rows, device=x.device)
+        return SampledBatch(tokens)
+    index = to_device(rows, torch.long, x.device)
     lp = x.index_select(0, index).log_softmax(dim=-1)  # (n, V)
-    chosen_ids = tokens.index_select(0, index)  # (n,)
-    chosen = lp.gather(1, chosen_ids[:, None])[:, 0]  # (n,)
+    chosen = lp.gather(1, tokens.index_select(0, index)[:, None])[:, 0]  # (n,)
     width = min(max(params[i].logprobs for i in rows), x.shape[1])
     top = lp.topk(width, dim=-1)  # (n, width) each, highest first
-    top_ids, top_vals = top.indices.tolist(), top.values.tolist()
-    for j, (i, tok, val) in enumerate(zip(rows, chosen_ids.tolist(), chosen.tolist())):
-        n = params[i].logprobs
-        out[i] = TokenLogprobs(tok, val, tuple(zip(top_ids[j][:n], top_vals[j][:n])))
-    return out
+    return SampledBatch(tokens, rows, [params[i].logprobs for i in rows], chosen, top.indices, top.values)

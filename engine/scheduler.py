@@ -124,20 +124,24 @@ class Scheduler:
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Plan one step. Sequences keep their place in `running`; the plan lists them
-        decodes first so the model can batch them together."""
+        decodes first so the model can batch them together. Planned tokens count as
+        computed from here on (the step that computes them is launched next), and each
+        sampling chunk leaves one token pending until `update` reports it."""
         self._step += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
         for seq in self.running:
-            (decodes if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefills).append(seq)
+            if seq.num_pending and self._at_limit(seq):
+                continue  # its pending token is its last: nothing to compute until it reports
+            (decodes if seq.planned_len - seq.num_computed_tokens == 1 else prefills).append(seq)
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            n = min(seq.planned_len - seq.num_computed_tokens, budget)
             if self._reserve_running(seq, n, out):
                 out.scheduled.append(self._plan(seq, n))
                 budget -= n
@@ -150,9 +154,19 @@ class Scheduler:
                                                 else it.seq.lora_slot))
         if idle:
             self._batch_slots = len(self.running)
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            seq.num_pending += item.samples
+            self.allocator.cache_blocks(seq)
         if not out.is_empty:
             self._count(out)
         return out
+
+    def _at_limit(self, seq: Sequence) -> bool:
+        """Whether `seq` ends by length once its pending token is reported."""
+        n = seq.planned_len
+        return n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= self.config.max_model_len
 
     def _count(self, out: SchedulerOutput) -> None:
         """Utilization counters for the batching study (O(running) per step)."""
@@ -160,16 +174,15 @@ class Scheduler:
         c.steps += 1
         c.slots_stepped += self._batch_slots if self.policy.forms_batches else len(self.running)
         c.useful_tokens += out.num_batched_tokens
-        c.kv_tokens_stored += out.num_batched_tokens  # written by this step
         bs = self.allocator.block_size
-        for seq in self.running:
+        for seq in self.running:  # computed counts already include this step's tokens
             c.kv_tokens_stored += seq.num_computed_tokens
             c.kv_tokens_reserved += len(seq.block_table) * bs
 
     def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
         seq.scheduled_step = self._step
         start = seq.num_computed_tokens
-        return ScheduledSeq(seq, start, n, start + n == len(seq.token_ids))
+        return ScheduledSeq(seq, start, n, start + n == seq.planned_len)
 
     def _reserve_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for `n` more tokens of a running sequence, preempting the lowest
@@ -207,6 +220,10 @@ class Scheduler:
             seq = self._peek_waiting()
             if seq is None:
                 break
+            if seq.num_pending:  # preempted with a token in flight: it rejoins once that reports
+                heapq.heappop(self._waiting)
+                deferred.append(seq)
+                continue
             if room <= 0:  # no seat: only a strictly lower-priority running sequence gives one up
                 refund = None if self.policy.forms_batches else self._preempt_for(seq, out)
                 if refund is None:
@@ -304,28 +321,30 @@ class Scheduler:
     # ---- bookkeeping ---------------------------------------------------------
 
     def update(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
-        """Apply a step's results; return one output per request that produced a token
-        or finished (aborts since the last update included)."""
+        """Apply a step's sampled tokens; return one output per request that produced a
+        token or finished (aborts since the last update included). A sequence preempted
+        after the step was launched still gets its token: it was computed from its whole
+        context, and recomputing the prefix later reproduces the same KV."""
         results = self.take_aborted()
         row = 0
         finished = False
         for item in out.scheduled:
-            seq = item.seq
-            if item.samples:
-                row += 1
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted mid-step: its output was already reported
-            seq.num_computed_tokens += item.num_tokens
-            self.allocator.cache_blocks(seq)
             if not item.samples:
                 continue
+            seq = item.seq
+            row += 1
+            if seq.is_finished:
+                continue  # aborted, or ended by an earlier step's token while this one ran
+            seq.num_pending -= 1
             token = sampled.token_ids[row - 1]
             logprobs = [sampled.logprobs[row - 1]] if sampled.logprobs[row - 1] is not None else []
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:
+                finished |= seq.status is SequenceStatus.RUNNING
                 self._finish(seq, reason)
-                finished = True
+            elif seq.status is SequenceStatus.RUNNING:
+                self.allocator.cache_blocks(seq)  # a block its pending token completed
             results.append(self._output(seq, [token], logprobs))
         if finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
@@ -341,7 +360,10 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self._leave_running(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self._leave_running(seq)
+        else:  # preempted while its last token was in flight; its heap entry is skipped lazily
+            self.num_waiting -= 1
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         del self.requests[seq.request_id]
 

@@ -22,9 +22,12 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One request. The KV cache holds its first `num_computed_tokens` tokens; the
-    scheduler brings that count up to `num_tokens` (chunked prefill is just scheduling
-    fewer tokens; after preemption it restarts from zero)."""
+    """One request. The KV cache holds (or a launched step is writing) its first
+    `num_computed_tokens` tokens; the scheduler brings that count up to `planned_len`
+    (chunked prefill is just scheduling fewer tokens; after preemption it restarts from
+    zero). With overlapped scheduling a step may be planned before the previous step's
+    token is known: that token is pending, counted in `planned_len` but not yet in
+    `token_ids`, and the model reads it from the previous step's output on the device."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -39,7 +42,8 @@ class Sequence:
 
     token_ids: list[int] = field(init=False)  # prompt + outputs
     num_prompt_tokens: int = field(init=False)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # advanced when a step is planned, not when it reports
+    num_pending: int = 0  # tokens sampled by launched steps, not yet reported (0 or 1)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
@@ -58,6 +62,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def planned_len(self) -> int:
+        """Tokens once every launched step has reported."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,8 +1,10 @@
-"""Compute kernels: paged KV-cache attention and batched multi-LoRA.
+"""Compute kernels: paged KV-cache attention, batched multi-LoRA, and the fused elementwise
+ops of a decoder layer (RMSNorm with residual add, rotary embedding, SwiGLU).
 
 Each op has a torch reference (``*_ref``, also the CPU path) and a Triton version
 (``*_triton``). The dispatchers below (``store_kv``, ``paged_attention``, ``lora_shrink``,
-``lora_expand``) pick Triton for CUDA tensors and the reference otherwise;
+``lora_expand``, ``rms_norm``, ``add_rms_norm``, ``rope``, ``silu_and_mul``) pick Triton for
+CUDA tensors and the reference otherwise;
 ``OMNIBUS_FORCE_TRITON=1`` forces Triton on CPU, for testing under ``TRITON_INTERPRET=1``.
 
 Triton is only imported when a Triton kernel is first used, so this package imports on hosts
@@ -16,7 +18,9 @@ import os
 import torch
 
 from kernels.attention import paged_attention_ref, store_kv_ref
+from kernels.fused import rope_ref, silu_and_mul_ref
 from kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
+from kernels.norm import add_rms_norm_ref, rms_norm_ref
 
 __all__ = [
     "store_kv_ref",
@@ -30,6 +34,14 @@ __all__ = [
     "lora_shrink",
     "lora_expand",
     "use_triton",
+    "rms_norm_ref",
+    "add_rms_norm_ref",
+    "rope_ref",
+    "silu_and_mul_ref",
+    "rms_norm",
+    "add_rms_norm",
+    "rope",
+    "silu_and_mul",
 ]
 
 
@@ -107,3 +119,50 @@ def lora_expand(
         lora_expand_triton(y, lora_b, seg_starts, seg_slots, scales, out)
     else:
         lora_expand_ref(y, lora_b, seg_starts, seg_slots, scales, out)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of (T, H) rows as a new tensor; see :func:`rms_norm_ref`."""
+    if use_triton(x):
+        from kernels.norm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` IN PLACE (in its dtype), then returns ``(rms_norm(residual),
+    residual)``; see :func:`add_rms_norm_ref`. x, residual: (T, H)."""
+    if use_triton(x):
+        from kernels.norm_triton import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (T, H, D) and k (T, KVH, D) rotated by each token's position; see :func:`rope_ref`.
+    The Triton path rotates in place (q and k may be strided views of a fused qkv output)
+    and returns them; the reference returns new tensors. Use the returned pair."""
+    if use_triton(q):
+        from kernels.fused_triton import rope_triton
+
+        return rope_triton(q, k, cos_table, sin_table, positions)
+    return rope_ref(q, k, cos_table, sin_table, positions)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) -> (T, I) ``silu(gate) * up`` as a new tensor; see :func:`silu_and_mul_ref`."""
+    if use_triton(gate_up):
+        from kernels.fused_triton import silu_and_mul_triton
+
+        return silu_and_mul_triton(gate_up)
+    return silu_and_mul_ref(gate_up)

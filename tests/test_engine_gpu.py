@@ -1,5 +1,5 @@
-"""On a CUDA device: the engine on Triton kernels with CUDA-graph decode equals its eager
-run and transformers, token for token (run with `make test-gpu` where a GPU is lent)."""
+"""On a CUDA device: the engine on Triton kernels with CUDA-graph decode and overlapped
+scheduling equals its eager lockstep run and transformers, token for token (run with `make test-gpu` where a GPU is lent)."""
 
 import pytest
 import torch
@@ -21,11 +21,17 @@ def test_cuda_graphs_and_kernels_match_eager_and_transformers(tmp_path):
     hf = load_hf(path)
     expected = [hf_greedy(hf, p, m) for p, m in zip(prompts, lengths)]
     outs = {}
-    for graphs in (True, False):
+    # CUDA graphs with overlapped scheduling (the CUDA default), graphs in lockstep, eager lockstep.
+    for graphs, overlap in ((True, True), (True, False), (False, False)):
         engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", decode_graphs=graphs,
-                                     kv_cache_memory=64 << 20, max_num_batched_tokens=64))
-        outs[graphs] = engine.generate(prompts, params)
+                                     overlap_scheduling=overlap, kv_cache_memory=64 << 20,
+                                     max_num_batched_tokens=64))
+        assert engine.overlap == overlap
+        outs[graphs, overlap] = engine.generate(prompts, params)
         if graphs:
             assert engine.runner.graphs.graphs and engine.runner.graphs.num_runs > 0
+        torch.cuda.synchronize()
+        meter = engine.runner.idle_meter
+        assert 0.0 <= meter.idle_share < 1.0 and meter.busy_ms > 0
         engine.check_integrity()
-    assert outs[True] == outs[False] == expected
+    assert outs[True, True] == outs[True, False] == outs[False, False] == expected

@@ -74,31 +74,37 @@ def test_architectures_match_transformers(tmp_path, arch, kw):
     Oracle(path).check(prompts, max_tokens)
 
 
-def test_chunked_prefill_matches(llama):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_chunked_prefill_matches(llama, overlap):
     prompts, max_tokens = workload(seed=2, n=20)
-    engine = llama.check(prompts, max_tokens, max_num_batched_tokens=48, max_num_seqs=8)
+    engine = llama.check(prompts, max_tokens, max_num_batched_tokens=48, max_num_seqs=8,
+                         overlap_scheduling=overlap)
     assert engine.num_steps > sum(len(p) for p in prompts) // 48  # prompts really were chunked
 
 
-def test_preemption_matches(llama):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_preemption_matches(llama, overlap):
     prompts, max_tokens = workload(seed=3, n=16)
     # 40 blocks of 16 tokens: far less than the ~3,600 tokens in flight, so sequences
     # are preempted and recomputed many times.
-    engine = llama.check(prompts, max_tokens, num_kv_blocks=40, max_num_batched_tokens=256)
+    engine = llama.check(prompts, max_tokens, num_kv_blocks=40, max_num_batched_tokens=256,
+                         overlap_scheduling=overlap)
     assert engine.stats().num_preemptions > 0
 
 
-def test_padded_decode_buckets_match(llama):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_padded_decode_buckets_match(llama, overlap):
     """The CUDA-graph path's padding (to bucket sizes, through the null block), run
     eagerly on the CPU, leaves every output token-exact."""
     prompts, max_tokens = workload(seed=5, n=19)
-    engine = llama.check(prompts, max_tokens, decode_graphs=True)
+    engine = llama.check(prompts, max_tokens, decode_graphs=True, overlap_scheduling=overlap)
     assert engine.runner.graphs.num_runs > 10
 
 
-def test_prefix_cache_hits_match(llama):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefix_cache_hits_match(llama, overlap):
     prompts, max_tokens = workload(seed=4, n=16, shared_prefix=100)
-    engine = llama.check(prompts, max_tokens)
+    engine = llama.check(prompts, max_tokens, overlap_scheduling=overlap)
     # Second round: every prompt's full blocks are cached now.
     before = engine.stats().num_prefix_cache_hit_blocks
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
@@ -119,8 +125,9 @@ def test_cached_prompt_tokens_reported(llama):
     assert outs[-1].num_cached_tokens == 32 and outs[-1].num_prompt_tokens == 42
 
 
-def test_eos_and_stop_tokens_end_requests(llama):
-    engine = Engine(EngineConfig(model=str(llama.path), dtype="float32"))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_eos_and_stop_tokens_end_requests(llama, overlap):
+    engine = Engine(EngineConfig(model=str(llama.path), dtype="float32", overlap_scheduling=overlap))
     prompt = [5, 9, 13, 200]
     ref = llama.expected(prompt, 8)
     stop = ref[3]
@@ -132,8 +139,10 @@ def test_eos_and_stop_tokens_end_requests(llama):
     assert outs[-1].finish_reason == "stop"
 
 
-def test_abort_frees_blocks_and_reports(llama):
-    engine = Engine(EngineConfig(model=str(llama.path), dtype="float32", max_num_batched_tokens=32))
+@pytest.mark.parametrize("overlap", [False, True])
+def test_abort_frees_blocks_and_reports(llama, overlap):
+    engine = Engine(EngineConfig(model=str(llama.path), dtype="float32", max_num_batched_tokens=32,
+                                 overlap_scheduling=overlap))
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     engine.add_request("decoding", [5] * 10, params)
     engine.step()
@@ -170,12 +179,13 @@ def test_request_larger_than_pool_is_refused(llama):
         engine.add_request("big", [5] * 60, SamplingParams(max_tokens=10))
 
 
-def test_triton_kernels_in_the_engine_match(llama, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_triton_kernels_in_the_engine_match(llama, monkeypatch, overlap):
     """The engine on the Triton kernels (KV store, paged attention; interpreted on the CPU)
     stays token-exact: mixed prefill chunks, cached prefixes and decodes in one launch."""
     monkeypatch.setenv("OMNIBUS_FORCE_TRITON", "1")
     prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)]
-    llama.check(prompts, [4, 3, 5], max_num_batched_tokens=24)
+    llama.check(prompts, [4, 3, 5], max_num_batched_tokens=24, overlap_scheduling=overlap)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(llama):
@@ -187,3 +197,38 @@ def test_seeded_sampling_is_independent_of_the_batch(llama):
     assert batch[1] == alone
     unseeded = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, ignore_eos=True)
     assert engine.generate([[5, 6, 7, 8]] * 3, unseeded) != [alone] * 3  # the seed is what pins it
+
+
+def test_overlapped_sampling_equals_lockstep_for_every_knob(llama):
+    """Seeded sampling, penalties (which make the next step wait for the pending token)
+    and logprobs give the same tokens and logprobs with and without overlap, and stop
+    tokens ending a request while its next step is already running waste nothing."""
+    prompts = [[5, 6, 7, 8], [9] * 30, [40, 41], [11] * 17, [3] * 5]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.7, top_k=20, seed=3, frequency_penalty=0.4, logprobs=3,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=15, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=tuple(range(3, VOCAB, 2))),
+    ]
+    runs = []
+    for overlap in (False, True):
+        engine = Engine(EngineConfig(model=str(llama.path), dtype="float32", overlap_scheduling=overlap,
+                                     max_num_batched_tokens=16))
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", prompt, p)
+        got: dict[str, list] = {}
+        ends = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(
+                    (t, lp.logprob if lp else None) for t, lp in zip(out.new_token_ids, out.new_logprobs or
+                                                                     [None] * len(out.new_token_ids)))
+                if out.finished:
+                    ends[out.request_id] = out.finish_reason
+        assert engine.check_integrity().referenced == 0
+        runs.append((got, ends))
+    assert runs[0] == runs[1]
+    assert runs[1][1]["r4"] == "stop"

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from kernels.attention import paged_attention_ref, store_kv_ref
+from kernels.fused import rope_ref, silu_and_mul_ref
 from kernels.lora import lora_expand_ref, lora_shrink_ref
+from kernels.norm import add_rms_norm_ref, rms_norm_ref
 
 pytestmark = [
     pytest.mark.gpu,
@@ -149,3 +151,120 @@ def test_lora_serving_batch(dtype: torch.dtype, max_rank: int) -> None:
     delta_ref = torch.zeros(num_tokens, out_dim, device="cuda")
     lora_expand_ref(y_ref, lora_b.float(), seg_starts, seg_slots, scales, delta_ref)
     assert rel_err(out.float() - base.float(), delta_ref) < TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused elementwise kernels: RMSNorm (+ residual add), rotary embedding, SwiGLU
+# ---------------------------------------------------------------------------------------------
+
+HIDDEN, INTER, EPS, MAX_LEN = 4096, 14336, 1e-5, 8192
+# Elements allowed to differ by one rounding step from the same-dtype reference, where only
+# fp32 reduction order or exp/rsqrt ulps differ (a skipped rounding would differ far more).
+MAX_DIFF_FRACTION = 1e-2
+
+
+def diff_fraction(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return (out != ref).float().mean().item()
+
+
+def rope_tables_cuda(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (MAX_LEN, D) cos/sin tables laid out as the engine's (half-duplicated)."""
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(MAX_LEN, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1).cuda()
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 333, 4096])
+def test_rms_norm_serving(dtype: torch.dtype, num_tokens: int) -> None:
+    from kernels.norm_triton import add_rms_norm_triton, rms_norm_triton
+
+    x = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=dtype)
+    residual = torch.randn_like(x)
+    weight = (1 + 0.1 * torch.randn(HIDDEN, device="cuda")).to(dtype)
+
+    out = rms_norm_triton(x, weight, EPS)
+    assert out.dtype == dtype
+    assert rel_err(out, rms_norm_ref(x.float(), weight.float(), EPS)) < TOL
+    assert diff_fraction(out, rms_norm_ref(x, weight, EPS)) < MAX_DIFF_FRACTION
+
+    ref_out, ref_res = add_rms_norm_ref(x, residual.clone(), weight, EPS)
+    out, new_residual = add_rms_norm_triton(x, residual, weight, EPS)
+    assert new_residual is residual and torch.equal(residual, ref_res)
+    assert diff_fraction(out, ref_out) < MAX_DIFF_FRACTION
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 333, 4096])
+def test_rope_serving(dtype: torch.dtype, num_tokens: int) -> None:
+    """In place on q/k views of a fused qkv output; bit-exact with the reference (the kernel
+    rounds where it rounds, and no op there depends on libm)."""
+    from kernels.fused_triton import rope_triton
+
+    q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, device="cuda", dtype=dtype)
+    q = qkv[:, :q_size].view(num_tokens, NUM_HEADS, HEAD_DIM)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    v_before = qkv[:, q_size + kv_size :].clone()
+    cos, sin = rope_tables_cuda(HEAD_DIM)
+    positions = torch.randint(0, MAX_LEN, (num_tokens,), device="cuda")
+    q_ref, k_ref = rope_ref(q, k, cos, sin, positions)
+    rope_triton(q, k, cos, sin, positions)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(qkv[:, q_size + kv_size :], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 333, 4096])
+def test_silu_and_mul_serving(dtype: torch.dtype, num_tokens: int) -> None:
+    from kernels.fused_triton import silu_and_mul_triton
+
+    gate_up = torch.randn(num_tokens, 2 * INTER, device="cuda", dtype=dtype)
+    out = silu_and_mul_triton(gate_up)
+    assert out.dtype == dtype and out.shape == (num_tokens, INTER)
+    assert rel_err(out, silu_and_mul_ref(gate_up.float())) < TOL
+    assert diff_fraction(out, silu_and_mul_ref(gate_up)) < MAX_DIFF_FRACTION
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_kernels_in_cuda_graph(dtype: torch.dtype) -> None:
+    """The launchers read nothing back to the host: captured once, a replay equals eager."""
+    from kernels.fused_triton import rope_triton, silu_and_mul_triton
+    from kernels.norm_triton import add_rms_norm_triton, rms_norm_triton
+
+    num_tokens = 64
+    q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    x = torch.randn(num_tokens, HIDDEN, device="cuda", dtype=dtype)
+    residual = torch.randn_like(x)
+    weight = torch.randn(HIDDEN, device="cuda", dtype=dtype)
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, device="cuda", dtype=dtype)
+    q = qkv[:, :q_size].view(num_tokens, NUM_HEADS, HEAD_DIM)
+    k = qkv[:, q_size : q_size + kv_size].view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
+    cos, sin = rope_tables_cuda(HEAD_DIM)
+    positions = torch.randint(0, MAX_LEN, (num_tokens,), device="cuda")
+    gate_up = torch.randn(num_tokens, 2 * INTER, device="cuda", dtype=dtype)
+    residual0, qkv0 = residual.clone(), qkv.clone()
+
+    def step() -> list[torch.Tensor]:
+        normed = rms_norm_triton(x, weight, EPS)
+        out, _ = add_rms_norm_triton(x, residual, weight, EPS)
+        rope_triton(q, k, cos, sin, positions)
+        return [normed, out, silu_and_mul_triton(gate_up)]
+
+    def reset() -> None:  # undo the in-place updates
+        residual.copy_(residual0)
+        qkv.copy_(qkv0)
+
+    step()  # compiles the kernels, which cannot happen during capture
+    reset()
+    expect = [t.clone() for t in step()] + [residual.clone(), qkv.clone()]
+    reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    reset()
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip([*outs, residual, qkv], expect):
+        assert torch.equal(got, want)

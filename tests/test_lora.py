@@ -80,11 +80,12 @@ def mixed_requests(prompt_len=30, per_adapter=2, prefix=None):
     return reqs
 
 
-@pytest.mark.parametrize("max_loras", [4, 2])  # 2 < 4 adapters in use: eviction and reload
-def test_mixed_batch_matches_peft(setup, max_loras):
+@pytest.mark.parametrize("max_loras,overlap", [(4, False), (2, False), (2, True)])  # 2 < 4 in use: reloads
+def test_mixed_batch_matches_peft(setup, max_loras, overlap):
     base, adapters_dir, oracles = setup
     engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir),
-                                 max_loras=max_loras, max_cpu_loras=4, max_lora_rank=16))
+                                 max_loras=max_loras, max_cpu_loras=4, max_lora_rank=16,
+                                 overlap_scheduling=overlap))
     reqs = mixed_requests()
     got = run(engine, reqs)
     for (adapter, prompt, n), out in zip(reqs, got):

@@ -1,0 +1,20 @@
+"""Host-to-device copies that never make the host wait for the GPU.
+
+`torch.tensor(values, device="cuda")` and `.to("cuda", non_blocking=True)` from pageable
+memory both block the calling thread until the copy runs, which is after every kernel
+already queued: with step N still on the GPU, preparing step N+1 would stall there.
+A pinned staging tensor makes the copy truly asynchronous (the caching host allocator
+keeps the staging memory alive until the copy has completed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(data: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`data` (a nested list or a CPU tensor) as a `dtype` tensor on `device`."""
+    t = data.to(dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
