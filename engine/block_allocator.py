@@ -139,9 +139,10 @@ class BlockAllocator:
         token is still pending waits: its hash needs that token)."""
         if not self.enable_prefix_caching:
             return
-        full = min(min(seq.num_computed_tokens, seq.num_tokens) // self.block_size, len(seq.block_table))
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         if full <= seq.num_registered_blocks:
             return  # hot path: no block filled up since the last call
+        full = min(full, len(seq.block_table))
         self._hash_full_blocks(seq, full * self.block_size)
         for i in range(seq.num_registered_blocks, full):
             self._register(seq.block_table[i], seq.block_hashes[i])

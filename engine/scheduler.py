@@ -135,7 +135,8 @@ class Scheduler:
         for seq in self.running:
             if seq.num_pending and self._at_limit(seq):
                 continue  # its pending token is its last: nothing to compute until it reports
-            (decodes if seq.planned_len - seq.num_computed_tokens == 1 else prefills).append(seq)
+            left = len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens
+            (decodes if left == 1 else prefills).append(seq)
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -155,10 +156,8 @@ class Scheduler:
         if idle:
             self._batch_slots = len(self.running)
         for item in out.scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_tokens
-            seq.num_pending += item.samples
-            self.allocator.cache_blocks(seq)
+            item.seq.num_computed_tokens += item.num_tokens
+            item.seq.num_pending += item.samples
         if not out.is_empty:
             self._count(out)
         return out
@@ -182,7 +181,7 @@ class Scheduler:
     def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
         seq.scheduled_step = self._step
         start = seq.num_computed_tokens
-        return ScheduledSeq(seq, start, n, start + n == seq.planned_len)
+        return ScheduledSeq(seq, start, n, start + n == len(seq.token_ids) + seq.num_pending)
 
     def _reserve_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for `n` more tokens of a running sequence, preempting the lowest
@@ -329,23 +328,24 @@ class Scheduler:
         row = 0
         finished = False
         for item in out.scheduled:
+            seq = item.seq
+            row += item.samples
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # aborted, or ended by an earlier step's token while this one ran
+            if item.samples:
+                seq.num_pending -= 1
+                seq.token_ids.append(sampled.token_ids[row - 1])
+            if seq.status is SequenceStatus.RUNNING:
+                self.allocator.cache_blocks(seq)  # blocks this step filled
             if not item.samples:
                 continue
-            seq = item.seq
-            row += 1
-            if seq.is_finished:
-                continue  # aborted, or ended by an earlier step's token while this one ran
-            seq.num_pending -= 1
-            token = sampled.token_ids[row - 1]
-            logprobs = [sampled.logprobs[row - 1]] if sampled.logprobs[row - 1] is not None else []
-            seq.token_ids.append(token)
+            token = seq.token_ids[-1]
+            lp = sampled.logprobs[row - 1]
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 finished |= seq.status is SequenceStatus.RUNNING
                 self._finish(seq, reason)
-            elif seq.status is SequenceStatus.RUNNING:
-                self.allocator.cache_blocks(seq)  # a block its pending token completed
-            results.append(self._output(seq, [token], logprobs))
+            results.append(self._output(seq, [token], [lp] if lp is not None else []))
         if finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return results
