@@ -9,7 +9,7 @@ PROTO_SRC := $(wildcard protos/omnibus/v1/*.proto)
 PROTO_STAMP := $(PROTO_OUT)/.stamp
 export PYTHONPATH := $(CURDIR):$(CURDIR)/$(PROTO_OUT)
 
-.PHONY: setup proto test test-gpu run bench-offline bench-strategies bench-lora bench-gpu clean
+.PHONY: setup proto test test-gpu gpu-wheels run bench-offline bench-strategies bench-lora bench-gpu clean
 
 setup: $(STAMP)
 
@@ -34,9 +34,18 @@ test: setup proto
 
 # On a CUDA host: kernels at real shapes, CUDA graphs vs eager. These use the host's own
 # Python (GPU_PY) with its CUDA torch and triton: the venv's torch is the CPU build.
+# If that Python lacks structlog / pytest-asyncio, `make gpu-wheels` (here, with network)
+# fetches them into .whl/ and these targets install them into .gpu-site/ first.
 GPU_PY ?= python3
+GPU_ENV = if [ -d .whl ]; then $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile \
+	  --upgrade --target .gpu-site .whl/*.whl && export PYTHONPATH=$(CURDIR)/.gpu-site:$$PYTHONPATH; fi;
 test-gpu:
-	$(GPU_PY) -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py
+	$(GPU_ENV) $(GPU_PY) -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py
+
+gpu-wheels: setup
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+	  $$(grep -E '^(structlog|pytest-asyncio)==' requirements.txt)
 
 # `make run`: one engine worker and the router on localhost, serving MODEL (by default
 # the demo checkpoint, built on first use without any download; delete models/demo to
@@ -66,7 +75,7 @@ bench-strategies: setup proto
 
 # On a CUDA host: Llama-3-8B-shaped roofline, throughput vs transformers, multi-LoRA.
 bench-gpu:
-	$(GPU_PY) -m bench.gpu --out docs/benchmarks/gpu.md
+	$(GPU_ENV) $(GPU_PY) -m bench.gpu --out docs/benchmarks/gpu.md
 
 # Multi-LoRA throughput: 1, 8, 32 and 128 adapters against the base model, in one run.
 bench-lora: setup proto

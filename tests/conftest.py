@@ -1,9 +1,12 @@
 """Shared test setup: the Triton interpreter on CPU, and deterministic torch."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
 
-import torch  # noqa: E402
+# Without a GPU, Triton kernels run in the interpreter (set before triton is imported; torch
+# does not import it). On a CUDA host (`make test-gpu`) they must be compiled for real.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(max(1, os.cpu_count() or 1))
 
