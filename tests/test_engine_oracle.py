@@ -3,6 +3,7 @@ with chunked prefill, preemption and prefix-cache hits (float32 on CPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -232,3 +233,16 @@ def test_overlapped_sampling_equals_lockstep_for_every_knob(llama):
         runs.append((got, ends))
     assert runs[0] == runs[1]
     assert runs[1][1]["r4"] == "stop"
+
+
+def test_overlap_and_graph_flags_reach_the_engine(llama):
+    from engine.__main__ import build_parser, configs_from_args
+
+    def config(flags: str):
+        return configs_from_args(build_parser().parse_args(["serve", "--model", str(llama.path), *flags.split()]))[0]
+
+    assert (config("").overlap_scheduling, config("").decode_graphs) == (None, None)  # by device
+    c = config("--overlap-scheduling --no-decode-graphs")
+    assert (c.overlap_scheduling, c.decode_graphs) == (True, False)
+    assert Engine(dataclasses.replace(c, dtype="float32")).overlap
+    assert not Engine(EngineConfig(model=str(llama.path), dtype="float32")).overlap  # CPU default: lockstep
