@@ -91,6 +91,47 @@ def run_omnibus(path: Path, prompts, lengths) -> float:
     return sum(lengths) / elapsed
 
 
+def host_work_per_step(path: Path, batch_sizes=(64, 256), prompt_len: int = 128, steps: int = 20) -> dict:
+    """Host time of one decode step outside the model: schedule, input preparation and
+    update (ms), at each batch size. On a GPU in lockstep the device idles this long every
+    step; overlapped scheduling hides it behind the previous step."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=max(batch_sizes),
+                                 max_num_batched_tokens=2048, kv_cache_memory=1 << 30))
+    rng = random.Random(1)
+    out = {}
+    for bs in batch_sizes:
+        ids = [f"h{bs}-{i}" for i in range(bs)]
+        for rid in ids:
+            engine.add_request(rid, [rng.randrange(3, engine.model_config.vocab_size) for _ in range(prompt_len)],
+                               SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
+        while engine.scheduler.num_waiting or any(
+                s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running):
+            engine.step()
+        times = {"schedule": 0.0, "prepare": 0.0, "update": 0.0, "model": 0.0}
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            plan = engine.scheduler.schedule()
+            t1 = time.perf_counter()
+            engine.runner.prepare(plan)
+            t2 = time.perf_counter()
+            sampled = engine.runner.execute(plan)  # prepares again, then forward + sample
+            t3 = time.perf_counter()
+            engine.scheduler.update(plan, sampled)
+            t4 = time.perf_counter()
+            for key, dt in (("schedule", t1 - t0), ("prepare", t2 - t1), ("model", t3 - t2 - (t2 - t1)),
+                            ("update", t4 - t3)):
+                times[key] += dt * 1e3 / steps
+        out[bs] = times
+        for rid in ids:
+            engine.abort(rid)
+        engine.step()
+    return out
+
+
 def run_hf(path: Path, prompts, lengths) -> tuple[float, float]:
     """transformers static `generate` (batches of 16) and continuous batching, same weights."""
     import transformers
@@ -153,6 +194,7 @@ def main() -> None:
         "output_tokens": sum(lengths),
         "prompt_tokens": sum(map(len, prompts)),
         "scheduler_ms_per_step_256": scheduler_step_time(),
+        "host_ms_per_decode_step": host_work_per_step(path),
     }
     # Output tokens only, as the target defines it; prompt tokens add matmul work on top.
     results["share_of_matmul_peak"] = 2 * results["matmul_params"] * results["omnibus_tok_s"] / (peak * 1e9)
@@ -166,8 +208,17 @@ def main() -> None:
         write_markdown(args.out, results, args.requests)
 
 
+KEEP_MARKER = "<!-- written by hand below: kept when bench.offline rewrites this file -->"
+
+
 def write_markdown(out: Path, r: dict, n: int) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
+    old = out.read_text() if out.exists() else ""
+    kept = old[old.index(KEEP_MARKER):] if KEEP_MARKER in old else KEEP_MARKER + "\n"
+    host_rows = "\n".join(
+        f"| {bs} | {t['schedule']:.2f} | {t['prepare']:.2f} | {t['update']:.2f} | "
+        f"{t['schedule'] + t['prepare'] + t['update']:.2f} | {t['model']:.1f} |"
+        for bs, t in r["host_ms_per_decode_step"].items())
     out.write_text(f"""# Offline throughput (CPU)
 
 Produced by `make bench-offline` (`python -m bench.offline`). Model: Llama-shaped, hidden 512,
@@ -187,7 +238,18 @@ Machine: {r['env']['cores']} cores, torch {r['env']['torch']}, {r['env']['thread
   {100 * r['share_of_matmul_peak']:.1f}%; counting prompt tokens too: {100 * r['share_of_matmul_peak_all_tokens']:.1f}%.
 - Scheduler + allocator time per decode step at 256 running sequences (model stubbed):
   {r['scheduler_ms_per_step_256']:.3f} ms.
-""")
+
+## Host work per decode step (what a GPU in lockstep would wait on)
+
+Decode steps with 128-token prompts, this model, measured around the real step. On a
+GPU the model column shrinks to the device's step time; the rest is Python that
+overlapped scheduling (`--overlap-scheduling`, the CUDA default) runs while the
+previous step is on the device.
+
+| batch | schedule (ms) | prepare inputs (ms) | update (ms) | host total (ms) | model on this CPU (ms) |
+|---:|---:|---:|---:|---:|---:|
+{host_rows}
+""" + kept)
 
 
 if __name__ == "__main__":
