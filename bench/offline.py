@@ -116,14 +116,13 @@ def host_work_per_step(path: Path, batch_sizes=(64, 256), prompt_len: int = 128,
             t0 = time.perf_counter()
             plan = engine.scheduler.schedule()
             t1 = time.perf_counter()
-            engine.runner.prepare(plan)
+            batch = engine.runner.prepare(plan)
             t2 = time.perf_counter()
-            sampled = engine.runner.execute(plan)  # prepares again, then forward + sample
+            sampled = engine.runner.run(plan, batch).result()
             t3 = time.perf_counter()
             engine.scheduler.update(plan, sampled)
             t4 = time.perf_counter()
-            for key, dt in (("schedule", t1 - t0), ("prepare", t2 - t1), ("model", t3 - t2 - (t2 - t1)),
-                            ("update", t4 - t3)):
+            for key, dt in (("schedule", t1 - t0), ("prepare", t2 - t1), ("model", t3 - t2), ("update", t4 - t3)):
                 times[key] += dt * 1e3 / steps
         out[bs] = times
         for rid in ids:

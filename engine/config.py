@@ -166,7 +166,7 @@ class EngineConfig:
     preload_adapters: tuple[str, ...] = ()  # loaded into host memory at start-up
     load_format: str = "safetensors"  # "dummy": random weights from config.json alone (benchmarks)
     decode_graphs: bool | None = None  # pad decode steps to bucket sizes (CUDA graphs); None: on for CUDA
-    # Plan and launch step N+1 before reading step N's tokens back, so the GPU never waits
+    # Plan and launch step N+1 before reading step N's tokens back, so the GPU need not wait
     # on Python. Outputs then arrive one step later; on a CPU (no separate device to keep
     # busy) that is pure latency, so None means on for CUDA only.
     overlap_scheduling: bool | None = None

@@ -155,22 +155,24 @@ class Engine:
         prev, self._in_flight = self._in_flight, None
         results: list[RequestOutput] = []
         if prev is not None and prev.reads_history:  # penalties must see the pending tokens
-            results += self.scheduler.update(prev.plan, prev.result())
+            results += self._report(prev)
             prev = None
         plan = self.scheduler.schedule()
-        if prev is not None and plan.is_empty:
-            results += self.scheduler.update(prev.plan, prev.result())
-            prev = None
+        step = None
         if not plan.is_empty:
             step = self.runner.launch(plan, prev)
             self.num_steps += 1
-            if prev is not None:
-                results += self.scheduler.update(prev.plan, prev.result())
+        if prev is not None:
+            results += self._report(prev)
+        if step is not None:
             if self.overlap:
                 self._in_flight = step
             else:
-                results += self.scheduler.update(plan, step.result())
-        return results + self.scheduler.take_aborted()
+                results += self._report(step)
+        return self.scheduler.take_aborted() + results
+
+    def _report(self, step: Step) -> list[RequestOutput]:
+        return self.scheduler.update(step.plan, step.result())
 
     def warmup(self) -> None:
         """One short request through the whole path (prefill, decode, sampling) before

@@ -7,6 +7,7 @@ sampler. It never decides anything: the plan says which tokens to compute.
 from __future__ import annotations
 
 import collections
+import functools
 from dataclasses import dataclass
 
 import structlog
@@ -211,12 +212,15 @@ class ModelRunner:
             pooled = torch.stack([hidden[a:b].mean(0) for a, b in zip(starts, starts[1:])])
         return F.normalize(pooled, dim=-1) if normalize else pooled
 
-    @torch.inference_mode()
     def launch(self, plan: SchedulerOutput, prev: Step | None = None) -> Step:
         """Queue the plan's forward pass and sampling on the device and start copying the
         picks back; returns without waiting for the device. `prev` is the step launched
         before, when its picks have not been reported yet (overlapped scheduling)."""
-        batch = self.prepare(plan, prev)
+        return self.run(plan, self.prepare(plan, prev))
+
+    @torch.inference_mode()
+    def run(self, plan: SchedulerOutput, batch: ForwardBatch) -> Step:
+        """`launch` with the inputs already prepared."""
         if self.idle_meter is not None:
             self.idle_meter.step_started()
         if self.graphs is not None and self.graphs.can_run(batch, len(plan.scheduled)):
@@ -235,7 +239,7 @@ class ModelRunner:
             sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
         if self.idle_meter is not None:
             self.idle_meter.step_ended()
-        return Step(plan, sampled, {seq: i for i, seq in enumerate(rows)})
+        return Step(plan, sampled)
 
     def execute(self, plan: SchedulerOutput) -> SamplerOutput:
         """Run one step to completion: launch it and wait for its picks."""
@@ -244,21 +248,25 @@ class ModelRunner:
 
 @dataclass
 class Step:
-    """A launched step: its plan, its picks on the device and which row is whose."""
+    """A launched step: its plan and its picks, on the device and copying to the host."""
 
     plan: SchedulerOutput
     sampled: SampledBatch  # on the device; the next step's prepare() may read it
-    rows: dict[Sequence, int]  # sampled row of each sequence that samples
     host: SampledBatch | None = None
 
     def __post_init__(self) -> None:
         self.host = self.sampled.to_host()  # the copy starts now and completes on its own
 
+    @functools.cached_property
+    def rows(self) -> dict[Sequence, int]:
+        """Sampled row of each sequence that samples (only overlapped steps ask)."""
+        return {item.seq: i for i, item in enumerate(it for it in self.plan.scheduled if it.samples)}
+
     @property
     def reads_history(self) -> bool:
         """Whether a sequence of this step samples with penalties, which read its tokens:
         its next step must wait for this one's report."""
-        return any(seq.params.has_penalties for seq in self.rows)
+        return any(item.samples and item.seq.params.has_penalties for item in self.plan.scheduled)
 
     def result(self) -> SamplerOutput:
         """The picks on the host (waits for the step to finish on the device)."""

@@ -133,7 +133,7 @@ class Scheduler:
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
         for seq in self.running:
-            if seq.num_pending and self._at_limit(seq):
+            if seq.num_pending and self._at_limit(seq, seq.planned_len):
                 continue  # its pending token is its last: nothing to compute until it reports
             left = len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens
             (decodes if left == 1 else prefills).append(seq)
@@ -162,10 +162,10 @@ class Scheduler:
             self._count(out)
         return out
 
-    def _at_limit(self, seq: Sequence) -> bool:
-        """Whether `seq` ends by length once its pending token is reported."""
-        n = seq.planned_len
-        return n - seq.num_prompt_tokens >= seq.params.max_tokens or n >= self.config.max_model_len
+    def _at_limit(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` ends by length once it holds `num_tokens` tokens."""
+        return (num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+                or num_tokens >= self.config.max_model_len)
 
     def _count(self, out: SchedulerOutput) -> None:
         """Utilization counters for the batching study (O(running) per step)."""
@@ -321,10 +321,10 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
         """Apply a step's sampled tokens; return one output per request that produced a
-        token or finished (aborts since the last update included). A sequence preempted
+        token or finished by it (aborts are reported by `take_aborted`). A sequence preempted
         after the step was launched still gets its token: it was computed from its whole
         context, and recomputing the prefix later reproduces the same KV."""
-        results = self.take_aborted()
+        results: list[RequestOutput] = []
         row = 0
         finished = False
         for item in out.scheduled:
@@ -354,10 +354,7 @@ class Scheduler:
         p = seq.params
         if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
-        n = len(seq.token_ids)
-        if n - seq.num_prompt_tokens >= p.max_tokens or n >= self.config.max_model_len:
-            return "length"
-        return None
+        return "length" if self._at_limit(seq, len(seq.token_ids)) else None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:

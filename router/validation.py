@@ -96,22 +96,15 @@ class Validator:
         self, request: inference_pb2.GenerateRequest, request_id: str
     ) -> ValidRequest:
         """Checks `request` and tokenizes its prompt. Raises RequestError(INVALID_ARGUMENT)."""
-        size = request.ByteSize()
-        if size > self._config.max_request_bytes:
-            raise invalid(
-                f"the request is {size} bytes; the limit is {self._config.max_request_bytes} bytes"
-            )
-        _check_request_id(request.request_id)
-        self._check_priority(request.priority)
+        self._check_envelope(request)
         sampling = self._sampling(request.sampling)
         stop = self._stop_strings(request.sampling)
         prompt = await self._prompt_ids(request)
         self._check_length(len(prompt), sampling.max_tokens)
         return ValidRequest(request_id, prompt, sampling, stop, request.priority)
 
-    async def embed_inputs(self, request: inference_pb2.EmbedRequest) -> list[list[int]]:
-        """Checks an Embed request and tokenizes its text inputs. Raises
-        RequestError(INVALID_ARGUMENT)."""
+    def _check_envelope(self, request: inference_pb2.GenerateRequest | inference_pb2.EmbedRequest) -> None:
+        """What every request carries: its size, request_id and priority."""
         size = request.ByteSize()
         if size > self._config.max_request_bytes:
             raise invalid(
@@ -119,6 +112,11 @@ class Validator:
             )
         _check_request_id(request.request_id)
         self._check_priority(request.priority)
+
+    async def embed_inputs(self, request: inference_pb2.EmbedRequest) -> list[list[int]]:
+        """Checks an Embed request and tokenizes its text inputs. Raises
+        RequestError(INVALID_ARGUMENT)."""
+        self._check_envelope(request)
         count, cap = len(request.inputs), self._config.max_embed_inputs
         if not 1 <= count <= cap:
             raise invalid(f"send 1 to {cap} inputs per Embed request, got {count}")

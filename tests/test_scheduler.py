@@ -33,7 +33,7 @@ def fake_step(s: Scheduler, token: int = 7, now: float | None = None):
     """One step with a model that always samples `token`."""
     plan = s.schedule(now)
     n = sum(item.samples for item in plan.scheduled)
-    outs = s.update(plan, SamplerOutput([token] * n, [None] * n))
+    outs = s.take_aborted() + s.update(plan, SamplerOutput([token] * n, [None] * n))
     s.allocator.check_integrity(s.block_tables())
     return plan, outs
 
