@@ -1,42 +1,52 @@
 # syntax=docker/dockerfile:1
-# Images for the two processes (targets): `router` (no torch) and `engine`.
-#   docker build --target router -t omnibus-router .
-#   docker build --target engine -t omnibus-engine .                     # CUDA torch wheels
+# Images for the two processes (targets), both from the one `omnibus` wheel:
+#   docker build --target router -t omnibus-router .   # the torch-free base install
+#   docker build --target engine -t omnibus-engine .   # omnibus[engine]: CUDA torch wheels
 #   docker build --target engine --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
-#                -t omnibus-engine-cpu .                                 # CPU-only torch
-# Models and adapters are mounted at run time (see compose.yaml); nothing is downloaded then.
+#                -t omnibus-engine-cpu .               # CPU-only torch
+# The GPU image runs torch 2.13.0's CUDA 12.8 wheels: the host needs an NVIDIA driver
+# >= 570 (CUDA 12.8) and the NVIDIA container toolkit. Models and adapters are mounted at
+# run time (compose.yaml); nothing is downloaded then.
 
-FROM python:3.11-slim AS base
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONPATH=/app:/app/protos/gen
-WORKDIR /app
-COPY requirements.txt .
+FROM python:3.11-slim-bookworm AS base
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+
+# The wheel is built once; neither runtime image carries the source tree or build tools.
+FROM base AS wheel
+COPY pyproject.toml README.md ./
+COPY protos protos
+COPY router router
+COPY engine engine
+COPY kernels kernels
+COPY bench bench
+RUN pip wheel --no-deps --wheel-dir /wheels .
 
 FROM base AS router
-# Only what the router imports, at the versions requirements.txt pins.
-RUN pip install $(grep -E '^(grpcio|grpcio-tools|grpcio-health-checking|grpcio-reflection|protobuf|tokenizers|structlog|prometheus-client|uvloop)==' requirements.txt)
-COPY protos/omnibus protos/omnibus
-RUN mkdir -p protos/gen && python -m grpc_tools.protoc -Iprotos --python_out=protos/gen --pyi_out=protos/gen \
-      --grpc_python_out=protos/gen protos/omnibus/v1/*.proto
-COPY router router
-# the one engine module the router shares: the adapter-name rule (no torch)
-COPY engine/__init__.py engine/adapter_names.py engine/
+COPY --from=wheel /wheels /wheels
+RUN pip install /wheels/omnibus-*.whl && rm -rf /wheels
 USER nobody
 EXPOSE 50051 9090
-ENTRYPOINT ["python", "-m", "router"]
+ENTRYPOINT ["omnibus-router"]
 CMD ["serve", "--help"]
 
 FROM base AS engine
-# PyPI's Linux torch wheels bundle CUDA; the GPU driver comes from the host (NVIDIA
-# container toolkit). Triton compiles a small launcher at run time, hence gcc.
+# Triton JIT-compiles a small C launcher for each kernel on first use, so the runtime
+# needs a C compiler and libc headers (gcc, libc6-dev); nothing else is built here.
+# Unpinned on purpose (DL3008): Debian's security updates replace pinned point releases.
 ARG TORCH_INDEX_URL=https://pypi.org/simple
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
-RUN pip install --index-url "$TORCH_INDEX_URL" "$(grep -E '^torch==' requirements.txt)" \
-    && pip install $(grep -vE '^(#|$|torch==|pytest|pytest-asyncio|hypothesis|transformers|peft|accelerate)' requirements.txt)
-COPY . .
-RUN mkdir -p protos/gen && python -m grpc_tools.protoc -Iprotos --python_out=protos/gen --pyi_out=protos/gen \
-      --grpc_python_out=protos/gen protos/omnibus/v1/*.proto
+COPY --from=wheel /wheels /wheels
+# torch first from its index (CUDA or CPU build), then the engine extra: with torch pinned,
+# pip takes the Triton that torch's CUDA build pins (the extra's range admits it).
+RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
+    && whl="$(ls /wheels/omnibus-*.whl)" && pip install "${whl}[engine]" && rm -rf /wheels \
+    && useradd --system --create-home --home-dir /home/omnibus omnibus
+USER omnibus
+ENV TRITON_CACHE_DIR=/home/omnibus/.triton
 EXPOSE 50061 9091
-ENTRYPOINT ["python", "-m", "engine"]
+ENTRYPOINT ["omnibus-engine"]
 CMD ["serve", "--help"]

@@ -1,5 +1,5 @@
-"""`python -m bench serve ...` (load generator) and `python -m bench strategies ...` (the
-batching strategies study). `python -m bench.offline` is the offline benchmark."""
+"""`omnibus-bench serve ...` (load generator) and `omnibus-bench strategies ...` (the
+batching strategies study). `python -m omnibus.bench.offline` is the offline benchmark."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from bench import workloads
+from omnibus.bench import workloads
 
 SERVE_EPILOG = """\
 workloads (every length is multiplied by --scale, rounded, at least 1):
@@ -31,14 +31,14 @@ mixes:
   --priorities 0:3,10:1 priority values, weighted
 
 examples:
-  python -m bench serve --target 127.0.0.1:50051 --workload anyscale --scale 0.125 \\
+  omnibus-bench serve --target 127.0.0.1:50051 --workload anyscale --scale 0.125 \\
       --num-requests 64 --rate 2 --slo-ttft-ms 2000 --slo-tpot-ms 200 --out-dir runs/a
-  python -m bench serve --target 127.0.0.1:50051 --workload sharegpt-like --concurrency 8
+  omnibus-bench serve --target 127.0.0.1:50051 --workload sharegpt-like --concurrency 8
 """
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="omnibus-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "serve",
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _serve_arguments(p)
-    from bench import strategies
+    from omnibus.bench import strategies
 
     s = sub.add_parser(
         "strategies",
@@ -129,7 +129,7 @@ def workload_spec(args: argparse.Namespace) -> workloads.Spec:
 
 
 async def serve_main(args: argparse.Namespace) -> dict:
-    from bench import report, serve, stats
+    from omnibus.bench import report, serve, stats
 
     spec = workload_spec(args)
     models = await serve.list_models(args.target, args.api_key)
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             asyncio.run(serve_main(args))
         else:
-            from bench import strategies
+            from omnibus.bench import strategies
 
             strategies.main(args)
     except ValueError as exc:

@@ -1,4 +1,4 @@
-"""GPU roofline benchmark: `make bench-gpu` (python -m bench.gpu --out docs/benchmarks/gpu.md).
+"""GPU roofline benchmark: `make bench-gpu` (python -m omnibus.bench.gpu --out docs/benchmarks/gpu.md).
 
 A Llama-3-8B-shaped bf16 model with random weights made on the device (no download).
 In one run it reports:
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from bench.peers import hf_continuous_tok_s, hf_static_tok_s
-from bench.workloads import LogNormal, ShareGptSpec
+from omnibus.bench.peers import hf_continuous_tok_s, hf_static_tok_s
+from omnibus.bench.workloads import LogNormal, ShareGptSpec
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
@@ -62,8 +62,8 @@ def write_config(path: Path, shape: dict) -> Path:
 
 
 def make_engine(path: Path, device: str, dtype: str, **kw):
-    from engine.config import EngineConfig
-    from engine.engine import Engine
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
 
     return Engine(EngineConfig(model=str(path), device=device, dtype=dtype, load_format="dummy",
                                max_num_seqs=256, max_num_batched_tokens=8192, **kw))
@@ -78,7 +78,7 @@ def weight_bytes(engine) -> int:
 def decode_roofline(engine, batch_sizes: list[int], prompt_len: int, bw: float) -> list[dict]:
     """Decode step time per batch size, with and without overlapped scheduling, against
     the bandwidth floor, plus the share of each step the GPU waited on Python."""
-    from engine.sampling import SamplingParams
+    from omnibus.engine.worker.sampling import SamplingParams
 
     mc = engine.model_config
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * engine.runner.kv_caches[0][0].element_size()
@@ -132,7 +132,7 @@ def workload(n: int, vocab: int, scale: float, seed: int = 0):
 
 
 def omnibus_tok_s(engine, prompts, lengths, adapters: list[str] | None = None) -> float:
-    from engine.sampling import SamplingParams
+    from omnibus.engine.worker.sampling import SamplingParams
 
     for i, (p, m) in enumerate(zip(prompts, lengths)):
         engine.add_request(f"w{time.monotonic_ns()}-{i}", p,
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     util = {"gpu_memory_utilization": 0.8} if cuda else {"kv_cache_memory": 64 << 20}
     engine = make_engine(path, device.type, dtype, **util)
     if hf is not None:
-        from engine.loader import load_weights
+        from omnibus.engine.model.loader import load_weights
         load_weights(engine.runner.model, hf.state_dict().items())
     result["decode"] = decode_roofline(engine, batches, 64 if args.smoke else 512, result["copy_bandwidth_gb_s"] * 1e9)
 

@@ -1,6 +1,6 @@
 """Multi-LoRA throughput on the CPU: many adapters against the base model, in one run.
 
-    python -m bench.lora [--out docs/benchmarks/lora.md] [--requests 128] [--repeats 3]
+    python -m omnibus.bench.lora [--out docs/benchmarks/lora.md] [--requests 128] [--repeats 3]
 
 The checkpoint is bench/offline.py's (~20M-parameter Llama-shaped model, random
 weights) and so is the workload's shape, with shorter outputs so that 128 requests
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bench.offline import BENCH_MODEL, build_model, workload
+from omnibus.bench.offline import BENCH_MODEL, build_model, workload
 
 ADAPTER_COUNTS = (1, 8, 32, 128)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -129,11 +129,11 @@ class Result:
 
 def run(model: Path, adapter_dir: Path, names: list[str], config: Config, prompts, lengths) -> Result:
     """Throughput of the workload under `config`, and where the LoRA time went."""
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.lora import LoraBatch, LoraManager
-    from engine.sampling import SamplingParams
-    from engine.server import preload
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
+    from omnibus.engine.lora.manager import LoraBatch, LoraManager
+    from omnibus.engine.worker.sampling import SamplingParams
+    from omnibus.engine.serving.server import preload
 
     used = names[: config.adapters]
     engine = Engine(EngineConfig(
@@ -227,7 +227,7 @@ def write_markdown(out: Path, r: dict) -> None:
     spread = max(max(row["samples"]) / min(row["samples"]) for row in r["rows"])
     out.write_text(f"""# Multi-LoRA throughput (CPU)
 
-Produced by `make bench-lora` (`python -m bench.lora`). The model of `bench/offline.py`
+Produced by `make bench-lora` (`python -m omnibus.bench.lora`). The model of `bench/offline.py`
 (Llama-shaped, hidden 512, 6 layers, random weights, float32) and its workload's shape
 with shorter outputs: {r['requests']} requests, 128-token prompts, output lengths ~ Exp(mean {OUTPUT_MEAN}) capped at
 {OUTPUT_CAP} ({r['output_tokens']} output tokens in all), greedy, prefix caching off. Adapters: random

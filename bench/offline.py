@@ -1,6 +1,6 @@
 """Offline throughput on the CPU: Omnibus vs transformers, in one run.
 
-    python -m bench.offline [--out docs/benchmarks/offline.md] [--requests 64]
+    python -m omnibus.bench.offline [--out docs/benchmarks/offline.md] [--requests 64]
 
 Builds a ~20M-parameter Llama-shaped checkpoint (hidden 512, 6 layers, 8 heads,
 4 KV heads, vocab 2048, random weights) and a workload of 128-token prompts with
@@ -76,9 +76,9 @@ def matmul_params() -> int:
 
 
 def run_omnibus(path: Path, prompts, lengths) -> float:
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
+    from omnibus.engine.worker.sampling import SamplingParams
 
     engine = Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=256,
                                  max_num_batched_tokens=2048, enable_prefix_caching=False))
@@ -95,9 +95,9 @@ def host_work_per_step(path: Path, batch_sizes=(64, 256), prompt_len: int = 128,
     """Host time of one decode step outside the model: schedule, input preparation and
     update (ms), at each batch size. On a GPU in lockstep the device idles this long every
     step; overlapped scheduling hides it behind the previous step."""
-    from engine.config import EngineConfig
-    from engine.engine import Engine
-    from engine.sampling import SamplingParams
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
+    from omnibus.engine.worker.sampling import SamplingParams
 
     engine = Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=max(batch_sizes),
                                  max_num_batched_tokens=2048, kv_cache_memory=1 << 30))
@@ -135,7 +135,7 @@ def run_hf(path: Path, prompts, lengths) -> tuple[float, float]:
     """transformers static `generate` (batches of 16) and continuous batching, same weights."""
     import transformers
 
-    from bench.peers import hf_continuous_tok_s, hf_static_tok_s
+    from omnibus.bench.peers import hf_continuous_tok_s, hf_static_tok_s
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return hf_static_tok_s(model, prompts, lengths, batch=16), hf_continuous_tok_s(model, prompts, lengths)
@@ -143,11 +143,11 @@ def run_hf(path: Path, prompts, lengths) -> tuple[float, float]:
 
 def scheduler_step_time(num_seqs: int = 256, steps: int = 200) -> float:
     """Mean schedule()+update() time per decode step with the model stubbed out (ms)."""
-    from engine.block_allocator import BlockAllocator
-    from engine.policies import ContinuousPolicy
-    from engine.sampling import SamplerOutput, SamplingParams
-    from engine.scheduler import Scheduler, SchedulerConfig
-    from engine.sequence import Sequence
+    from omnibus.engine.core.block_allocator import BlockAllocator
+    from omnibus.engine.core.policies import ContinuousPolicy
+    from omnibus.engine.worker.sampling import SamplerOutput, SamplingParams
+    from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
+    from omnibus.engine.core.sequence import Sequence
 
     alloc = BlockAllocator(num_blocks=num_seqs * 40, block_size=16)
     sched = Scheduler(SchedulerConfig(num_seqs, 8192, 4096), alloc, ContinuousPolicy(), (2,))
@@ -220,7 +220,7 @@ def write_markdown(out: Path, r: dict, n: int) -> None:
         for bs, t in r["host_ms_per_decode_step"].items())
     out.write_text(f"""# Offline throughput (CPU)
 
-Produced by `make bench-offline` (`python -m bench.offline`). Model: Llama-shaped, hidden 512,
+Produced by `make bench-offline` (`python -m omnibus.bench.offline`). Model: Llama-shaped, hidden 512,
 6 layers, 8 heads / 4 KV heads, vocab 2048, {r['matmul_params'] / 1e6:.1f}M matmul parameters,
 random weights, float32. Workload: {n} requests, 128-token prompts, output lengths
 ~ Exp(mean 64) capped at 256 ({r['output_tokens']} output tokens in all), ignore_eos, greedy.

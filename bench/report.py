@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.stats import PERCENTILES, RequestResult
+from omnibus.bench.stats import PERCENTILES, RequestResult
 
 LATENCY_ROWS = (
     ("TTFT", "ttft_ms"),

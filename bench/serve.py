@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import grpc
 from omnibus.v1 import engine_pb2, engine_pb2_grpc, inference_pb2, inference_pb2_grpc
 
-from bench.stats import RequestResult, stored_token_seconds
-from bench.workloads import BenchRequest, poisson_arrivals
+from omnibus.bench.stats import RequestResult, stored_token_seconds
+from omnibus.bench.workloads import BenchRequest, poisson_arrivals
 
 # Engine counters the study reads when the engine's StatsResponse has them (summed over
 # steps since start; see protos/omnibus/v1/engine.proto).

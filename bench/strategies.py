@@ -1,9 +1,9 @@
 """The batching strategies study: one engine, one model, four policies, measured.
 
-    python -m bench strategies --out docs/benchmarks/strategies.md
+    omnibus-bench strategies --out docs/benchmarks/strategies.md
 
 For each policy (continuous, dynamic, static, none) in turn it starts one engine worker
-(`python -m engine serve --batching POLICY`) and one router on loopback, serving the
+(`omnibus-engine serve --batching POLICY`) and one router on loopback, serving the
 ~20M-parameter checkpoint of bench/offline.py (built on first use, reused after) with
 the same KV pool, sequence cap and token budget, and drives them with the load
 generator (bench/serve.py) through the public API:
@@ -85,7 +85,7 @@ class StudyConfig:
 
     @property
     def caps(self) -> list[int]:
-        from bench.workloads import ANYSCALE_CAPS
+        from omnibus.bench.workloads import ANYSCALE_CAPS
 
         return [max(1, round(c * self.scale)) for c in ANYSCALE_CAPS]
 
@@ -123,7 +123,7 @@ class StudyConfig:
 
 def prepare_model(path: Path) -> Path:
     """bench/offline.py's checkpoint, plus the tokenizer.json the router needs."""
-    from bench.offline import BENCH_MODEL, build_model
+    from omnibus.bench.offline import BENCH_MODEL, build_model
 
     build_model(path)
     if not (path / "tokenizer.json").is_file():
@@ -161,7 +161,7 @@ def engine_command(
     cmd = [
         sys.executable,
         "-m",
-        "engine",
+        "omnibus.engine",
         "serve",
         "--port",
         str(port),
@@ -196,7 +196,7 @@ def router_command(cfg: StudyConfig, port: int, engine_port: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "router",
+        "omnibus.router",
         "serve",
         "--port",
         str(port),
@@ -218,7 +218,7 @@ def router_command(cfg: StudyConfig, port: int, engine_port: int) -> list[str]:
 def check_engine_flags(policies: tuple[str, ...]) -> None:
     """The batching flags this study passes must exist on `engine serve`."""
     out = subprocess.run(
-        [sys.executable, "-m", "engine", "serve", "--help"],
+        [sys.executable, "-m", "omnibus.engine", "serve", "--help"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -231,16 +231,12 @@ def check_engine_flags(policies: tuple[str, ...]) -> None:
     missing = [f for f in needed if f not in out]
     if missing:
         raise ValueError(
-            f"`python -m engine serve` lacks {', '.join(missing)}; the study needs them"
+            f"`omnibus-engine serve` lacks {', '.join(missing)}; the study needs them"
         )
 
 
 def _child_env(threads: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
-    paths = [str(ROOT), str(ROOT / "protos" / "gen")]
-    env["PYTHONPATH"] = os.pathsep.join(
-        paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
     if threads is not None:
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     return env
@@ -339,7 +335,7 @@ def run_point(
     rate: float | None,
     vocab: int,
 ) -> Point:
-    from bench import serve, stats, workloads
+    from omnibus.bench import serve, stats, workloads
 
     if kind == "burst":
         spec = workloads.AnyscaleSpec(cfg.input_len, cfg.mean_output, cap)
@@ -386,7 +382,7 @@ def _log(text: str) -> None:
 
 
 def run_study(cfg: StudyConfig) -> dict:
-    from bench import serve
+    from omnibus.bench import serve
 
     check_engine_flags(cfg.policies)
     prepare_model(cfg.model_dir)
@@ -472,7 +468,7 @@ def _machine() -> dict:
 
 
 def main(args: argparse.Namespace) -> None:
-    from bench import report
+    from omnibus.bench import report
 
     cfg = StudyConfig(
         out=args.out,
@@ -594,7 +590,7 @@ def _measured(data: dict, policy: str) -> _Measured:
 
 
 def _f(value, digits: int = 0, unit: str = "") -> str:
-    from bench.report import fmt
+    from omnibus.bench.report import fmt
 
     text = fmt(value, digits)
     return text if text == "–" else text + unit
@@ -638,7 +634,7 @@ def _intro(data: dict) -> str:
     when = time.strftime("%Y-%m-%d", time.gmtime(data["started"]))
     mach = data["machine"]
     return (
-        "Produced by `make bench-strategies` (`python -m bench strategies --out "
+        "Produced by `make bench-strategies` (`omnibus-bench strategies --out "
         f"{_rel(c['out'])}`) on "
         f"{when}: {mach['cores']} CPU cores ({mach['cpu']}), torch {mach['torch']}, "
         f"{data['elapsed_s'] / 60:.1f} minutes. One engine worker per policy, the same checkpoint "
@@ -646,7 +642,7 @@ def _intro(data: dict) -> str:
         f"({c['kv_blocks'] - 1} blocks × {c['block_size']} = "
         f"{(c['kv_blocks'] - 1) * c['block_size']} "
         f"tokens), the same cap of {c['batch_size']} running sequences and the same workloads, "
-        f"driven through the router by `python -m bench serve`'s load generator. Everything is "
+        f"driven through the router by `omnibus-bench serve`'s load generator. Everything is "
         f"scaled by {c['scale']:g} to fit a CPU: {c['input_len']}-token prompts, outputs "
         f"Exp(mean {c['mean_output']:g}) capped at {', '.join(map(str, c['caps']))} tokens "
         f"(the 2023 benchmark's 512 / 128 / 32–1536). Exact commands and settings are at the end; "
@@ -808,7 +804,7 @@ def _cap_ratios(data: dict) -> list[tuple[int, float | None, float | None]]:
 
 
 def _ratio_table(data: dict, ratios: list) -> str:
-    from bench.workloads import ANYSCALE_CAPS
+    from omnibus.bench.workloads import ANYSCALE_CAPS
 
     c = data["config"]
     lines = [
@@ -849,7 +845,7 @@ def _rate_tables(data: dict, policies: list[str]) -> str:
 
 
 def _plots(cfg: StudyConfig, data: dict, policies: list[str], ratios: list) -> dict[str, str]:
-    from bench import report
+    from omnibus.bench import report
 
     d = cfg.plots_dir
     names = {
@@ -1085,7 +1081,7 @@ def _setup(cfg: StudyConfig, data: dict) -> str:
         f"--port 0 --model {c['model_dir']}", "--port PORT --model MODEL"
     )
     return (
-        f"- Command: `python -m bench strategies --out {_rel(c['out'])}` (the make target adds "
+        f"- Command: `omnibus-bench strategies --out {_rel(c['out'])}` (the make target adds "
         "nothing). "
         f"It builds the checkpoint into `{_rel(c['model_dir'])}` on first use (with a word-level "
         f"tokenizer.json for the router) and reuses it after.\n"
@@ -1111,7 +1107,7 @@ def _setup(cfg: StudyConfig, data: dict) -> str:
         "and "
         "dispatch the next, and a formed batch cannot start until the router has refilled the "
         "queue).\n"
-        f"- Throughput runs: `python -m bench serve`'s generator, {c['burst_requests']} anyscale "
+        f"- Throughput runs: `omnibus-bench serve`'s generator, {c['burst_requests']} anyscale "
         f"requests at once per cap (seed {c['seed']}); latency runs: {c['rate_requests']} "
         "requests per "
         "rate. A run is cut off after "

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import structlog
 
-from engine.block_allocator import BlockAllocator, BlockCounts
-from engine.config import EngineConfig, ModelConfig
-from engine.lora import AdapterError, LoraConfig, LoraManager, UnknownAdapterError
-from engine.model_runner import ModelRunner, Step
-from engine.policies import ContinuousPolicy, make_policy
-from engine.sampling import SamplingParams, make_generator
-from engine.scheduler import Scheduler, SchedulerConfig, StepCounters
-from engine.sequence import RequestOutput, Sequence
+from omnibus.engine.core.block_allocator import BlockAllocator, BlockCounts
+from omnibus.engine.config import EngineConfig, ModelConfig
+from omnibus.engine.lora.manager import AdapterError, LoraConfig, LoraManager, UnknownAdapterError
+from omnibus.engine.worker.model_runner import ModelRunner, Step
+from omnibus.engine.core.policies import ContinuousPolicy, make_policy
+from omnibus.engine.worker.sampling import SamplingParams, make_generator
+from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig, StepCounters
+from omnibus.engine.core.sequence import RequestOutput, Sequence
 
 __all__ = ["AdapterError", "Engine", "EngineStats", "RequestOutput", "UnknownAdapterError"]
 

@@ -17,10 +17,10 @@ import os
 
 import torch
 
-from kernels.attention import paged_attention_ref, store_kv_ref
-from kernels.fused import rope_ref, silu_and_mul_ref
-from kernels.lora import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
-from kernels.norm import add_rms_norm_ref, rms_norm_ref
+from omnibus.kernels.attention.reference import paged_attention_ref, store_kv_ref
+from omnibus.kernels.fused.reference import rope_ref, silu_and_mul_ref
+from omnibus.kernels.lora.reference import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
+from omnibus.kernels.norm.reference import add_rms_norm_ref, rms_norm_ref
 
 __all__ = [
     "store_kv_ref",
@@ -60,7 +60,7 @@ def store_kv(
 ) -> None:
     """Writes new keys/values into their cache slots; see :func:`store_kv_ref`."""
     if use_triton(key):
-        from kernels.attention_triton import store_kv_triton
+        from omnibus.kernels.attention.triton_kernels import store_kv_triton
 
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
@@ -82,7 +82,7 @@ def paged_attention(
     """Causal attention of a packed mixed batch over the paged cache; see
     :func:`paged_attention_ref`. Returns (T, H, D) in q's dtype."""
     if use_triton(q):
-        from kernels.attention_triton import paged_attention_triton
+        from omnibus.kernels.attention.triton_kernels import paged_attention_triton
 
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
@@ -124,7 +124,7 @@ def lora_expand(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of (T, H) rows as a new tensor; see :func:`rms_norm_ref`."""
     if use_triton(x):
-        from kernels.norm_triton import rms_norm_triton
+        from omnibus.kernels.norm.triton_kernels import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
@@ -136,7 +136,7 @@ def add_rms_norm(
     """``residual += x`` IN PLACE (in its dtype), then returns ``(rms_norm(residual),
     residual)``; see :func:`add_rms_norm_ref`. x, residual: (T, H)."""
     if use_triton(x):
-        from kernels.norm_triton import add_rms_norm_triton
+        from omnibus.kernels.norm.triton_kernels import add_rms_norm_triton
 
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_ref(x, residual, weight, eps)
@@ -153,7 +153,7 @@ def rope(
     The Triton path rotates in place (q and k may be strided views of a fused qkv output)
     and returns them; the reference returns new tensors. Use the returned pair."""
     if use_triton(q):
-        from kernels.fused_triton import rope_triton
+        from omnibus.kernels.fused.triton_kernels import rope_triton
 
         return rope_triton(q, k, cos_table, sin_table, positions)
     return rope_ref(q, k, cos_table, sin_table, positions)
@@ -162,7 +162,7 @@ def rope(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(T, 2I) -> (T, I) ``silu(gate) * up`` as a new tensor; see :func:`silu_and_mul_ref`."""
     if use_triton(gate_up):
-        from kernels.fused_triton import silu_and_mul_triton
+        from omnibus.kernels.fused.triton_kernels import silu_and_mul_triton
 
         return silu_and_mul_triton(gate_up)
     return silu_and_mul_ref(gate_up)

@@ -1,4 +1,4 @@
-"""`python -m router.client "Once upon a time"`: stream one completion to stdout.
+"""`omnibus-client "Once upon a time"`: stream one completion to stdout.
 
 The finish reason, token counts and timing go to stderr, so stdout is just the text.
 """
@@ -16,7 +16,7 @@ from omnibus.v1 import inference_pb2, inference_pb2_grpc
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m router.client", description="Stream a completion from a router"
+        prog="omnibus-client", description="Stream a completion from a router"
     )
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--target", default="localhost:50051", help="router address")

@@ -31,7 +31,7 @@ class TenantLimits:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """Everything `python -m router serve` is started with."""
+    """Everything `omnibus-router serve` is started with."""
 
     model: str  # HF model directory: tokenizer.json and config.json (limits)
     engines: tuple[str, ...]  # engine worker addresses, host:port

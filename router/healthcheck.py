@@ -1,4 +1,4 @@
-"""`python -m router.healthcheck HOST:PORT`: exit 0 when the process there reports
+"""`omnibus-healthcheck HOST:PORT`: exit 0 when the process there reports
 SERVING over the standard gRPC health protocol (for container healthchecks)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m router.healthcheck", description=__doc__)
+    p = argparse.ArgumentParser(prog="omnibus-healthcheck", description=__doc__)
     p.add_argument("target", help="HOST:PORT of a router or engine")
     p.add_argument("--service", default="", help="service name; empty: the whole server")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")

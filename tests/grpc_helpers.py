@@ -59,11 +59,7 @@ class ServerProcess:
         self.args = args
         self.address = address
         self.log_path = log_path
-        env = dict(
-            os.environ,
-            PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'protos' / 'gen'}",
-            PYTHONUNBUFFERED="1",
-        )
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, *args], cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
@@ -114,7 +110,7 @@ class ServerProcess:
 
 def engine_process(model: Path, log_dir: Path, name: str, *flags: str) -> ServerProcess:
     port = free_port()
-    args = ["-m", "engine", "serve", "--port", str(port), "--model", str(model), *flags]
+    args = ["-m", "omnibus.engine", "serve", "--port", str(port), "--model", str(model), *flags]
     return ServerProcess(args, log_dir / f"{name}.log", f"127.0.0.1:{port}")
 
 
@@ -125,7 +121,7 @@ def router_process(
     engine_flags = [f for address in engines for f in ("--engine", address)]
     args = [
         "-m",
-        "router",
+        "omnibus.router",
         "serve",
         "--port",
         str(port),

@@ -1,0 +1,198 @@
+"""KV block allocator with reference counts and a prefix cache.
+
+The pool has `num_blocks` blocks of `block_size` token slots; block 0 is a reserved
+null block (padding slots point at it) and is never handed out. Every other block
+is in exactly one state:
+
+- free: ref count 0, no hash;
+- cached: ref count 0 but holds the KV of a full block known by its hash, reusable
+  by a later request until evicted (least recently freed first);
+- referenced: ref count > 0 (it may also be cached, shared by several sequences).
+
+Free and cached blocks share one LRU queue, so allocation and freeing are O(1).
+A full block's hash chains the previous block's hash, its token ids and a salt (the
+LoRA adapter's name), so equal hashes mean equal prefixes under the same weights.
+This module is the one place that frees blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from omnibus.engine.core.sequence import Sequence
+
+NULL_BLOCK = 0
+
+
+def block_hash(parent: bytes, tokens: list[int], salt: str | None) -> bytes:
+    """Chained hash of one full block. blake2b: collisions would leak KV across
+    tenants, so a cryptographic hash is worth its ~1 µs per block."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    if salt:
+        h.update(b"\x00adapter:" + salt.encode())
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class BlockCounts:
+    free: int
+    cached: int
+    referenced: int
+    total: int  # usable blocks, excluding the null block
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.hashes: list[bytes | None] = [None] * num_blocks
+        # Blocks with ref count 0, front = evicted first.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self.cached: dict[bytes, int] = {}  # hash -> block
+        self.num_cached_free = 0  # blocks in free_queue that hold a hash (kept, not counted per step)
+        self.num_cache_hits = 0  # blocks served from the prefix cache since start
+        self.num_evictions = 0
+
+    # ---- queries -------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free plus evictable cached)."""
+        return len(self.free_queue)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    # ---- allocation ----------------------------------------------------------
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks for `seq`'s leading full blocks; return tokens covered.
+
+        Only for a sequence holding no blocks. At least one token is left to compute,
+        because the next token's logits come from the last position's forward.
+        """
+        if seq.block_table:
+            raise RuntimeError(f"allocate_prefix on {seq.request_id}, which already holds blocks")
+        if not self.enable_prefix_caching:
+            return 0
+        self._hash_full_blocks(seq, seq.num_tokens - 1)
+        for h in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+                self.num_cached_free -= 1
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+        self.num_cache_hits += len(seq.block_table)
+        seq.num_registered_blocks = len(seq.block_table)
+        return len(seq.block_table) * self.block_size
+
+    def allocate_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq`'s block table to hold `num_tokens` tokens. All or nothing."""
+        need = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if need <= 0:
+            return True  # the common decode step: the last block has room
+        if need > len(self.free_queue):
+            return False
+        for _ in range(need):
+            block, _ = self.free_queue.popitem(last=False)
+            h = self.hashes[block]
+            if h is not None:  # evict: its cached KV is about to be overwritten
+                self.hashes[block] = None
+                self.num_cached_free -= 1
+                if self.cached.get(h) == block:
+                    del self.cached[h]
+                self.num_evictions += 1
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of `seq`. Cached blocks stay reusable; the sequence's
+        tail goes to the front of the queue so it is evicted before its shared head."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                if self.hashes[block] is None:
+                    self.free_queue[block] = None
+                    self.free_queue.move_to_end(block, last=False)
+                else:
+                    self.free_queue[block] = None
+                    self.num_cached_free += 1
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register `seq`'s full, computed blocks in the prefix cache (a block whose last
+        token is still pending waits: its hash needs that token)."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        if full <= seq.num_registered_blocks:
+            return  # hot path: no block filled up since the last call
+        full = min(full, len(seq.block_table))
+        self._hash_full_blocks(seq, full * self.block_size)
+        for i in range(seq.num_registered_blocks, full):
+            self._register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = full
+
+    def _register(self, block: int, h: bytes) -> None:
+        if self.hashes[block] is None and h not in self.cached:
+            self.hashes[block] = h
+            self.cached[h] = block
+
+    def _hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend `seq.block_hashes` to cover every full block within `num_tokens`."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), num_tokens // bs):
+            parent = seq.block_hashes[i - 1] if i else b""
+            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt))
+
+    # ---- integrity -----------------------------------------------------------
+
+    def counts(self) -> BlockCounts:
+        """O(1): the engine publishes these after every step."""
+        cached = self.num_cached_free
+        return BlockCounts(free=len(self.free_queue) - cached, cached=cached,
+                           referenced=self.num_usable_blocks - len(self.free_queue), total=self.num_usable_blocks)
+
+    def check_integrity(self, block_tables: Iterable[list[int]]) -> BlockCounts:
+        """Prove the pool's bookkeeping: every usable block is free, cached or referenced
+        (free + cached + referenced = total), ref counts equal the number of block tables
+        holding each block, the null block is never handed out, and the cache index
+        points at blocks carrying that hash. Raises RuntimeError naming what is wrong."""
+        holders = Counter(b for table in block_tables for b in table)
+        problems = []
+        if NULL_BLOCK in holders or NULL_BLOCK in self.free_queue or self.ref_counts[NULL_BLOCK]:
+            problems.append("the null block is in use")
+        for b in range(1, self.num_blocks):
+            if self.ref_counts[b] != holders.get(b, 0):
+                problems.append(f"block {b}: ref count {self.ref_counts[b]} but {holders.get(b, 0)} holders")
+            if (self.ref_counts[b] == 0) != (b in self.free_queue):
+                problems.append(f"block {b}: ref count {self.ref_counts[b]}, in free queue: {b in self.free_queue}")
+        for h, b in self.cached.items():
+            if self.hashes[b] != h:
+                problems.append(f"cache index points at block {b}, which holds another hash")
+        if sum(h is not None for h in self.hashes) != len(self.cached):
+            problems.append("blocks carry hashes missing from the cache index")
+        counts = self.counts()
+        actual_cached = sum(1 for b in self.free_queue if self.hashes[b] is not None)
+        if actual_cached != counts.cached:
+            problems.append(f"cached-block counter says {counts.cached}, the free queue holds {actual_cached}")
+        if counts.free + counts.cached + counts.referenced != counts.total:
+            problems.append(f"free + cached + referenced != total: {counts}")
+        if problems:
+            raise RuntimeError("KV block allocator integrity check failed: " + "; ".join(problems[:10]))
+        return counts

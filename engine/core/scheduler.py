@@ -1,0 +1,381 @@
+"""Iteration-level scheduler: plans one engine step at a time.
+
+`schedule()` decides which sequences run this step and how many tokens each
+(decodes first, then chunked prefills, within a token budget and a sequence cap),
+allocating KV blocks and preempting when the pool runs dry. `update()` applies the
+sampled tokens: advances counts, caches full blocks, detects finished requests and
+frees them. Both work without a model, so tests drive them directly.
+
+Which waiting requests may join is the batching policy's decision (see
+engine/policies.py): continuous batching admits at every step, the others form
+batches.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import time
+from dataclasses import dataclass, field
+
+from typing import TYPE_CHECKING
+
+from omnibus.engine.core.block_allocator import BlockAllocator
+from omnibus.engine.core.policies import BatchingPolicy
+from omnibus.engine.worker.sampling import SamplerOutput
+from omnibus.engine.core.sequence import RequestOutput, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from omnibus.engine.lora.manager import LoraManager
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # running sequences at most
+    max_num_batched_tokens: int = 2048  # tokens computed per step at most
+    max_model_len: int = 2048  # prompt + output tokens at most
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # first token computed this step (the sequence's num_computed_tokens)
+    num_tokens: int  # tokens computed this step
+    samples: bool  # True when this chunk reaches the end, so the next token is sampled
+
+
+@dataclass
+class StepCounters:
+    """Cumulative counts over the steps that computed something."""
+
+    steps: int = 0
+    slots_stepped: int = 0  # batch slots held per step (formed batches keep finished slots)
+    useful_tokens: int = 0  # tokens computed (prompt chunks + decodes)
+    kv_tokens_stored: int = 0  # KV entries holding real tokens, summed over steps
+    kv_tokens_reserved: int = 0  # KV slots allocated to running sequences, summed over steps
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, policy: BatchingPolicy,
+                 eos_token_ids: tuple[int, ...] = (), adapters: "LoraManager | None" = None) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.policy = policy
+        self.adapters = adapters  # gates admission: an adapter must be loaded and get a slot
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Sequence] = {}  # every unfinished request
+        self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
+        self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap; aborted entries skipped lazily
+        self.num_waiting = 0
+        self._aborted: list[RequestOutput] = []  # reported by the next update()
+        self._step = 0
+        self.num_preemptions = 0
+        self.counters = StepCounters()
+        self._batch_slots = 0  # formed-batch policies: size of the batch now running
+
+    # ---- requests ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id {seq.request_id!r} is already in use")
+        self.requests[seq.request_id] = seq
+        self._push_waiting(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request wherever it is; its blocks are free when this returns."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._leave_running(seq)
+        else:
+            self.num_waiting -= 1
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self._aborted.append(self._output(seq, [], []))
+        return True
+
+    def _leave_running(self, seq: Sequence) -> None:
+        """The one exit from the running set: blocks back to the pool, adapter slot unpinned."""
+        self.allocator.free(seq)
+        if seq.lora_slot is not None:
+            self.adapters.release(seq.adapter)
+            seq.lora_slot = None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    def take_aborted(self) -> list[RequestOutput]:
+        out, self._aborted = self._aborted, []
+        return out
+
+    # ---- planning ------------------------------------------------------------
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Plan one step. Sequences keep their place in `running`; the plan lists them
+        decodes first so the model can batch them together. Planned tokens count as
+        computed from here on (the step that computes them is launched next), and each
+        sampling chunk leaves one token pending until `update` reports it."""
+        self._step += 1
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in self.running:
+            if seq.num_pending and self._at_limit(seq, seq.planned_len):
+                continue  # its pending token is its last: nothing to compute until it reports
+            left = len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens
+            (decodes if left == 1 else prefills).append(seq)
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.planned_len - seq.num_computed_tokens, budget)
+            if self._reserve_running(seq, n, out):
+                out.scheduled.append(self._plan(seq, n))
+                budget -= n
+        idle = not self.running
+        self._admit(out, budget, time.monotonic() if now is None else now)
+        out.num_batched_tokens = sum(item.num_tokens for item in out.scheduled)
+        if self.adapters is not None:
+            # Decodes grouped by adapter slot: one LoRA segment per adapter, not per sequence.
+            out.scheduled.sort(key=lambda it: (it.num_tokens > 1, -1 if it.seq.lora_slot is None
+                                                else it.seq.lora_slot))
+        if idle:
+            self._batch_slots = len(self.running)
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+            item.seq.num_pending += item.samples
+        if not out.is_empty:
+            self._count(out)
+        return out
+
+    def _at_limit(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether `seq` ends by length once it holds `num_tokens` tokens."""
+        return (num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
+                or num_tokens >= self.config.max_model_len)
+
+    def _count(self, out: SchedulerOutput) -> None:
+        """Utilization counters for the batching study (O(running) per step)."""
+        c = self.counters
+        c.steps += 1
+        c.slots_stepped += self._batch_slots if self.policy.forms_batches else len(self.running)
+        c.useful_tokens += out.num_batched_tokens
+        bs = self.allocator.block_size
+        for seq in self.running:  # computed counts already include this step's tokens
+            c.kv_tokens_stored += seq.num_computed_tokens
+            c.kv_tokens_reserved += len(seq.block_table) * bs
+
+    def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
+        seq.scheduled_step = self._step
+        start = seq.num_computed_tokens
+        return ScheduledSeq(seq, start, n, start + n == len(seq.token_ids) + seq.num_pending)
+
+    def _reserve_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Blocks for `n` more tokens of a running sequence, preempting the lowest
+        priority, latest arrived unscheduled sequence (possibly `seq`) until they fit."""
+        while not self.allocator.allocate_slots(seq, seq.num_computed_tokens + n):
+            victim = self._preemption_victim()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preemption_victim(self) -> Sequence:
+        for seq in reversed(self.running):  # sorted, so the tail is lowest priority, latest
+            if seq.scheduled_step != self._step:
+                return seq
+        raise RuntimeError("no sequence left to preempt")  # unreachable: the caller is unscheduled
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop the KV (prefix-cached blocks stay reusable)."""
+        self.running.remove(seq)
+        self._leave_running(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        limit = self.policy.admission_limit(now, len(self.running), self.num_waiting, self._oldest_arrival)
+        room = min(limit, self.config.max_num_seqs - len(self.running))
+        deferred: list[Sequence] = []  # waiting on their adapter; others may pass them
+        # A formed batch is admitted whole (its KV reserved) even when this step's token
+        # budget runs out: the prefill of its later members continues in the next steps.
+        while budget > 0 or self.policy.forms_batches:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            if seq.num_pending:  # preempted with a token in flight: it rejoins once that reports
+                heapq.heappop(self._waiting)
+                deferred.append(seq)
+                continue
+            if room <= 0:  # no seat: only a strictly lower-priority running sequence gives one up
+                refund = None if self.policy.forms_batches else self._preempt_for(seq, out)
+                if refund is None:
+                    break
+                budget, room = budget + refund, room + 1
+                continue
+            gate = self._adapter_gate(seq)
+            if gate != "ok":
+                heapq.heappop(self._waiting)
+                if gate == "wait":
+                    deferred.append(seq)
+                continue
+            cached = self.allocator.allocate_prefix(seq)
+            n = min(seq.num_tokens - cached, budget)
+            reserve = max(cached + n, self.policy.reserve_tokens(seq))
+            while not self.allocator.allocate_slots(seq, reserve):
+                refund = None if self.policy.forms_batches else self._preempt_for(seq, out)
+                if refund is None:
+                    break
+                budget, room = budget + refund, room + 1
+            else:
+                self._start_running(seq, cached, n, out)
+                budget -= n
+                room -= 1
+                continue
+            self._leave_running(seq)
+            break  # strict priority order: the head waits for blocks
+        for seq in deferred:
+            heapq.heappush(self._waiting, (seq.sort_key(), seq))
+
+    def _start_running(self, seq: Sequence, cached: int, n: int, out: SchedulerOutput) -> None:
+        heapq.heappop(self._waiting)
+        self.num_waiting -= 1
+        seq.num_computed_tokens = cached
+        if not seq.first_scheduled:
+            seq.first_scheduled, seq.num_cached_tokens = True, cached
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=Sequence.sort_key)
+        if n > 0:
+            out.scheduled.append(self._plan(seq, n))
+
+    def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> int | None:
+        """Preempt the lowest-priority, latest running sequence if its priority is strictly
+        below `seq`'s (equal priorities never preempt each other: no thrashing). A victim
+        already planned for this step leaves the plan; returns the tokens that frees from
+        the step's budget, or None when there is no such victim."""
+        victim = self.running[-1] if self.running else None  # sorted: lowest, latest last
+        if victim is None or victim.priority >= seq.priority:
+            return None
+        refund = sum(item.num_tokens for item in out.scheduled if item.seq is victim)
+        if refund:
+            out.scheduled = [item for item in out.scheduled if item.seq is not victim]
+        self._preempt(victim)
+        out.preempted.append(victim)
+        return refund
+
+    def _adapter_gate(self, seq: Sequence) -> str:
+        """"ok" (base model, or adapter loaded into a pinned slot), "wait" (loading, or
+        every slot pinned by running sequences) or "failed" (the request is finished)."""
+        if seq.adapter is None:
+            return "ok"
+        state = self.adapters.poll(seq.adapter)
+        if state == "loading":
+            return "wait"
+        if state == "failed":
+            del self.requests[seq.request_id]
+            self.num_waiting -= 1
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            out = self._output(seq, [], [])
+            out.error = f"adapter {seq.adapter!r} failed to load: {self.adapters.failed[seq.adapter]}"
+            self._aborted.append(out)
+            return "failed"
+        seq.lora_slot = self.adapters.acquire(seq.adapter)
+        return "wait" if seq.lora_slot is None else "ok"
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (seq.sort_key(), seq))
+        self.num_waiting += 1
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self._waiting:
+            seq = self._waiting[0][1]
+            if seq.status is SequenceStatus.WAITING:
+                return seq
+            heapq.heappop(self._waiting)  # aborted while waiting
+        return None
+
+    def _oldest_arrival(self) -> float | None:
+        """Arrival time of the longest-waiting request (O(waiting); only the batch-forming
+        policies ask, and only while nothing runs)."""
+        return min((s.arrival_time for _, s in self._waiting if s.status is SequenceStatus.WAITING),
+                   default=None)
+
+    # ---- bookkeeping ---------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
+        """Apply a step's sampled tokens; return one output per request that produced a
+        token or finished by it (aborts are reported by `take_aborted`). A sequence preempted
+        after the step was launched still gets its token: it was computed from its whole
+        context, and recomputing the prefix later reproduces the same KV."""
+        results: list[RequestOutput] = []
+        row = 0
+        finished = False
+        for item in out.scheduled:
+            seq = item.seq
+            row += item.samples
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # aborted, or ended by an earlier step's token while this one ran
+            if item.samples:
+                seq.num_pending -= 1
+                seq.token_ids.append(sampled.token_ids[row - 1])
+            if seq.status is SequenceStatus.RUNNING:
+                self.allocator.cache_blocks(seq)  # blocks this step filled
+            if not item.samples:
+                continue
+            token = seq.token_ids[-1]
+            lp = sampled.logprobs[row - 1]
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                finished |= seq.status is SequenceStatus.RUNNING
+                self._finish(seq, reason)
+            results.append(self._output(seq, [token], [lp] if lp is not None else []))
+        if finished:
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        return results
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        return "length" if self._at_limit(seq, len(seq.token_ids)) else None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self._leave_running(seq)
+        else:  # preempted while its last token was in flight; its heap entry is skipped lazily
+            self.num_waiting -= 1
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        del self.requests[seq.request_id]
+
+    @staticmethod
+    def _output(seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            new_logprobs=logprobs,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def block_tables(self) -> list[list[int]]:
+        return [s.block_table for s in self.running]

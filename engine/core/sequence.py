@@ -1,0 +1,100 @@
+"""A request's state inside the engine, and what a step reports back about it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from omnibus.engine.worker.sampling import SamplingParams, TokenLogprobs
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request. The KV cache holds (or a launched step is writing) its first
+    `num_computed_tokens` tokens; the scheduler brings that count up to `planned_len`
+    (chunked prefill is just scheduling fewer tokens; after preemption it restarts from
+    zero). With overlapped scheduling a step may be planned before the previous step's
+    token is known: that token is pending, counted in `planned_len` but not yet in
+    `token_ids`, and the model reads it from the previous step's output on the device."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    adapter: str | None = None  # LoRA adapter name; None = base model
+    cache_salt: str | None = None  # prefix-cache salt: the adapter's identity (name + file version)
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Ties in priority are broken by this strictly increasing counter (FIFO).
+    arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
+    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+
+    token_ids: list[int] = field(init=False)  # prompt + outputs
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0  # advanced when a step is planned, not when it reports
+    num_pending: int = 0  # tokens sampled by launched steps, not yet reported (0 or 1)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
+    num_registered_blocks: int = 0  # leading blocks of block_table already in the prefix cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_scheduled: bool = False
+    scheduled_step: int = -1  # the last step that scheduled it (scheduler bookkeeping)
+    lora_slot: int | None = None  # device adapter slot, pinned while running
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def planned_len(self) -> int:
+        """Tokens once every launched step has reported."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: higher priority first, then earlier arrival."""
+        return (-self.priority, self.arrival_index)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None  # why an "abort" happened, when the engine ended it itself

@@ -1,0 +1,212 @@
+"""Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) over a paged KV cache.
+
+Reads top to bottom: RMSNorm, rotary embedding, attention, MLP, decoder layer, model.
+Every forward takes one `ForwardBatch` with the step's metadata; there is no
+global state. Tokens of all sequences are packed along one dimension T.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnibus.engine.config import ModelConfig, RopeScaling
+from omnibus.kernels import add_rms_norm, paged_attention, rms_norm, rope, silu_and_mul, store_kv
+
+
+@dataclass
+class ForwardBatch:
+    """Per-step metadata shared by every layer. Sequences that decode come first."""
+
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    slot_mapping: torch.Tensor  # (T,) int64: KV slot each new token is written to
+    block_tables: torch.Tensor  # (B, max_blocks) int32
+    query_start_loc: torch.Tensor  # (B+1,) int32: cumulative new-token counts
+    seq_lens: torch.Tensor  # (B,) int32: KV length of each sequence after this step
+    max_query_len: int
+    logits_indices: torch.Tensor  # (S,) int64: tokens whose next-token logits are needed
+    lora: object | None = None  # adapter segments (multi-LoRA), None when no adapter is used
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm (float32 statistics, cast back before the weight), so
+    outputs agree token for token. Given the residual stream, it first adds `x` into it
+    in place (one fused kernel on the GPU) and returns (normalized, residual)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) for default, linear and llama3 rope scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """float32 cos/sin tables (max_len, D) for every position; each layer rotates its q
+    and k by the step's positions with `kernels.rope`."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, D)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        """q: (T, H, D), k: (T, KVH, D) -> rotated (q, k); rotated in place on the GPU."""
+        return rope(q, k, self.cos, self.sin, positions)
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int],
+                           scale: float) -> torch.Tensor:
+    """Causal attention within each packed sequence [starts[i], starts[i+1]), without a cache.
+    q: (T, H, D), k/v: (T, KVH, D) -> (T, H, D)."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for lo, hi in zip(starts, starts[1:]):
+        qi = q[lo:hi].transpose(0, 1)  # (H, n, D)
+        ki = k[lo:hi].transpose(0, 1).repeat_interleave(group, 0)
+        vi = v[lo:hi].transpose(0, 1).repeat_interleave(group, 0)
+        out[lo:hi] = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        # q, k and v projections fused into one matmul; loading fills the row slices.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        lora=None,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)  # (T, q + 2kv)
+        if lora is not None:
+            lora.apply(qkv, x, self.layer_idx, "qkv")
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(q, k, batch.positions)
+        if kv_cache is None:  # embeddings: whole sequences, nothing to keep
+            o = dense_causal_attention(q, k, v, batch.query_start_loc.tolist(), self.scale)
+        else:
+            k_cache, v_cache = kv_cache
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            o = paged_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
+                batch.seq_lens, self.scale, batch.max_query_len,
+            )  # (T, H, D)
+        o = o.reshape(-1, self.q_size)
+        out = self.o_proj(o)
+        if lora is not None:
+            lora.apply(out, o, self.layer_idx, "o")
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # (T, 2I)
+        if lora is not None:
+            lora.apply(gate_up, x, self.layer_idx, "gate_up")
+        h = silu_and_mul(gate_up)  # silu(gate) * up, (T, I)
+        out = self.down_proj(h)
+        if lora is not None:
+            lora.apply(out, h, self.layer_idx, "down")
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, layer_idx)
+
+    def forward(self, x, residual, batch, rotary, kv_cache, lora=None):
+        """x: the previous layer's MLP output, added into the residual stream here (the
+        first layer gets residual None and x the embeddings). Returns (mlp_out, residual)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, batch, rotary, kv_cache, lora)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, lora), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus LM head. `forward` returns final hidden states (T, hidden)."""
+
+    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg, max_len)
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> torch.Tensor:
+        """Final hidden states (T, hidden). kv_caches None: cache-free (embeddings)."""
+        x = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches or [None] * len(self.layers)):
+            x, residual = layer(x, residual, batch, self.rope, kv_cache, batch.lora)
+        return self.norm(x, residual)[0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (S, vocab)

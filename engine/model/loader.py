@@ -1,0 +1,152 @@
+"""Load a Hugging Face safetensors checkpoint into `LlamaForCausalLM`.
+
+Accepts `model.safetensors` or sharded `model-0000x-of-0000y.safetensors` with
+`model.safetensors.index.json`. Pickle checkpoints (`*.bin`, `*.pt`) are refused:
+unpickling runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from omnibus.engine.config import ModelConfig, ModelLoadError
+from omnibus.engine.model.llama import LlamaForCausalLM
+
+# checkpoint projection -> (fused parameter, index of the slice it fills)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory, or a ModelLoadError saying why not."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = sorted({path / name for name in weight_map.values()})
+        for f in files:
+            if f.parent != path or not f.is_file():
+                raise ModelLoadError(f"shard {f.name} listed in {index.name} is missing from {path}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+        raise ModelLoadError(
+            f"{path} holds a pickle checkpoint (*.bin/*.pt), which is refused because loading it can "
+            "run arbitrary code; convert it to safetensors (e.g. save_pretrained(safe_serialization=True))"
+        )
+    raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def _target(name: str) -> tuple[str, int | None]:
+    """Map a checkpoint tensor name to our parameter name and fused slice index."""
+    name = name.removeprefix("model.")
+    parts = name.split(".")
+    for proj, (fused, idx) in _FUSED.items():
+        if proj in parts:
+            return name.replace(proj, fused), idx
+    return name, None
+
+
+def _fused_slices(model: LlamaForCausalLM, fused: str) -> list[int]:
+    cfg = model.cfg
+    if fused == "qkv_proj":
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return [0, q, q + kv, q + 2 * kv]
+    return [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
+
+
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaForCausalLM:
+    """The model with uninitialized weights, allocated once on `device`."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_len)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope = type(model.rope)(cfg, max_len).to(device)  # buffers are computed, not loaded
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()
+
+
+def load_model(cfg: ModelConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
+               max_len: int) -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint."""
+    path = Path(path)
+    files = checkpoint_files(path)
+    model = empty_model(cfg, dtype, device, max_len)
+
+    def tensors():
+        for file in files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    load_weights(model, tensors(), str(path))
+    return model
+
+
+def load_weights(model: LlamaForCausalLM, tensors, source: str = "state dict") -> None:
+    """Fill every parameter from (HF name, tensor) pairs; refuse unknown, misshapen or missing ones."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        if not name.endswith(_IGNORED_SUFFIXES):
+            _copy(model, params, name, tensor, loaded)
+    if model.cfg.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint {source} lacks weights for: {', '.join(missing[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
+                 seed: int = 0) -> LlamaForCausalLM:
+    """Random weights created on the device (benchmarks of large shapes, no checkpoint)."""
+    model = empty_model(cfg, dtype, device, max_len)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def _copy(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], name: str,
+          tensor: torch.Tensor, loaded: set[str]) -> None:
+    target, idx = _target(name)
+    if target == "lm_head.weight" and model.cfg.tie_word_embeddings:
+        return  # tied: some checkpoints store the duplicate anyway
+    param = params.get(target)
+    if param is None:
+        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (not a {model.cfg.model_type} weight)")
+    dest = param.data
+    if idx is not None:
+        bounds = _fused_slices(model, target.split(".")[-2])
+        dest = dest[bounds[idx]:bounds[idx + 1]]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"shape mismatch for {name}: checkpoint has {tuple(tensor.shape)}, "
+            f"config.json implies {tuple(dest.shape)}"
+        )
+    dest.copy_(tensor)
+    # A fused parameter counts as loaded once all its slices are in.
+    loaded.add(f"{target}#{idx}" if idx is not None else target)
+    if idx is not None:
+        n = len(_fused_slices(model, target.split(".")[-2])) - 1
+        if all(f"{target}#{i}" in loaded for i in range(n)):
+            loaded.add(target)

@@ -1,0 +1,404 @@
+"""Runs the engine's step loop on its own thread and exposes it to asyncio.
+
+The asyncio side never blocks on a step: it sends commands (add, abort, adapter
+load / unload / list) through a thread-safe queue, and the step thread hands each
+request's outputs back with `loop.call_soon_threadsafe`. The step thread never waits
+on the network. The LoRA manager belongs to the step thread: adapter commands run
+there, between steps, so they never race a step that uses the device slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import structlog
+
+from omnibus.engine.serving.batcher import BatcherConfig, DynamicBatcher
+from omnibus.engine.engine import Engine, EngineStats
+from omnibus.engine.lora.manager import UnknownAdapterError, resolve_adapter_dir
+from omnibus.engine.worker.sampling import SamplingParams
+from omnibus.engine.core.sequence import RequestOutput
+
+log = structlog.get_logger(__name__)
+
+_IDLE_POLL_S = 0.001  # how often a loop with only not-yet-admissible work re-plans
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    adapter: str | None
+    sink: "_Sink"
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AdapterStateError(RuntimeError):
+    """An adapter cannot be loaded or unloaded in the engine's current state: its weights
+    failed to load, running sequences use it, it is still loading, or the engine serves
+    no adapters (FAILED_PRECONDITION)."""
+
+
+@dataclass(frozen=True)
+class AdapterLoaded:
+    """The outcome of `AsyncEngine.load_adapter`."""
+
+    adapter: str
+    resident: bool  # in a device slot now (False: every slot is held by running sequences)
+    was_loaded: bool  # it was in host memory already: no disk read
+
+
+@dataclass(frozen=True)
+class AdapterInventory:
+    """The adapters in memory, as the step thread sees them between two steps."""
+
+    resident: tuple[str, ...]  # in device slots, sorted
+    cached: tuple[str, ...]  # in host memory (resident ones included), sorted
+
+
+@dataclass
+class _LoadAdapter:
+    name: str
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    was_loaded: bool = False  # set by the step thread when it starts the load
+
+
+@dataclass
+class _UnloadAdapter:
+    name: str
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+@dataclass
+class _ListAdapters:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+@dataclass
+class _Embed:
+    inputs: list[list[int]]
+    pooling: str
+    normalize: bool
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+_AdapterCommand = _LoadAdapter | _UnloadAdapter | _ListAdapters
+_Command = _Add | _Abort | _Embed | _AdapterCommand | None
+T = TypeVar("T")
+
+
+class _Sink:
+    """Where the step thread delivers one request's outputs (or its admission error)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, embed_batching: BatcherConfig | None = None) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._loads: list[_LoadAdapter] = []  # step thread: adapter loads waiting on the disk
+        self._embeds: collections.deque[_Embed] = collections.deque()  # step thread: one batch per step
+        self._embed_config = embed_batching or BatcherConfig()
+        self._batcher: DynamicBatcher | None = None
+        self._sinks: dict[str, _Sink] = {}  # owned by the step thread
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._stopped = threading.Event()
+        self.error: BaseException | None = None  # set if the step loop died
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
+        self._stopped.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stats(self) -> EngineStats:
+        """The latest snapshot, published by the step thread after every step."""
+        return self._stats
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs step by step. Raises ValueError / UnknownAdapterError
+        if the engine refuses it. Leaving the loop early (break, cancel) aborts it."""
+        if self.error is not None or not self._thread.is_alive():
+            raise RuntimeError("the engine step loop is not running")
+        sink = _Sink(asyncio.get_running_loop())
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, priority, adapter, sink))
+        finished = False
+        try:
+            while not finished:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # refused: nothing to abort
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    async def embed(self, inputs: list[list[int]], pooling: str = "mean", normalize: bool = False,
+                    priority: int = 0, timeout_ms: float | None = None) -> list[list[float]]:
+        """Embeddings, grouped with other requests by the dynamic batcher and computed on
+        the step thread between generation steps. Raises ValueError, QueueFullError,
+        QueueTimeoutError."""
+        if self._batcher is None:
+            self._batcher = DynamicBatcher(self._embed_config, self._run_embed_batch)
+            self._batcher.start()
+        items = [(list(ids), pooling, normalize) for ids in inputs]
+        if not items:
+            raise ValueError("no inputs to embed")
+        return await self._batcher.submit(items, priority, timeout_ms)
+
+    # ---- adapters ------------------------------------------------------------
+
+    async def load_adapter(self, name: str) -> AdapterLoaded:
+        """Loads `name` into host memory and a device slot; returns once it is ready.
+        Raises AdapterError (bad name or adapter), UnknownAdapterError, AdapterStateError
+        (no adapters served, or the weights failed to load)."""
+        return await self._submit(lambda loop, fut: _LoadAdapter(name, loop, fut))
+
+    async def unload_adapter(self, name: str) -> bool:
+        """Drops `name` from device slots and host memory; False when it was not loaded.
+        Raises AdapterError, UnknownAdapterError (neither loaded nor on disk),
+        AdapterStateError (running sequences use it, or it is still loading)."""
+        return await self._submit(lambda loop, fut: _UnloadAdapter(name, loop, fut))
+
+    async def list_adapters(self) -> AdapterInventory:
+        """The adapters in device slots and in host memory now."""
+        return await self._submit(lambda loop, fut: _ListAdapters(loop, fut))
+
+    async def _submit(
+        self, make: Callable[[asyncio.AbstractEventLoop, asyncio.Future[T]], _AdapterCommand]
+    ) -> T:
+        if self.error is not None or not self._thread.is_alive():
+            raise RuntimeError("the engine step loop is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(make(loop, future))
+        return await future
+
+    @property
+    def embed_batch_sizes(self) -> list[int]:
+        return [] if self._batcher is None else self._batcher.batch_sizes
+
+    async def _run_embed_batch(self, items: list[tuple[list[int], str, bool]]) -> list[list[float]]:
+        loop = asyncio.get_running_loop()
+        results: list[list[float] | None] = [None] * len(items)
+        groups: dict[tuple[str, bool], list[int]] = {}
+        for i, (_, pooling, normalize) in enumerate(items):
+            groups.setdefault((pooling, normalize), []).append(i)
+        for (pooling, normalize), idx in groups.items():
+            fut = loop.create_future()
+            self._commands.put(_Embed([items[i][0] for i in idx], pooling, normalize, loop, fut))
+            for i, vec in zip(idx, await fut):
+                results[i] = vec
+        return results
+
+    # ---- the step thread -----------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                idle = not self.engine.has_unfinished() and not self._embeds
+                if idle and not self._loads:
+                    self.engine.check_integrity()  # cheap proof, run whenever the engine goes idle
+                self._drain_commands(block=idle and not self._loads)
+                if self._embeds:  # one embedding batch between two generation steps
+                    self._run_embed(self._embeds.popleft())
+                steps = self.engine.num_steps
+                for out in self.engine.step():
+                    sink = self._sinks.get(out.request_id)
+                    if sink is not None:
+                        sink.put(out)
+                        if out.finished:
+                            del self._sinks[out.request_id]
+                self._stats = self.engine.stats()
+                if self._loads:
+                    self._poll_loads()
+                if self.engine.num_steps == steps and (self.engine.has_unfinished() or self._loads):
+                    # waiting on a batch window, an adapter load or a busy adapter slot
+                    self._drain_commands(block=True, timeout=_IDLE_POLL_S)
+        except BaseException as exc:  # the loop must report, not vanish
+            self.error = exc
+            log.exception("engine_step_loop_crashed")
+            for sink in self._sinks.values():
+                sink.put(RuntimeError(f"engine step loop crashed: {exc!r}"))
+            self._sinks.clear()
+            for load in self._loads:
+                _reply(load, None, RuntimeError(f"engine step loop crashed: {exc!r}"))
+            self._loads.clear()
+
+    def _drain_commands(self, block: bool, timeout: float | None = None) -> None:
+        try:
+            cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run_embed(self, cmd: _Embed) -> None:
+        try:
+            result = self.engine.embed(cmd.inputs, cmd.pooling, cmd.normalize)
+        except Exception as exc:  # bad input: the caller gets it, the loop lives on
+            cmd.loop.call_soon_threadsafe(_settle, cmd.future, None, exc)
+            return
+        cmd.loop.call_soon_threadsafe(_settle, cmd.future, result, None)
+
+    def _apply(self, cmd: _Command) -> None:
+        if cmd is None:
+            return
+        if isinstance(cmd, _Embed):
+            self._embeds.append(cmd)
+            return
+        if isinstance(cmd, _Abort):
+            self.engine.abort(cmd.request_id)
+            return
+        if isinstance(cmd, (_LoadAdapter, _UnloadAdapter, _ListAdapters)):
+            self._apply_adapter_command(cmd)
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority, cmd.adapter)
+        except (ValueError, LookupError) as exc:
+            cmd.sink.put(exc)
+            return
+        except Exception as exc:  # e.g. an adapter file vanishing mid-read: refuse this request only
+            log.exception("add_request_failed", request_id=cmd.request_id)
+            cmd.sink.put(RuntimeError(f"the engine could not admit the request: {exc!r}"))
+            return
+        self._sinks[cmd.request_id] = cmd.sink
+
+    # ---- adapters, on the step thread ------------------------------------------
+
+    def _apply_adapter_command(self, cmd: _AdapterCommand) -> None:
+        try:
+            if isinstance(cmd, _ListAdapters):
+                _reply(cmd, self._inventory(), None)
+            elif isinstance(cmd, _UnloadAdapter):
+                _reply(cmd, self._unload(cmd.name), None)
+            else:
+                self._start_load(cmd)
+        except (ValueError, LookupError, AdapterStateError) as exc:  # AdapterError is a ValueError
+            _reply(cmd, None, exc)
+        except OSError as exc:  # e.g. an unreadable adapter_config.json: the caller hears why
+            name = "" if isinstance(cmd, _ListAdapters) else cmd.name
+            _reply(cmd, None, AdapterStateError(f"cannot read adapter {name!r}: {exc}"))
+
+    def _inventory(self) -> AdapterInventory:
+        adapters = self.engine.adapters
+        if adapters is None:
+            return AdapterInventory((), ())
+        return AdapterInventory(tuple(sorted(adapters.resident())), tuple(sorted(adapters.host)))
+
+    def _start_load(self, cmd: _LoadAdapter) -> None:
+        adapters = self.engine.adapters
+        if adapters is None:
+            raise AdapterStateError(
+                f"cannot load adapter {cmd.name!r}: this engine serves no adapters "
+                "(start it with --adapter-dir)")
+        cmd.was_loaded = cmd.name in adapters.host
+        if not cmd.was_loaded:
+            adapters.spec(cmd.name)  # the name and adapter_config.json, checked before any read
+            adapters.load_async(cmd.name)
+        self._loads.append(cmd)
+
+    def _poll_loads(self) -> None:
+        """Answers the adapter loads whose disk read has ended (between two steps, so
+        filling a device slot never races a forward pass)."""
+        adapters = self.engine.adapters
+        assert adapters is not None  # loads are only started when adapters are served
+        pending, done = [], []
+        for cmd in self._loads:
+            state = adapters.poll(cmd.name)
+            if state == "loading":
+                pending.append(cmd)
+            elif state == "failed":
+                reason = adapters.failed[cmd.name]
+                done.append((cmd, None, AdapterStateError(f"adapter {cmd.name!r} failed to load: {reason}")))
+            else:
+                slot = adapters.acquire(cmd.name)  # into a device slot, evicting the LRU unpinned one
+                if slot is not None:
+                    adapters.release(cmd.name)  # resident, but pinned by no sequence
+                done.append((cmd, AdapterLoaded(cmd.name, slot is not None, cmd.was_loaded), None))
+        self._loads = pending
+        if done:
+            self._stats = self.engine.stats()  # load reports show the new residents before the reply
+        for cmd, result, exc in done:
+            _reply(cmd, result, exc)
+
+    def _unload(self, name: str) -> bool:
+        adapters = self.engine.adapters
+        if adapters is None:
+            raise UnknownAdapterError(f"adapter {name!r} not found: this engine serves no adapters")
+        try:
+            resolve_adapter_dir(adapters.config.adapter_dir, name)  # the name check (AdapterError)
+            on_disk = True
+        except UnknownAdapterError:
+            on_disk = False  # a loaded adapter whose directory went away can still be unloaded
+        if adapters.is_loading(name):
+            raise AdapterStateError(f"adapter {name!r} is still loading; unload it once the load has ended")
+        slot = adapters.slot_of(name)
+        if slot is None and name not in adapters.host:
+            if not on_disk:
+                raise UnknownAdapterError(
+                    f"adapter {name!r} not found: it is neither loaded nor under the adapter root")
+            adapters.failed.pop(name, None)
+            return False
+        if not adapters.unload(name):
+            n = adapters.pins[slot] if slot is not None else 0
+            raise AdapterStateError(
+                f"adapter {name!r} is in use by {n} running sequence{'s' if n != 1 else ''}; "
+                "unload it when they have finished")
+        adapters.failed.pop(name, None)
+        self._stats = self.engine.stats()
+        return True
+
+
+def _reply(cmd: _AdapterCommand, result: object, exc: BaseException | None) -> None:
+    cmd.loop.call_soon_threadsafe(_settle, cmd.future, result, exc)
+
+
+def _settle(future: asyncio.Future, result: object, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

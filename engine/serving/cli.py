@@ -1,0 +1,241 @@
+"""`omnibus-engine serve ...` (or `python -m omnibus.engine serve ...`): one engine worker
+process.
+
+The parser imports nothing heavy, so `--help` (and tests that check command lines
+against it) do not load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.serving.server import ServerConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnibus-engine", description="Omnibus engine worker")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser(
+        "serve",
+        help="serve omnibus.v1.Engine for one model on one device",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)"
+    )
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--model", required=True, help="Hugging Face model directory (safetensors)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="bytes for the KV pool (default: --gpu-memory-utilization on CUDA, 512 MiB on CPU)",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="exact KV pool size; overrides the memory sizing",
+    )
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)"
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context cap below the model's own"
+    )
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument(
+        "--batching", default="continuous", choices=["continuous", "dynamic", "static", "none"],
+        help="batching strategy: continuous joins and leaves every step; dynamic and static form "
+        "batches that run until their last request ends; none runs one request at a time",
+    )
+    p.add_argument(
+        "--max-batch-size", type=int, default=32, help="dynamic/static: requests per formed batch"
+    )
+    p.add_argument(
+        "--batch-window-ms", type=float, default=None,
+        help="dynamic: run a partial batch this long after its first request (default 10); "
+        "static: optional timeout (default: wait for a full batch)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the shared generator for unseeded requests"
+    )
+    p.add_argument(
+        "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,
+        help="plan and launch step N+1 before reading step N's tokens back, so the GPU never "
+        "waits on Python (default: on for CUDA, off for CPU, where it only adds a step of latency)",
+    )
+    p.add_argument(
+        "--decode-graphs", action=argparse.BooleanOptionalAction, default=None,
+        help="replay decode steps from CUDA graphs captured at bucketed batch sizes (default: on for CUDA)",
+    )
+    _adapter_flags(p)
+    g = p.add_argument_group("Embed dynamic batching")
+    g.add_argument("--embed-max-batch-size", type=int, default=32, help="inputs per embedding batch")
+    g.add_argument("--embed-max-queue-delay-ms", type=float, default=5.0,
+                   help="longest wait for a fuller batch after the oldest request arrived")
+    g.add_argument("--embed-preferred-batch-sizes", default="",
+                   help="comma-separated batch sizes sent as soon as the queue can fill one")
+    g.add_argument("--embed-max-queue-size", type=int, default=1024,
+                   help="queued Embed requests at most (more: RESOURCE_EXHAUSTED)")
+    g.add_argument("--embed-queue-timeout-ms", type=float, default=None,
+                   help="default queue timeout of an Embed request (DEADLINE_EXCEEDED after)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0: off")
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long in-flight streams may take to finish",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _adapter_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument(
+        "--adapter-dir",
+        default=None,
+        metavar="DIR",
+        help="root of the PEFT LoRA adapters, one directory per adapter (adapter_config.json + "
+        "adapter_model.safetensors), named by the directory; without it only the base model is "
+        "served",
+    )
+    g.add_argument(
+        "--max-loras", type=int, default=4, help="device adapter slots (distinct adapters per step)"
+    )
+    g.add_argument(
+        "--max-cpu-loras", type=int, default=16, help="adapters kept in host memory (LRU)"
+    )
+    g.add_argument(
+        "--max-lora-rank", type=int, default=16, help="adapters of a higher rank are refused"
+    )
+    g.add_argument(
+        "--preload-adapters",
+        default="",
+        metavar="A,B,...",
+        help="comma-separated adapters loaded into host memory before the worker reports SERVING",
+    )
+
+
+def preload_list(value: str) -> tuple[str, ...]:
+    """The adapter names of --preload-adapters (blank entries dropped)."""
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    """The engine's and the server's configs for parsed `serve` flags; ValueError if invalid."""
+    from omnibus.engine.serving.batcher import BatcherConfig
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.serving.server import ServerConfig
+
+    try:
+        preferred = tuple(int(x) for x in args.embed_preferred_batch_sizes.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--embed-preferred-batch-sizes must be integers, got "
+                         f"{args.embed_preferred_batch_sizes!r}") from None
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        drain_seconds=args.drain_seconds,
+        embed_batching=BatcherConfig(
+            max_batch_size=args.embed_max_batch_size,
+            max_queue_delay_ms=args.embed_max_queue_delay_ms,
+            preferred_batch_sizes=preferred,
+            max_queue_size=args.embed_max_queue_size,
+            default_timeout_ms=args.embed_queue_timeout_ms,
+        ),
+    )
+    engine = EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        batching=args.batching,
+        max_batch_size=args.max_batch_size,
+        batch_window_ms=args.batch_window_ms,
+        seed=args.seed,
+        overlap_scheduling=args.overlap_scheduling,
+        decode_graphs=args.decode_graphs,
+        adapter_dir=args.adapter_dir,
+        max_loras=args.max_loras,
+        max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank,
+        preload_adapters=preload_list(args.preload_adapters),
+    )
+    if engine.preload_adapters and engine.adapter_dir is None:
+        raise ValueError("--preload-adapters needs --adapter-dir")
+    if len(set(engine.preload_adapters)) > engine.max_cpu_loras:
+        raise ValueError(
+            f"--preload-adapters lists {len(set(engine.preload_adapters))} adapters but host "
+            f"memory holds {engine.max_cpu_loras} (--max-cpu-loras)"
+        )
+    return engine, server
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config, server_config = configs_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from omnibus.common.logs import configure_logging
+
+    configure_logging(args.log_level)
+    return _serve(config, server_config)
+
+
+def _serve(config: EngineConfig, server_config: ServerConfig) -> int:
+    import uvloop
+
+    from omnibus.engine.engine import Engine
+    from omnibus.engine.serving.server import preload, serve, warm_up
+
+    if config.adapter_dir is not None and not Path(config.adapter_dir).is_dir():
+        print(f"error: --adapter-dir {config.adapter_dir} is not a directory", file=sys.stderr)
+        return 1
+    try:
+        engine = Engine(config)
+    except (OSError, ValueError) as exc:  # ModelLoadError and AdapterError are ValueErrors
+        print(f"error: cannot load {config.model}: {exc}", file=sys.stderr)
+        return 1
+    except LookupError as exc:  # UnknownAdapterError: a --preload-adapters name
+        print(f"error: --preload-adapters: {exc}", file=sys.stderr)
+        return 1
+    warm_up(engine)
+    try:
+        preload(engine)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        uvloop.run(serve(engine, server_config))
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

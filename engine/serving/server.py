@@ -1,0 +1,633 @@
+"""The engine worker's gRPC server: `omnibus.v1.Engine` over an `AsyncEngine`.
+
+The step loop runs on its own thread (AsyncEngine); this asyncio server only moves
+requests in and tokens out, so it never blocks on a step. A request's deadline is the
+gRPC deadline the router passes on: when it passes the sequence is aborted and its KV
+blocks are freed. SIGTERM drains: health goes NOT_SERVING, new requests get
+UNAVAILABLE, in-flight streams get `drain_seconds` to finish and are aborted after.
+
+LoRA adapters: Generate names one (loaded in the background on first use), load
+reports carry the adapters in device slots, in host memory and on disk (for the
+router's adapter-affine routing), and LoadAdapter / UnloadAdapter / ListAdapters
+manage them at run time through the step thread (AsyncEngine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import NoReturn, cast
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from omnibus.v1 import engine_pb2, engine_pb2_grpc, inference_pb2
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine
+from omnibus.engine.serving.batcher import BatcherConfig, QueueFullError, QueueTimeoutError
+from omnibus.engine.engine import Engine, EngineStats, UnknownAdapterError
+from omnibus.engine.lora.manager import LoraManager
+from omnibus.engine.worker.sampling import SamplingParams
+from omnibus.engine.core.sequence import RequestOutput
+
+log = structlog.get_logger("engine.server")
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+DEFAULT_REPORT_INTERVAL_S = 0.05
+MIN_REPORT_INTERVAL_S = 0.01
+HEARTBEAT_S = 1.0  # a report at least this often, changed or not: routers treat silence as death
+ABORT_WAIT_S = 2.0  # after the drain grace, how long aborted streams get to report ABORTED
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+ADAPTER_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+CATALOG_REFRESH_S = 2.0  # how often the adapter root is re-listed for load reports
+PRELOAD_TIMEOUT_S = 600.0
+UNSET = inference_pb2.FINISH_REASON_UNSPECIFIED  # still streaming
+_FINISH = {
+    "stop": inference_pb2.STOP,
+    "length": inference_pb2.LENGTH,
+    "abort": inference_pb2.ABORTED,
+}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The worker process around the engine."""
+
+    host: str = "127.0.0.1"
+    port: int = 50061
+    metrics_port: int = 0  # 0: no /metrics endpoint
+    drain_seconds: float = 30.0  # SIGTERM: time in-flight streams get to finish
+    embed_batching: BatcherConfig = field(default_factory=BatcherConfig)  # the Embed RPC's batcher
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not 0 <= value < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if self.drain_seconds < 0:
+            raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
+
+
+def sampling_params(p: engine_pb2.EngineSamplingParams) -> SamplingParams:
+    """The engine's SamplingParams for a request's; ValueError names a bad field."""
+    return SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logprobs=p.logprobs,
+    )
+
+
+def response_proto(out: RequestOutput) -> engine_pb2.EngineGenerateResponse:
+    logprobs = [
+        inference_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in out.new_logprobs
+    ]
+    return engine_pb2.EngineGenerateResponse(
+        token_ids=out.new_token_ids,
+        logprobs=logprobs,
+        finish_reason=_FINISH[out.finish_reason] if out.finished and out.finish_reason else UNSET,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+        num_output_tokens=out.num_output_tokens,
+    )
+
+
+class EngineMetrics:
+    """Prometheus metrics of one engine process."""
+
+    def __init__(self, aengine: AsyncEngine) -> None:
+        disable_created_metrics()  # the *_created series only add noise to every counter
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "omnibus_engine_requests",
+            "Generate calls that ended, by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "omnibus_engine_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "omnibus_engine_time_per_output_token_seconds",
+            "Mean gap between tokens after the first",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "omnibus_engine_e2e_latency_seconds",
+            "Arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.adapter_requests = Counter(
+            "omnibus_engine_adapter_requests",
+            "Generate calls the engine accepted for a LoRA adapter, by adapter",
+            ["adapter"],
+            registry=r,
+        )
+        r.register(_StatsCollector(aengine))
+
+    def observe(self, arrival: float, first: float | None, tokens: int, outcome: str) -> None:
+        now = time.monotonic()
+        self.requests.labels(outcome).inc()
+        if first is None:
+            return
+        self.ttft.observe(first - arrival)
+        self.e2e.observe(now - arrival)
+        if tokens > 1:
+            self.tpot.observe((now - first) / (tokens - 1))
+
+
+class _StatsCollector(Collector):
+    """Engine gauges, read from the step loop's latest snapshot at scrape time."""
+
+    def __init__(self, aengine: AsyncEngine) -> None:
+        self._aengine = aengine
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self._aengine.stats()
+        gauges = {
+            "running_sequences": ("Sequences holding KV blocks", s.num_running),
+            "waiting_sequences": ("Sequences waiting to be scheduled", s.num_waiting),
+            "kv_blocks_free": (
+                "Free KV blocks (evictable prefix-cache blocks included)",
+                s.num_free_blocks,
+            ),
+            "kv_blocks_used": (
+                "KV blocks held by sequences",
+                s.num_total_blocks - s.num_free_blocks,
+            ),
+            "kv_blocks_total": ("Usable KV blocks", s.num_total_blocks),
+            "kv_blocks_cached": (
+                "Free blocks still holding reusable prefix KV",
+                s.num_cached_blocks,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"omnibus_engine_{name}", doc, value=value)
+        yield CounterMetricFamily("omnibus_engine_steps", "Engine steps run", value=s.num_steps)
+        yield CounterMetricFamily(
+            "omnibus_engine_preemptions", "Sequences preempted", value=s.num_preemptions
+        )
+        adapters = self._aengine.engine.adapters
+        if adapters is not None:
+            yield from _adapter_metrics(s, adapters)
+
+
+def _adapter_metrics(
+    s: EngineStats, adapters: LoraManager
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+    gauges = {
+        "adapter_slots": ("Device adapter slots (--max-loras)", adapters.config.max_loras),
+        "adapters_resident": ("Adapters in device slots", len(s.resident_adapters)),
+        "adapters_cached": ("Adapters in host memory (resident ones included)",
+                            len(s.cached_adapters)),
+        "adapters_running": ("Distinct adapters of the running sequences",
+                             s.num_running_adapters),
+    }
+    for name, (doc, value) in gauges.items():
+        yield GaugeMetricFamily(f"omnibus_engine_{name}", doc, value=value)
+    yield CounterMetricFamily(
+        "omnibus_engine_adapter_loads", "Adapters read from disk into host memory",
+        value=s.adapter_loads,
+    )
+    yield CounterMetricFamily(
+        "omnibus_engine_adapter_evictions", "Device slots refilled with another adapter",
+        value=s.adapter_evictions,
+    )
+    # The loader thread appends one duration per successful disk load; list() copies it
+    # atomically, and the histogram is rebuilt from it at scrape time.
+    seconds = list(adapters.stats["load_seconds"])
+    buckets = [(str(b), float(sum(1 for x in seconds if x <= b))) for b in ADAPTER_LOAD_BUCKETS]
+    buckets.append(("+Inf", float(len(seconds))))
+    yield HistogramMetricFamily(
+        "omnibus_engine_adapter_load_seconds",
+        "Time to read and check an adapter's weights from disk",
+        buckets=buckets,
+        sum_value=sum(seconds),
+    )
+
+
+class AdapterCatalog:
+    """The adapter names under the adapter root, for load reports. Listing a directory
+    is blocking I/O (the root may be a network mount), so it runs on a worker thread,
+    every CATALOG_REFRESH_S and after each load or unload."""
+
+    def __init__(self, adapters: LoraManager | None) -> None:
+        self._adapters = adapters
+        self.names: tuple[str, ...] = tuple(adapters.available()) if adapters else ()
+
+    async def refresh(self) -> None:
+        if self._adapters is None:
+            return
+        try:
+            # available() only lists the root: safe off the step thread.
+            self.names = tuple(await asyncio.to_thread(self._adapters.available))
+        except OSError as exc:  # keep the last listing; say why it is stale
+            log.warning("adapter_root_unreadable", error=str(exc))
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(CATALOG_REFRESH_S)
+            await self.refresh()
+
+
+class EngineService(engine_pb2_grpc.EngineServicer):
+    def __init__(
+        self, aengine: AsyncEngine, metrics: EngineMetrics, catalog: AdapterCatalog | None = None
+    ) -> None:
+        self._aengine = aengine
+        self._metrics = metrics
+        self.catalog = catalog or AdapterCatalog(aengine.engine.adapters)
+        self._active: set[str] = set()  # request ids streaming now
+        self._num_requests = 0
+        self.draining = False
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
+    async def Generate(
+        self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        arrival, first, tokens, outcome = time.monotonic(), None, 0, "cancelled"
+        code, message = self._refusal(request)
+        if code is not None:
+            self._metrics.requests.labels(code.name.lower()).inc()
+            await context.abort(code, message)
+            return
+        rid = request.request_id
+        self._active.add(rid)
+        self._num_requests += 1
+        try:
+            async for out in self._outputs(request, context):
+                first = first or (time.monotonic() if out.new_token_ids else None)
+                tokens = out.num_output_tokens
+                if out.finished:
+                    outcome = out.finish_reason or "stop"
+                yield response_proto(out)
+        except (ValueError, UnknownAdapterError, TimeoutError, RuntimeError) as exc:
+            code, message = _error_status(exc)
+            outcome = code.name.lower()
+            await context.abort(code, message)
+        finally:
+            self._active.discard(rid)
+            self._metrics.observe(arrival, first, tokens, outcome)
+            if request.adapter and outcome not in ("invalid_argument", "not_found"):
+                self._metrics.adapter_requests.labels(request.adapter).inc()
+
+    async def _outputs(
+        self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs until it finishes, its deadline passes (TimeoutError) or
+        the call is cancelled; leaving early aborts the sequence."""
+        params = sampling_params(request.sampling)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        # AsyncEngine.generate is an async generator function (it is annotated as an iterator).
+        stream = cast(
+            AsyncGenerator[RequestOutput, None],
+            self._aengine.generate(
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                request.priority,
+                request.adapter or None,
+            ),
+        )
+        async with aclosing(stream):
+            while True:
+                # The timeout wraps only the wait for the next step, never the yield.
+                async with asyncio.timeout_at(deadline):
+                    out = await anext(stream)
+                if out.error is not None:  # the engine ended it: its adapter failed to load
+                    raise AdapterStateError(out.error)
+                yield out
+                if out.finished:
+                    return
+
+    async def Embed(
+        self, request: engine_pb2.EngineEmbedRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.EngineEmbedResponse:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the engine is shutting down; send the request to another engine")
+        pooling = "last" if request.pooling == inference_pb2.LAST else "mean"
+        try:
+            vectors = await self._aengine.embed(
+                [list(x.ids) for x in request.inputs], pooling, request.normalize,
+                request.priority, request.queue_timeout_ms or None)
+        except (QueueFullError, QueueTimeoutError, ValueError) as exc:
+            await context.abort(*_error_status(exc))
+        return engine_pb2.EngineEmbedResponse(embeddings=[
+            inference_pb2.Embedding(values=v, num_tokens=len(x.ids))
+            for v, x in zip(vectors, request.inputs)])
+
+    def _refusal(
+        self, request: engine_pb2.EngineGenerateRequest
+    ) -> tuple[grpc.StatusCode | None, str]:
+        if self.draining:
+            return (
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine is shutting down; send the request to another engine",
+            )
+        if not request.request_id:
+            return grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty"
+        if request.request_id in self._active:
+            return (
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request id {request.request_id!r} is already streaming",
+            )
+        if self._aengine.error is not None:
+            return (
+                grpc.StatusCode.INTERNAL,
+                f"the engine step loop has crashed: {self._aengine.error!r}",
+            )
+        return None, ""
+
+    async def WatchLoad(
+        self, request: engine_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.LoadReport]:
+        interval = max(
+            request.interval_ms / 1000 or DEFAULT_REPORT_INTERVAL_S, MIN_REPORT_INTERVAL_S
+        )
+        last, last_sent = None, 0.0
+        while self._aengine.error is None:
+            report = self.load_report()
+            now = time.monotonic()
+            if report != last or now - last_sent >= HEARTBEAT_S:
+                yield report
+                last, last_sent = report, now
+            await asyncio.sleep(interval)
+        await context.abort(
+            grpc.StatusCode.INTERNAL, f"the engine step loop has crashed: {self._aengine.error!r}"
+        )
+
+    async def Stats(
+        self, request: engine_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.StatsResponse:
+        stats = self._aengine.stats()
+        return engine_pb2.StatsResponse(
+            load=self._report(stats),
+            num_cached_blocks=stats.num_cached_blocks,
+            num_steps=stats.num_steps,
+            num_requests=self._num_requests,
+            num_active_streams=len(self._active),
+            num_preemptions=stats.num_preemptions,
+            num_prefix_cache_hit_blocks=stats.num_prefix_cache_hit_blocks,
+            slots_stepped=stats.slots_stepped,
+            useful_tokens=stats.useful_tokens,
+            kv_tokens_stored=stats.kv_tokens_stored,
+            kv_tokens_reserved=stats.kv_tokens_reserved,
+        )
+
+    # ---- adapters ------------------------------------------------------------
+
+    async def LoadAdapter(
+        self, request: engine_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.LoadAdapterResponse:
+        try:
+            loaded = await self._aengine.load_adapter(request.adapter)
+        except (ValueError, LookupError, RuntimeError) as exc:
+            await self._adapter_refusal(context, "load", request.adapter, exc)
+        await self.catalog.refresh()
+        log.info("adapter_loaded", adapter=loaded.adapter, resident=loaded.resident,
+                 was_loaded=loaded.was_loaded)
+        return engine_pb2.LoadAdapterResponse(
+            adapter=loaded.adapter, resident=loaded.resident, was_loaded=loaded.was_loaded
+        )
+
+    async def UnloadAdapter(
+        self, request: engine_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.UnloadAdapterResponse:
+        try:
+            was_loaded = await self._aengine.unload_adapter(request.adapter)
+        except (ValueError, LookupError, RuntimeError) as exc:
+            await self._adapter_refusal(context, "unload", request.adapter, exc)
+        await self.catalog.refresh()
+        log.info("adapter_unloaded", adapter=request.adapter, was_loaded=was_loaded)
+        return engine_pb2.UnloadAdapterResponse(adapter=request.adapter, was_loaded=was_loaded)
+
+    async def ListAdapters(
+        self, request: engine_pb2.ListAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ListAdaptersResponse:
+        try:
+            inventory = await self._aengine.list_adapters()
+        except RuntimeError as exc:
+            await self._adapter_refusal(context, "list", "", exc)
+        await self.catalog.refresh()
+        adapters = self._aengine.engine.adapters
+        reply = engine_pb2.ListAdaptersResponse(
+            resident=inventory.resident,
+            cached=inventory.cached,
+            available=self.catalog.names,
+            enabled=adapters is not None,
+        )
+        if adapters is not None:
+            reply.max_loras = adapters.config.max_loras
+            reply.max_cpu_loras = adapters.config.max_cpu_loras
+            reply.max_lora_rank = adapters.config.max_lora_rank
+        return reply
+
+    async def _adapter_refusal(
+        self, context: grpc.aio.ServicerContext, action: str, adapter: str, exc: Exception
+    ) -> NoReturn:
+        code, message = _error_status(exc)
+        log.info("adapter_refused", action=action, adapter=adapter[:140], code=code.name,
+                 message=message)
+        await context.abort(code, message)
+        raise AssertionError("unreachable: context.abort raises")
+
+    def load_report(self) -> engine_pb2.LoadReport:
+        return self._report(self._aengine.stats())
+
+    def _report(self, stats: EngineStats) -> engine_pb2.LoadReport:
+        engine = self._aengine.engine
+        return engine_pb2.LoadReport(
+            num_waiting=stats.num_waiting,
+            num_running=stats.num_running,
+            num_free_blocks=stats.num_free_blocks,
+            num_total_blocks=stats.num_total_blocks,
+            max_num_seqs=engine.config.max_num_seqs,
+            block_size=engine.config.block_size,
+            max_model_len=engine.model_config.max_model_len,
+            draining=self.draining,
+            resident_adapters=sorted(stats.resident_adapters),
+            cached_adapters=stats.cached_adapters,
+            available_adapters=self.catalog.names,
+        )
+
+    async def drain(self, grace: float) -> None:
+        """Refuses new requests, lets in-flight ones finish for `grace` seconds, then
+        aborts the rest (their streams end with finish reason ABORTED)."""
+        self.draining = True
+        if await _wait_until(lambda: not self._active, grace):
+            return
+        log.warning("drain_grace_expired", aborting=sorted(self._active))
+        for rid in list(self._active):
+            self._aengine.abort(rid)
+        await _wait_until(lambda: not self._active, ABORT_WAIT_S)
+
+
+def _error_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, f"embed {exc}"
+    if isinstance(exc, QueueTimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, f"embed request {exc}"
+    if isinstance(exc, UnknownAdapterError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, AdapterStateError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed; it was aborted"
+    return grpc.StatusCode.INTERNAL, f"engine failure: {exc}"
+
+
+async def _wait_until(done: Callable[[], bool], timeout: float, poll: float = 0.02) -> bool:
+    """Polls `done()` until it is true (True) or `timeout` seconds pass (False)."""
+    end = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() >= end:
+            return False
+        await asyncio.sleep(poll)
+    return True
+
+
+def warm_up(engine: Engine) -> None:
+    """One prefill and one decode step before serving, so the first request does not pay
+    for lazy initialization (allocator, kernels, CUDA context)."""
+    engine.warmup()
+
+
+def preload(engine: Engine, timeout: float = PRELOAD_TIMEOUT_S) -> None:
+    """Waits until the --preload-adapters (whose loads Engine() started) are in host
+    memory. Raises ValueError naming an adapter that failed to load. Runs before the
+    step thread starts, so polling the manager here is safe."""
+    adapters = engine.adapters
+    pending = list(engine.config.preload_adapters) if adapters is not None else []
+    end = time.monotonic() + timeout
+    while pending:
+        for name in list(pending):
+            state = adapters.poll(name)
+            if state == "failed":
+                raise ValueError(f"cannot preload adapter {name!r}: {adapters.failed[name]}")
+            if state == "ready":
+                pending.remove(name)
+        if pending and time.monotonic() > end:
+            raise ValueError(f"preloading {pending} took more than {timeout:.0f} s")
+        time.sleep(0.005)
+
+
+@dataclass
+class RunningServer:
+    """An engine worker's gRPC server, started; `stop()` drains and shuts it down."""
+
+    server: grpc.aio.Server
+    service: EngineService
+    aengine: AsyncEngine
+    health_servicer: health.aio.HealthServicer
+    tasks: list[asyncio.Task[None]]
+
+    async def stop(self, drain_seconds: float) -> None:
+        await _set_health(self.health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.service.drain(drain_seconds)
+        for task in self.tasks:
+            task.cancel()
+        await self.server.stop(0.2)  # what is left are load and health watches
+        self.aengine.shutdown()
+
+
+async def start(engine: Engine, config: ServerConfig) -> RunningServer:
+    """Starts serving `engine` (already loaded and warmed up) on the running event loop."""
+    aengine = AsyncEngine(engine, config.embed_batching)
+    aengine.start()
+    metrics = EngineMetrics(aengine)
+    catalog = AdapterCatalog(engine.adapters)
+    service = EngineService(aengine, metrics, catalog)
+    health_servicer = health.aio.HealthServicer()
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        SERVICE_NAME,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    address = f"{config.host}:{config.port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    tasks = [asyncio.create_task(catalog.run(), name="adapter-catalog")]
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    if config.metrics_port:
+        start_http_server(config.metrics_port, registry=metrics.registry)
+    stats = aengine.stats()
+    log.info(
+        "engine_serving",
+        port=config.port,
+        model=engine.config.model,
+        kv_blocks=stats.num_total_blocks,
+        max_num_seqs=engine.config.max_num_seqs,
+        max_model_len=engine.model_config.max_model_len,
+        adapters=len(catalog.names) if engine.adapters else None,
+        cached_adapters=list(stats.cached_adapters),
+    )
+    return RunningServer(server, service, aengine, health_servicer, tasks)
+
+
+async def serve(engine: Engine, config: ServerConfig) -> None:
+    """Serves `engine` (already loaded and warmed up) until SIGTERM or SIGINT, then drains."""
+    running = await start(engine, config)
+    await _wait_for_signal()
+    log.info(
+        "engine_draining", in_flight=running.service.num_active, grace_seconds=config.drain_seconds
+    )
+    await running.stop(config.drain_seconds)
+    log.info("engine_stopped")
+
+
+async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
+    for service in ("", SERVICE_NAME):
+        await servicer.set(service, status)
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

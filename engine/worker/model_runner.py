@@ -1,0 +1,316 @@
+"""Turns a scheduler plan into one forward pass and a sampled token per finished chunk.
+
+Owns the model weights, the paged KV pool (one K and one V tensor per layer) and the
+sampler. It never decides anything: the plan says which tokens to compute.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from omnibus.engine.config import DTYPES, EngineConfig, ModelConfig
+from omnibus.engine.model.loader import load_model, random_model
+from omnibus.engine.worker.cuda_graph import DecodeGraphs
+from omnibus.engine.lora.manager import LoraBatch, LoraManager
+from omnibus.engine.model.llama import ForwardBatch
+from omnibus.engine.worker.sampling import SampledBatch, Sampler, SamplerOutput
+from omnibus.engine.core.scheduler import SchedulerOutput
+from omnibus.engine.core.sequence import Sequence
+from omnibus.engine.worker.transfer import to_device
+
+log = structlog.get_logger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 512 << 20
+
+
+def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    dtype = DTYPES.get(model_config.torch_dtype, torch.float32)
+    # Half precision matmuls on CPU are slow and lossy; "auto" means float32 there.
+    return torch.float32 if config.device == "cpu" else dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = config.torch_device
+        self.dtype = resolve_dtype(config, model_config)
+        self.block_size = config.block_size
+        if config.load_format == "dummy":
+            self.model = random_model(model_config, self.dtype, self.device, model_config.max_model_len, config.seed)
+        else:
+            self.model = load_model(model_config, config.model, self.dtype, self.device, model_config.max_model_len)
+        self.num_blocks = self._num_kv_blocks()
+        shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
+        # Zeros, not empty: padded attention reads of the null block must be finite.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(model_config.num_layers)
+        ]
+        self.sampler = Sampler(seed=config.seed)
+        self.adapters: LoraManager | None = None  # set by the engine when it serves adapters
+        use_graphs = config.decode_graphs if config.decode_graphs is not None else self.device.type == "cuda"
+        self.graphs = None
+        if use_graphs:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
+                                       -(-model_config.max_model_len // self.block_size), self.device,
+                                       capture=self.device.type == "cuda")
+        self.idle_meter = GpuIdleMeter() if self.device.type == "cuda" else None
+        log.info("model_loaded", model=config.model, dtype=str(self.dtype), device=str(self.device),
+                 kv_blocks=self.num_blocks, block_size=self.block_size)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        mc = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        blocks = budget // self.kv_bytes_per_block
+        if blocks < 2:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds {blocks} blocks of {self.kv_bytes_per_block} bytes; "
+                "at least 2 are needed (raise --kv-cache-memory or --gpu-memory-utilization)"
+            )
+        return int(blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """What is left of gpu_memory_utilization × device memory after the weights and
+        the activations of the largest step the scheduler can plan (a warm-up forward)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = self._warmup_forward(self.config.max_num_batched_tokens, num_blocks=1)
+        del scratch
+        torch.cuda.synchronize(self.device)
+        peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak_extra
+        return max(budget, 0)
+
+    def _warmup_forward(self, num_tokens: int, num_blocks: int | None = None):
+        """One forward over `num_tokens` tokens whose KV goes to the null block."""
+        mc = self.model_config
+        shape = ((num_blocks or self.num_blocks), self.block_size, mc.num_kv_heads, mc.head_dim)
+        caches = self.kv_caches if num_blocks is None else [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(mc.num_layers)]
+        n = min(num_tokens, mc.max_model_len)
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.zeros(n, dtype=torch.long, device=dev),
+            positions=torch.arange(n, device=dev),
+            slot_mapping=torch.zeros(n, dtype=torch.long, device=dev),
+            block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            max_query_len=n,
+            # as many logits rows as a step can sample, so the sampler's peak is counted too
+            logits_indices=torch.arange(min(n, self.config.max_num_seqs), device=dev),
+        )
+        hidden = self.model(batch, caches)
+        return self.model.compute_logits(hidden[batch.logits_indices]).softmax(dim=-1)
+
+    # ---- one step ------------------------------------------------------------
+
+    def prepare(self, plan: SchedulerOutput, prev: Step | None = None) -> ForwardBatch:
+        """The step's inputs on the device. A sequence whose last input token is still
+        pending (sampled by `prev`, not yet reported) reads it from prev's device tensor."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        pending_dst: list[int] = []  # rows of input_ids filled from prev's picks
+        pending_src: list[int] = []
+        for item in plan.scheduled:
+            seq, start, n = item.seq, item.start, item.num_tokens
+            end = start + n
+            table = seq.block_table
+            known = seq.token_ids[start:end]
+            input_ids += known
+            if len(known) < n:  # the last input is prev's pick for this sequence
+                input_ids.append(0)
+                pending_dst.append(query_start[-1] + n - 1)
+                pending_src.append(prev.rows[seq])
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start.append(query_start[-1] + n)
+            seq_lens.append(end)
+            tables.append(table)
+            if item.samples:
+                logits_indices.append(query_start[-1] - 1)
+        lora = None
+        if self.adapters is not None and any(item.seq.lora_slot is not None for item in plan.scheduled):
+            lora = LoraBatch(self.adapters, [(-1 if item.seq.lora_slot is None else item.seq.lora_slot,
+                                               item.num_tokens) for item in plan.scheduled])
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        ids = to_device(input_ids, torch.long, dev)
+        if pending_dst:
+            picks = prev.sampled.tokens.index_select(0, to_device(pending_src, torch.long, dev))
+            ids.index_copy_(0, to_device(pending_dst, torch.long, dev), picks)
+        return ForwardBatch(
+            input_ids=ids,
+            positions=to_device(positions, torch.long, dev),
+            slot_mapping=to_device(slots, torch.long, dev),
+            block_tables=to_device(padded, torch.int32, dev),
+            query_start_loc=to_device(query_start, torch.int32, dev),
+            seq_lens=to_device(seq_lens, torch.int32, dev),
+            max_query_len=max(item.num_tokens for item in plan.scheduled),
+            logits_indices=to_device(logits_indices, torch.long, dev),
+            lora=lora,
+        )
+
+    @torch.inference_mode()
+    def embed(self, inputs: list[list[int]], pooling: str, normalize: bool) -> torch.Tensor:
+        """(N, hidden) float32 embeddings: final hidden states (after the last norm), pooled."""
+        lens = [len(x) for x in inputs]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor([t for x in inputs for t in x], dtype=torch.long, device=dev),
+            positions=torch.tensor([p for n in lens for p in range(n)], dtype=torch.long, device=dev),
+            slot_mapping=torch.empty(0, dtype=torch.long, device=dev),
+            block_tables=torch.empty(0, 0, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            max_query_len=max(lens),
+            logits_indices=torch.empty(0, dtype=torch.long, device=dev),
+        )
+        hidden = self.model(batch, None).float()  # (T, hidden)
+        if pooling == "last":
+            pooled = hidden[torch.tensor(starts[1:], device=dev) - 1]
+        else:
+            pooled = torch.stack([hidden[a:b].mean(0) for a, b in zip(starts, starts[1:])])
+        return F.normalize(pooled, dim=-1) if normalize else pooled
+
+    def launch(self, plan: SchedulerOutput, prev: Step | None = None) -> Step:
+        """Queue the plan's forward pass and sampling on the device and start copying the
+        picks back; returns without waiting for the device. `prev` is the step launched
+        before, when its picks have not been reported yet (overlapped scheduling)."""
+        return self.run(plan, self.prepare(plan, prev))
+
+    @torch.inference_mode()
+    def run(self, plan: SchedulerOutput, batch: ForwardBatch) -> Step:
+        """`launch` with the inputs already prepared."""
+        if self.idle_meter is not None:
+            self.idle_meter.step_started()
+        if self.graphs is not None and self.graphs.can_run(batch, len(plan.scheduled)):
+            hidden = self.graphs.run(batch)  # (n, hidden): decode-only, one token per sequence
+        else:
+            hidden = self.model(batch, self.kv_caches)  # (T, hidden)
+        rows = [item.seq for item in plan.scheduled if item.samples]
+        if rows:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab)
+            # Token histories only for the rows whose penalties read them.
+            prompts = [s.prompt_token_ids if s.params.has_penalties else () for s in rows]
+            outputs = [s.output_token_ids if s.params.has_penalties else () for s in rows]
+            sampled = self.sampler.sample(logits, [s.params for s in rows], prompts, outputs,
+                                          [s.generator for s in rows])
+        else:
+            sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
+        if self.idle_meter is not None:
+            self.idle_meter.step_ended()
+        return Step(plan, sampled)
+
+    def execute(self, plan: SchedulerOutput) -> SamplerOutput:
+        """Run one step to completion: launch it and wait for its picks."""
+        return self.launch(plan).result()
+
+
+@dataclass
+class Step:
+    """A launched step: its plan and its picks, on the device and copying to the host."""
+
+    plan: SchedulerOutput
+    sampled: SampledBatch  # on the device; the next step's prepare() may read it
+    host: SampledBatch | None = None
+
+    def __post_init__(self) -> None:
+        self.host = self.sampled.to_host()  # the copy starts now and completes on its own
+
+    @functools.cached_property
+    def rows(self) -> dict[Sequence, int]:
+        """Sampled row of each sequence that samples (only overlapped steps ask)."""
+        return {item.seq: i for i, item in enumerate(it for it in self.plan.scheduled if it.samples)}
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a sequence of this step samples with penalties, which read its tokens:
+        its next step must wait for this one's report."""
+        return any(item.samples and item.seq.params.has_penalties for item in self.plan.scheduled)
+
+    def result(self) -> SamplerOutput:
+        """The picks on the host (waits for the step to finish on the device)."""
+        return self.host.output()
+
+
+class GpuIdleMeter:
+    """Share of wall time the GPU spends waiting on Python between steps, from CUDA
+    events at each step's first and last launch. Events are read once they have
+    completed (`query`, never a sync), so overlapped steps are measured as they run."""
+
+    def __init__(self) -> None:
+        self.busy_ms = 0.0
+        self.idle_ms = 0.0
+        self._prev_end: torch.cuda.Event | None = None
+        self._pending: collections.deque[tuple] = collections.deque()
+
+    def reset(self) -> None:
+        """Start counting afresh from the next step (the gap before it is not counted)."""
+        self._drain()
+        self.busy_ms = self.idle_ms = 0.0
+        self._prev_end = None
+
+    def step_started(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def step_ended(self) -> None:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((self._prev_end, self._start, end))
+        self._prev_end = end
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._pending and self._pending[0][2].query():
+            prev_end, start, stop = self._pending.popleft()
+            if prev_end is not None:
+                self.idle_ms += prev_end.elapsed_time(start)
+            self.busy_ms += start.elapsed_time(stop)
+
+    @property
+    def idle_share(self) -> float:
+        """Over the steps that have completed on the GPU so far."""
+        self._drain()
+        total = self.busy_ms + self.idle_ms
+        return self.idle_ms / total if total else 0.0

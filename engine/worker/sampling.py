@@ -1,0 +1,506 @@
+"""Token sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs.
+
+One `Sampler` call picks one token for every row of a (B, V) logits batch. Per row:
+
+1. Penalties on the raw logits: repetition (HF semantics, over prompt + output), then
+   presence / frequency (OpenAI semantics, over output only).
+2. Returned logprobs are `log_softmax` of the penalized logits, taken *before*
+   temperature, top-k, top-p and min-p. They describe the model's (penalized)
+   distribution, not the truncated one the token was drawn from, which is what the
+   OpenAI API reports and what stays comparable across sampling settings.
+3. Greedy rows (temperature 0) take the argmax of the penalized logits.
+4. Sampled rows divide by temperature, apply top-k, then top-p on the top-k
+   survivors, then min-p, and draw from the softmax of what is left.
+
+Draws use the exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. per token
+picks token i with probability probs[i]. The noise is drawn per row: a seeded request
+draws one (V,) block from its own generator per token, so its tokens depend only on its
+seed and its logits, never on what else is in the batch. Unseeded rows share the
+Sampler's generator.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from omnibus.engine.worker.transfer import to_device
+
+__all__ = [
+    "MAX_LOGPROBS",
+    "SamplingParams",
+    "TokenLogprobs",
+    "SamplerOutput",
+    "SampledBatch",
+    "Sampler",
+    "allowed_tokens",
+    "apply_penalties",
+    "make_generator",
+]
+
+MAX_LOGPROBS = 20
+# Temperatures below this are treated as greedy: dividing logits by them overflows float32
+# to inf (and softmax to NaN), while the distribution is already a point mass at the argmax.
+_GREEDY_TEMPERATURE = 1e-5
+# torch.Generator.manual_seed takes any unsigned 64-bit value.
+_SEED_MAX = 2**64 - 1
+# Above this k a full sort is cheaper than torch.topk for the top-k threshold.
+_TOPK_MAX = 1024
+
+
+def _int_field(name: str, value: object, allowed: str, lo: int, hi: int | None = None) -> int:
+    # bool is an int subclass, but `max_tokens=True` is a caller bug, not a count.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+    v = int(value)
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be {allowed}, got {v}")
+    return v
+
+
+def _float_field(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or not ok(v):
+        raise ValueError(f"{name} must be a finite number {allowed}, got {v}")
+    return v
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the tokens of one request. Validated at construction.
+
+    Numbers given as other numeric types (numpy scalars, ints for floats) are converted
+    to plain int / float; bools, NaN and infinities are refused with ValueError.
+    """
+
+    max_tokens: int = 16  # >= 1; tokens to generate at most
+    temperature: float = 1.0  # >= 0; below 1e-5 (and so 0) means greedy argmax
+    top_p: float = 1.0  # in (0, 1]; nucleus size, 1 = off
+    top_k: int = 0  # 0 = off, else >= 1
+    min_p: float = 0.0  # in [0, 1]; drop tokens with prob < min_p * max prob
+    seed: int | None = None  # in [0, 2**64 - 1]; same seed => same tokens in any batch
+    stop_token_ids: tuple[int, ...] = ()  # token ids >= 0 that end the request
+    ignore_eos: bool = False  # keep generating past the model's EOS token
+    repetition_penalty: float = 1.0  # > 0; HF semantics over prompt + output tokens
+    presence_penalty: float = 0.0  # in [-2, 2]; OpenAI semantics over output tokens
+    frequency_penalty: float = 0.0  # in [-2, 2]; OpenAI semantics over output tokens
+    logprobs: int = 0  # in [0, 20]; top-n logprobs to return per generated token
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)  # frozen: normalize through the back door
+
+        put("max_tokens", _int_field("max_tokens", self.max_tokens, ">= 1", lo=1))
+        put("temperature", _float_field("temperature", self.temperature, ">= 0", lambda v: v >= 0))
+        put("top_p", _float_field("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1))
+        put("top_k", _int_field("top_k", self.top_k, ">= 0 (0 disables it)", lo=0))
+        put("min_p", _float_field("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1))
+        if self.seed is not None:
+            put("seed", _int_field("seed", self.seed, "in [0, 2**64 - 1] or None", 0, _SEED_MAX))
+        put("stop_token_ids", _stop_ids(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        put(
+            "repetition_penalty",
+            _float_field("repetition_penalty", self.repetition_penalty, "> 0", lambda v: v > 0),
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(name, _float_field(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2))
+        lp_range = f"in [0, {MAX_LOGPROBS}]"
+        put("logprobs", _int_field("logprobs", self.logprobs, lp_range, 0, MAX_LOGPROBS))
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax instead of sampling."""
+        return self.temperature < _GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any repetition / presence / frequency penalty changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _stop_ids(value: object) -> tuple[int, ...]:
+    allowed = "a list or tuple of token ids >= 0"
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be {allowed}, got {value!r}")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            raise ValueError(f"stop_token_ids must be {allowed}, got element {t!r}")
+    return tuple(int(t) for t in value)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs for one generated token (of the penalized, pre-temperature distribution)."""
+
+    token_id: int
+    logprob: float  # of the sampled token
+    top: tuple[tuple[int, float], ...]  # top-n (token_id, logprob), highest first
+
+
+@dataclass
+class SamplerOutput:
+    """What one Sampler call picked, row by row."""
+
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # None for rows that asked for none
+
+
+@dataclass
+class SampledBatch:
+    """One Sampler call's picks, still where they were computed. `to_host` starts the
+    device-to-host copy without waiting; `output` reads it (waiting only then)."""
+
+    tokens: torch.Tensor  # (B,) int64
+    logprob_rows: list[int] = field(default_factory=list)  # rows that asked for logprobs
+    widths: list[int] = field(default_factory=list)  # top-n asked, per logprob row
+    chosen: torch.Tensor | None = None  # (n,) float32 logprob of each row's pick
+    top_ids: torch.Tensor | None = None  # (n, w) int64, highest first
+    top_vals: torch.Tensor | None = None  # (n, w) float32
+    ready: torch.cuda.Event | None = None  # recorded after the copies, on CUDA
+
+    def to_host(self) -> SampledBatch:
+        if not self.tokens.is_cuda:
+            return self
+        def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+        out = SampledBatch(pinned(self.tokens), self.logprob_rows, self.widths, pinned(self.chosen),
+                           pinned(self.top_ids), pinned(self.top_vals), torch.cuda.Event())
+        out.ready.record()
+        return out
+
+    def output(self) -> SamplerOutput:
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = self.tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+        if self.logprob_rows:
+            top_ids, top_vals = self.top_ids.tolist(), self.top_vals.tolist()
+            for j, (i, val) in enumerate(zip(self.logprob_rows, self.chosen.tolist())):
+                n = self.widths[j]
+                logprobs[i] = TokenLogprobs(tokens[i], val, tuple(zip(top_ids[j][:n], top_vals[j][:n])))
+        return SamplerOutput(tokens, logprobs)
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A fresh torch.Generator on `device` seeded with `seed`, for one seeded request.
+
+    The engine keeps it with the request and passes it to every Sampler call; the sampler
+    advances it by exactly one (V,) draw per sampled token.
+    """
+    seed = _int_field("seed", seed, "in [0, 2**64 - 1]", 0, _SEED_MAX)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+def allowed_tokens(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    *,
+    max_top_k: int | None = None,
+) -> torch.Tensor:
+    """Mask of the tokens each row may sample after top-k, top-p and min-p.
+
+    Args:
+        logits: (N, V) float, already divided by temperature.
+        top_k: (N,) int64; 0 keeps every token, else the k highest logits.
+        top_p: (N,) float in (0, 1]; keep the smallest set of highest-probability tokens
+            whose probability mass, renormalized over the top-k survivors, is >= top_p.
+        min_p: (N,) float in [0, 1]; drop tokens with prob < min_p * (highest prob).
+        max_top_k: max(top_k) if the caller knows it; saves reading it back from the device.
+        A filter given as None is off for every row.
+
+    Returns:
+        (N, V) bool, True where the token may be sampled. A token tied with the last one
+        kept by a cutoff is kept too, so the filters never break ties by token id, and the
+        highest logit always survives.
+    """
+    vocab = logits.shape[1]
+    keep = torch.ones_like(logits, dtype=torch.bool)  # (N, V)
+    width = 0  # how many of the highest logits top-k has to look at
+    if top_k is not None:
+        max_top_k = int(top_k.max()) if max_top_k is None else max_top_k
+        width = min(max(max_top_k, 1), vocab)
+    ranked = None  # (N, V) logits sorted descending, only when a threshold needs them
+    if top_p is not None or width > _TOPK_MAX:
+        ranked = logits.sort(dim=-1, descending=True).values
+    kth: torch.Tensor | None = None  # (N, 1) smallest logit top-k keeps
+    if top_k is not None:
+        # With no sort around, a partial top-k gives the thresholds far more cheaply.
+        best = ranked if ranked is not None else logits.topk(width, dim=-1).values
+        kth = best.gather(1, (top_k.clamp(1, best.shape[1]) - 1)[:, None])
+        kth = torch.where((top_k > 0)[:, None], kth, -math.inf)
+        keep &= logits >= kth
+    if top_p is not None:
+        assert ranked is not None  # sorted above whenever top_p is given
+        if kth is not None:
+            # top-p measures mass among what top-k kept (HF / vLLM order).
+            ranked = ranked.masked_fill(ranked < kth, -math.inf)
+        cum = ranked.softmax(dim=-1).cumsum(dim=-1)  # (N, V), non-decreasing
+        # Smallest m with cum[m-1] >= p; float rounding may leave cum[-1] just under 1.
+        m = ((cum < top_p[:, None]).sum(dim=-1) + 1).clamp(max=vocab)  # (N,)
+        pth = ranked.gather(1, (m - 1)[:, None])  # (N, 1) smallest logit top-p keeps
+        pth = torch.where(top_p[:, None] >= 1.0, -math.inf, pth)
+        keep &= logits >= pth
+    if min_p is not None:
+        # prob_i < min_p * prob_max  <=>  logit_i < logit_max + log(min_p): no softmax
+        # needed, and renormalizing after top-k / top-p scales both sides alike.
+        top = logits.max(dim=-1, keepdim=True).values  # (N, 1)
+        keep &= logits >= top + min_p.log()[:, None]  # log(0) = -inf keeps everything
+    return keep
+
+
+def _token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """(n, V) float32 count of each token id in each sequence."""
+    lengths = [len(s) for s in seqs]
+    longest = max(lengths, default=0)
+    # Pad with id V: counts get one spare column that soaks up the padding, then is dropped.
+    padded = torch.full((len(seqs), longest), vocab, dtype=torch.long)  # (n, L)
+    for row, s in enumerate(seqs):  # one conversion per row, never a loop over tokens
+        if lengths[row]:
+            padded[row, : lengths[row]] = torch.as_tensor(s, dtype=torch.long)
+    real = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]  # (n, L)
+    if bool((real & ((padded < 0) | (padded >= vocab))).any()):
+        raise ValueError(
+            f"token ids for penalties must be in [0, {vocab - 1}] (vocab size {vocab})"
+        )
+    padded = to_device(padded, torch.long, device)
+    counts = torch.zeros(len(seqs), vocab + 1, device=device)  # (n, V + 1)
+    counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
+    return counts[:, :vocab]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Repetition, then presence / frequency penalties, as float32 (B, V).
+
+    Repetition (HF): every token seen in prompt + output has a positive logit divided by
+    the penalty and a negative one multiplied by it. Presence / frequency (OpenAI), over
+    output tokens only: logit -= presence * (count > 0) + frequency * count.
+
+    Never writes into `logits`; returns it (cast to float32) untouched when no row has
+    penalties, so callers must not write into the result either.
+    """
+    x = logits.float()  # (B, V); aliases `logits` when it already is float32
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return x
+    batch, vocab = x.shape
+    device = x.device
+    # Only penalized rows pay for the (n, V) count tensors.
+    sub_params = [params[i] for i in rows]
+    knobs = to_device(
+        [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in sub_params],
+        torch.float32, device,
+    )  # (n, 3)
+    index = to_device(rows, torch.long, device)
+    sub = x.index_select(0, index)  # (n, V), a copy we own
+    out_counts = _token_counts([output_ids[i] for i in rows], vocab, device)  # (n, V)
+    if any(p.repetition_penalty != 1.0 for p in sub_params):
+        # Rows without a repetition penalty skip converting their (possibly long) prompts.
+        prompts = [prompt_ids[i] if params[i].repetition_penalty != 1.0 else () for i in rows]
+        seen = (_token_counts(prompts, vocab, device) > 0) | (out_counts > 0)  # (n, V)
+        r = knobs[:, 0:1]
+        sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in sub_params):
+        sub = sub - knobs[:, 1:2] * (out_counts > 0) - knobs[:, 2:3] * out_counts
+    if len(rows) == batch:
+        return sub
+    return x.index_copy(0, index, sub)  # out of place: x may be the caller's tensor
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    # torch.device("cuda") has no index; treat it as matching any cuda device.
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _check_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    generators: Sequence[torch.Generator | None],
+) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point() or logits.shape[1] == 0:
+        raise ValueError(
+            "logits must be a (batch, vocab) float tensor, "
+            f"got shape {tuple(logits.shape)} dtype {logits.dtype}"
+        )
+    batch = logits.shape[0]
+    lengths = {
+        "params": len(params),
+        "prompt_ids": len(prompt_ids),
+        "output_ids": len(output_ids),
+        "generators": len(generators),
+    }
+    if any(n != batch for n in lengths.values()):
+        raise ValueError(f"need one entry per logits row ({batch}), got {lengths}")
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if p.seed is not None and g is None and not p.greedy:
+            raise ValueError(
+                f"row {i} has seed={p.seed} but no generator; pass make_generator(seed, device)"
+            )
+        if g is not None and not _same_device(g.device, logits.device):
+            raise ValueError(
+                f"row {i}: generator is on {g.device} but logits are on {logits.device}"
+            )
+
+
+class Sampler:
+    """Picks one token per row of a logits batch; see the module docstring for the order.
+
+    Stateless across calls except for the shared generator that unseeded rows draw from.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        """`seed` fixes the shared generator for unseeded rows; None seeds it from the OS."""
+        if seed is not None:
+            seed = _int_field("seed", seed, "in [0, 2**64 - 1] or None", 0, _SEED_MAX)
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}  # one per device, made lazily
+
+    def __call__(self, *args, **kwargs) -> SamplerOutput:
+        """`sample` (same arguments), with the picks read back to the host."""
+        return self.sample(*args, **kwargs).output()
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+    ) -> SampledBatch:
+        """Sample one token per row, leaving the result on the logits' device (no sync).
+
+        Args:
+            logits: (B, V) any float dtype; not modified.
+            params: row i is sampled with params[i].
+            prompt_ids, output_ids: request i's tokens so far, for penalties.
+            generators: request i's own generator (from make_generator) when it has a
+                seed, else None. Advanced by one (V,) draw when row i is sampled.
+
+        Raises:
+            ValueError: mismatched batch sizes, a seeded row without a generator, a
+                generator on another device, or penalty token ids outside [0, V).
+        """
+        _check_batch(logits, params, prompt_ids, output_ids, generators)
+        batch = logits.shape[0]
+        if all(p.greedy and not p.has_penalties and p.logprobs == 0 for p in params):
+            return SampledBatch(logits.argmax(dim=-1))  # the common serving case
+
+        x = apply_penalties(logits, params, prompt_ids, output_ids)  # (B, V) float32, read-only
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if len(sampled) == batch:
+            tokens = self._sample(x, params, generators)
+        else:
+            tokens = x.argmax(dim=-1)  # (B,)
+            if sampled:
+                index = to_device(sampled, torch.long, x.device)
+                picked = self._sample(
+                    x.index_select(0, index),
+                    [params[i] for i in sampled],
+                    [generators[i] for i in sampled],
+                )
+                tokens.index_copy_(0, index, picked)  # tokens is ours
+        return _with_logprobs(x, tokens, params)
+
+    def _sample(
+        self,
+        x: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        """(N,) token ids drawn from (N, V) penalized logits of non-greedy rows."""
+        n, vocab = x.shape
+        device = x.device
+        # All per-row knobs in one host-to-device copy. top_k <= V keeps it exact in float32.
+        knobs = to_device(
+            [(p.temperature, min(p.top_k, vocab), p.top_p, p.min_p) for p in params],
+            torch.float32, device,
+        )  # (N, 4)
+        x = x / knobs[:, 0:1]  # (N, V), new tensor
+        use_k = any(p.top_k > 0 for p in params)
+        use_p = any(p.top_p < 1.0 for p in params)
+        use_min_p = any(p.min_p > 0.0 for p in params)
+        if use_k or use_p or use_min_p:
+            keep = allowed_tokens(
+                x,
+                top_k=knobs[:, 1].long() if use_k else None,
+                top_p=knobs[:, 2] if use_p else None,
+                min_p=knobs[:, 3] if use_min_p else None,
+                max_top_k=max(min(p.top_k, vocab) for p in params),
+            )
+            x = x.masked_fill_(~keep, -math.inf)  # x is our own tensor here
+        probs = x.softmax(dim=-1)  # (N, V)
+        noise = self._noise(generators, vocab, device)  # (N, V) ~ Exp(1)
+        return (probs / noise).argmax(dim=-1)
+
+    def _noise(
+        self, generators: Sequence[torch.Generator | None], vocab: int, device: torch.device
+    ) -> torch.Tensor:
+        """(N, V) Exp(1) noise: each seeded row from its own generator, the rest shared."""
+        shared_rows = [j for j, g in enumerate(generators) if g is None]
+        shared = None
+        if shared_rows:
+            shared = torch.empty(len(shared_rows), vocab, device=device)
+            shared.exponential_(generator=self._shared_generator(device))
+            if len(shared_rows) == len(generators):
+                return shared.clamp_min_(torch.finfo(torch.float32).tiny)
+        rows: list[torch.Tensor] = []
+        shared_iter = iter(shared.unbind(0) if shared is not None else ())
+        for g in generators:
+            if g is None:
+                rows.append(next(shared_iter))
+            else:
+                # A fresh (V,) tensor per request: its values depend only on its generator's
+                # state, never on the row's place in the batch.
+                rows.append(torch.empty(vocab, device=device).exponential_(generator=g))
+        # exponential_ can return exactly 0; probs / 0 would be inf (or NaN for prob 0).
+        return torch.stack(rows).clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._shared.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed)
+            self._shared[device] = gen
+        return gen
+
+
+def _with_logprobs(x: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> SampledBatch:
+    """The picks plus, for rows that asked, the chosen token's logprob and the top-n,
+    from penalized logits x (B, V)."""
+    rows = [i for i, p in enumerate(params) if p.logprobs > 0]
+    if not rows:
+        return SampledBatch(tokens)
+    index = to_device(rows, torch.long, x.device)
+    lp = x.index_select(0, index).log_softmax(dim=-1)  # (n, V)
+    chosen = lp.gather(1, tokens.index_select(0, index)[:, None])[:, 0]  # (n,)
+    width = min(max(params[i].logprobs for i in rows), x.shape[1])
+    top = lp.topk(width, dim=-1)  # (n, width) each, highest first
+    return SampledBatch(tokens, rows, [params[i].logprobs for i in rows], chosen, top.indices, top.values)

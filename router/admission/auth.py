@@ -1,0 +1,220 @@
+"""API keys → tenants, and admin keys.
+
+The keys file is JSON:
+
+    {"tenants": {"acme": {"keys": ["sk-acme-1"], "max_concurrent": 8,
+                          "tokens_per_minute": 60000, "adapters": ["support-bot"]},
+                 "ops":  {"keys": ["sk-ops-1"], "admin": true}}}
+
+Only `keys` is required; missing limits take the router's --tenant-* defaults.
+`adapters` lists the LoRA adapters the tenant may select with x-adapter-id: absent
+or ["*"] means any adapter the engines have, [] the base model only. `admin: true`
+makes the tenant's keys admin keys too (the omnibus.v1.Admin service), as is the
+key in the router's --admin-key-file. Keys are kept only as SHA-256 digests in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from omnibus.router.dispatch.adapters import is_adapter_name
+from omnibus.router.config import TenantLimits
+from omnibus.router.service.errors import RequestError
+
+DEFAULT_TENANT = "default"
+ANY_ADAPTER = "*"
+_TENANT_FIELDS = {"keys", "max_concurrent", "tokens_per_minute", "adapters", "admin"}
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who is calling, and what they may use."""
+
+    name: str
+    limits: TenantLimits = field(default_factory=TenantLimits)
+    adapters: tuple[str, ...] | None = None  # the adapters it may use; None: any
+    admin: bool = False  # its keys may call the admin API
+
+    def may_use(self, adapter: str) -> bool:
+        return self.adapters is None or adapter in self.adapters
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class KeyStore:
+    """Authenticates a call's `authorization: Bearer <key>` metadata."""
+
+    def __init__(
+        self,
+        tenants_by_digest: Mapping[bytes, Tenant] | None,
+        default: Tenant,
+        admin_digests: frozenset[bytes] = frozenset(),
+    ) -> None:
+        """`tenants_by_digest` None: no keys configured, every caller is `default`.
+        `admin_digests`: admin keys besides those of tenants marked admin."""
+        self._by_digest = dict(tenants_by_digest) if tenants_by_digest is not None else None
+        self._default = default
+        self._admin_digests = admin_digests
+
+    @classmethod
+    def open(
+        cls, path: str | None, default_limits: TenantLimits, admin_key_file: str | None = None
+    ) -> KeyStore:
+        """The store for a keys file, or an open one (tenant "default") when path is None;
+        `admin_key_file` holds one more admin key."""
+        default = Tenant(DEFAULT_TENANT, default_limits)
+        admin = frozenset()
+        if admin_key_file is not None:
+            admin = frozenset({_digest(_read_admin_key(Path(admin_key_file)))})
+        if path is None:
+            return cls(None, default, admin)
+        return cls(_load_keys(Path(path), default_limits), default, admin)
+
+    @property
+    def admin_enabled(self) -> bool:
+        """Some key may call the admin API."""
+        return bool(self._admin_digests) or any(t.admin for t in self.tenants)
+
+    @property
+    def tenants(self) -> tuple[Tenant, ...]:
+        if self._by_digest is None:
+            return (self._default,)
+        return tuple({t.name: t for t in self._by_digest.values()}.values())
+
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Tenant:
+        """The caller's tenant. Raises RequestError(UNAUTHENTICATED) for a missing or bad key."""
+        if self._by_digest is None:
+            return self._default
+        tenant = self._by_digest.get(_digest(_bearer_key(metadata)))
+        if tenant is None:
+            raise _unauthenticated("invalid API key")
+        return tenant
+
+    def authenticate_admin(self, metadata: Iterable[tuple[str, str | bytes]]) -> str:
+        """Who is calling the admin API ("admin-key" or an admin tenant's name). Raises
+        RequestError: PERMISSION_DENIED when no admin key is configured or the key is a
+        tenant's that is not an admin, UNAUTHENTICATED for a missing or unknown key."""
+        if not self.admin_enabled:
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "the admin API is disabled on this router: start it with --admin-key-file FILE, "
+                'or mark a tenant "admin": true in its keys file',
+                "admin_disabled",
+            )
+        digest = _digest(_bearer_key(metadata))
+        if digest in self._admin_digests:
+            return "admin-key"
+        tenant = self._by_digest.get(digest) if self._by_digest is not None else None
+        if tenant is None:
+            raise _unauthenticated("invalid API key")
+        if not tenant.admin:
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {tenant.name!r} may not use the admin API; call it with an admin key",
+                "not_admin",
+            )
+        return tenant.name
+
+
+def _bearer_key(metadata: Iterable[tuple[str, str | bytes]]) -> str:
+    header = _metadata_value(metadata, "authorization")
+    if header is None:
+        raise _unauthenticated("missing 'authorization: Bearer <key>' metadata")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise _unauthenticated("authorization metadata must be 'Bearer <key>'")
+    return key.strip()
+
+
+def _read_admin_key(path: Path) -> str:
+    try:
+        key = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read admin key file {path}: {exc}") from exc
+    if not key or any(c.isspace() for c in key):
+        raise ValueError(f"admin key file {path} must hold one key: non-empty, no whitespace")
+    return key
+
+
+def _metadata_value(metadata: Iterable[tuple[str, str | bytes]], name: str) -> str | None:
+    for key, value in metadata:
+        if key.lower() == name:
+            return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return None
+
+
+def _unauthenticated(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.UNAUTHENTICATED, message, "unauthenticated")
+
+
+def _load_keys(path: Path, default_limits: TenantLimits) -> dict[bytes, Tenant]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read keys file {path}: {exc}") from exc
+    tenants = raw.get("tenants") if isinstance(raw, dict) else None
+    if not isinstance(tenants, dict) or not tenants:
+        raise ValueError(f"keys file {path} must be an object with a non-empty 'tenants' object")
+    by_digest: dict[bytes, Tenant] = {}
+    for name, entry in tenants.items():
+        tenant, keys = _parse_tenant(path, name, entry, default_limits)
+        for key in keys:
+            if _digest(key) in by_digest:
+                raise ValueError(f"keys file {path}: a key of tenant {name!r} is used twice")
+            by_digest[_digest(key)] = tenant
+    return by_digest
+
+
+def _parse_tenant(
+    path: Path, name: str, entry: object, default_limits: TenantLimits
+) -> tuple[Tenant, list[str]]:
+    where = f"keys file {path}, tenant {name!r}"
+    if not name or not isinstance(entry, dict):
+        raise ValueError(f"{where}: each tenant needs a non-empty name and an object")
+    unknown = set(entry) - _TENANT_FIELDS
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown fields {sorted(unknown)}; allowed: {sorted(_TENANT_FIELDS)}"
+        )
+    keys = entry.get("keys")
+    if (
+        not isinstance(keys, list)
+        or not keys
+        or not all(isinstance(k, str) and k.strip() for k in keys)
+    ):
+        raise ValueError(f"{where}: 'keys' must be a non-empty list of non-empty strings")
+    admin = entry.get("admin", False)
+    if not isinstance(admin, bool):
+        raise ValueError(f"{where}: 'admin' must be true or false, got {admin!r}")
+    try:
+        limits = TenantLimits(
+            max_concurrent=int(entry.get("max_concurrent", default_limits.max_concurrent)),
+            tokens_per_minute=int(entry.get("tokens_per_minute", default_limits.tokens_per_minute)),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    adapters = _parse_adapters(where, entry.get("adapters"))
+    return Tenant(name, limits, adapters, admin), [k.strip() for k in keys]
+
+
+def _parse_adapters(where: str, adapters: object) -> tuple[str, ...] | None:
+    """A tenant's adapter list: None (any) when absent or containing "*"."""
+    if adapters is None:
+        return None
+    if not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters):
+        raise ValueError(f"{where}: 'adapters' must be a list of adapter names (or [\"*\"])")
+    bad = [a for a in adapters if a != ANY_ADAPTER and not is_adapter_name(a)]
+    if bad:
+        raise ValueError(
+            f"{where}: invalid adapter names {bad}: use 1-128 ASCII letters, digits, '.', '_' or "
+            "'-', starting with a letter or digit"
+        )
+    return None if ANY_ADAPTER in adapters else tuple(adapters)

@@ -1,0 +1,158 @@
+"""Admission control: per-tenant concurrency caps and token-rate budgets, and the
+global caps on what may wait in the queue. Every refusal is RESOURCE_EXHAUSTED with a
+message that names the limit."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from omnibus.router.admission.auth import Tenant
+from omnibus.router.service.errors import RequestError
+
+Clock = Callable[[], float]
+
+
+class TokenBucket:
+    """`per_minute` tokens per minute, in bursts of up to one minute's worth."""
+
+    def __init__(self, per_minute: int, clock: Clock = time.monotonic) -> None:
+        if per_minute <= 0:
+            raise ValueError(f"per_minute must be > 0, got {per_minute}")
+        self.capacity = float(per_minute)
+        self._rate = per_minute / 60.0  # tokens per second
+        self._clock = clock
+        self._level = self.capacity
+        self._last = clock()
+
+    @property
+    def level(self) -> float:
+        self._refill()
+        return self._level
+
+    def take(self, n: int) -> float:
+        """Takes n tokens and returns 0, or takes nothing and returns the seconds until n
+        would be available (inf when n exceeds the capacity)."""
+        self._refill()
+        if n <= self._level:
+            self._level -= n
+            return 0.0
+        if n > self.capacity:
+            return math.inf
+        return (n - self._level) / self._rate
+
+    def give_back(self, n: int) -> None:
+        self._refill()
+        self._level = min(self.capacity, self._level + n)
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._level = min(self.capacity, self._level + (now - self._last) * self._rate)
+        self._last = now
+
+
+@dataclass
+class _TenantUsage:
+    active: int = 0  # requests admitted and not yet released
+    bucket: TokenBucket | None = None
+
+
+class Permit:
+    """An admitted request's hold on its tenant's limits; release() exactly once."""
+
+    def __init__(self, usage: _TenantUsage, charged: int) -> None:
+        self._usage = usage
+        self._charged = charged
+        self._released = False
+
+    def release(self, used_tokens: int) -> None:
+        """Frees the concurrency slot and refunds the charged tokens beyond `used_tokens`."""
+        if self._released:
+            return
+        self._released = True
+        self._usage.active -= 1
+        if self._usage.bucket is not None and used_tokens < self._charged:
+            self._usage.bucket.give_back(self._charged - used_tokens)
+
+
+class Admission:
+    """Decides whether a request may enter the queue."""
+
+    def __init__(
+        self, max_queued_requests: int, max_queued_tokens: int, clock: Clock = time.monotonic
+    ) -> None:
+        self._max_requests = max_queued_requests
+        self._max_tokens = max_queued_tokens
+        self._clock = clock
+        self._tenants: dict[str, _TenantUsage] = {}
+
+    def active(self, tenant: str) -> int:
+        """Requests the tenant has admitted and not released."""
+        usage = self._tenants.get(tenant)
+        return usage.active if usage else 0
+
+    def admit(self, tenant: Tenant, cost: int, queued_requests: int, queued_tokens: int) -> Permit:
+        """Admits a request costing `cost` tokens (prompt + max_tokens) given what is
+        queued now, or raises RequestError(RESOURCE_EXHAUSTED)."""
+        usage = self._usage(tenant)
+        limit = tenant.limits.max_concurrent
+        if limit and usage.active >= limit:
+            raise _exhausted(
+                f"tenant {tenant.name!r} has reached its limit of {limit} concurrent requests; "
+                "retry when one of them has finished",
+                "tenant_concurrency",
+            )
+        self._check_queue(cost, queued_requests, queued_tokens)
+        if usage.bucket is not None:
+            self._charge(tenant, usage.bucket, cost)
+        usage.active += 1
+        return Permit(usage, cost)
+
+    def _check_queue(self, cost: int, queued_requests: int, queued_tokens: int) -> None:
+        if queued_requests >= self._max_requests:
+            raise _exhausted(
+                f"server overloaded, retry later ({queued_requests} requests are queued, "
+                f"the limit is {self._max_requests})",
+                "overloaded",
+            )
+        # An empty queue takes any request, or one larger than the cap could never run.
+        if queued_requests and queued_tokens + cost > self._max_tokens:
+            raise _exhausted(
+                f"server overloaded, retry later ({queued_tokens} tokens are queued, this "
+                f"request adds {cost}, the limit is {self._max_tokens})",
+                "overloaded",
+            )
+
+    def _charge(self, tenant: Tenant, bucket: TokenBucket, cost: int) -> None:
+        wait = bucket.take(cost)
+        if wait == 0.0:
+            return
+        budget = tenant.limits.tokens_per_minute
+        if math.isinf(wait):
+            raise _exhausted(
+                f"this request needs {cost} tokens (prompt + max_tokens) but tenant "
+                f"{tenant.name!r} has a budget of {budget} tokens per minute; lower max_tokens",
+                "tenant_budget",
+            )
+        raise _exhausted(
+            f"tenant {tenant.name!r} is over its budget of {budget} tokens per minute "
+            f"(this request needs {cost}, {int(bucket.level)} are left); "
+            f"retry in {math.ceil(wait)} s",
+            "tenant_budget",
+        )
+
+    def _usage(self, tenant: Tenant) -> _TenantUsage:
+        usage = self._tenants.get(tenant.name)
+        if usage is None:
+            per_minute = tenant.limits.tokens_per_minute
+            bucket = TokenBucket(per_minute, self._clock) if per_minute else None
+            usage = self._tenants[tenant.name] = _TenantUsage(bucket=bucket)
+        return usage
+
+
+def _exhausted(message: str, reason: str) -> RequestError:
+    return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, reason)

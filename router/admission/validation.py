@@ -1,0 +1,235 @@
+"""Request validation: every refusal is INVALID_ARGUMENT with a message that says what
+to change. Produces the token ids and fully resolved sampling parameters the engine gets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf.message import Message
+from omnibus.v1 import engine_pb2, inference_pb2
+from tokenizers import Tokenizer
+
+from omnibus.router.config import RouterConfig
+from omnibus.router.service.errors import invalid
+
+MAX_LOGPROBS = 20
+MAX_REQUEST_ID_CHARS = 128
+DEFAULT_MAX_TOKENS = 16  # inference.proto's default for an unset max_tokens
+# Float sampling fields: what they accept, and the default of the proto3 `optional` ones
+# (None: a plain field, whose unset value 0 is its default).
+_FLOAT_RULES: dict[str, tuple[str, Callable[[float], bool], float | None]] = {
+    "temperature": (">= 0", lambda v: v >= 0, 1.0),
+    "top_p": ("in (0, 1]", lambda v: 0 < v <= 1, 1.0),
+    "min_p": ("in [0, 1]", lambda v: 0 <= v <= 1, None),
+    "repetition_penalty": ("> 0", lambda v: v > 0, 1.0),
+    "presence_penalty": ("in [-2, 2]", lambda v: -2 <= v <= 2, None),
+    "frequency_penalty": ("in [-2, 2]", lambda v: -2 <= v <= 2, None),
+}
+
+
+def load_tokenizer(model_dir: str) -> Tokenizer:
+    """The model's tokenizer.json; ValueError when there is none to read."""
+    path = Path(model_dir) / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for I/O and parse errors
+        raise ValueError(f"cannot load the tokenizer {path}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model allows, from its config.json and the router's flags."""
+
+    model_id: str
+    context: int  # prompt + max_tokens
+    vocab_size: int
+    max_prompt_tokens: int
+    max_tokens: int
+
+    @classmethod
+    def load(cls, config: RouterConfig) -> ModelLimits:
+        path = Path(config.model) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+            model_len, vocab = int(raw["max_position_embeddings"]), int(raw["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"cannot read the model's limits from {path}: {exc!r}") from exc
+        context = min(model_len, config.max_model_len or model_len)
+        max_prompt = min(config.max_prompt_tokens or context - 1, context - 1)
+        return cls(
+            model_id=config.model_name or Path(config.model).resolve().name,
+            context=context,
+            vocab_size=vocab,
+            max_prompt_tokens=max_prompt,
+            max_tokens=min(config.max_tokens_limit, context - 1),
+        )
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    """A request that passed validation, ready for admission and an engine."""
+
+    request_id: str  # the client's, or one the router made
+    prompt_ids: list[int]
+    sampling: engine_pb2.EngineSamplingParams
+    stop: tuple[str, ...]
+    priority: int
+
+    @property
+    def cost(self) -> int:
+        """Tokens the request may span: what budgets and queue caps count."""
+        return len(self.prompt_ids) + self.sampling.max_tokens
+
+
+class Validator:
+    def __init__(self, config: RouterConfig, limits: ModelLimits, tokenizer: Tokenizer) -> None:
+        self._config = config
+        self._limits = limits
+        self._tokenizer = tokenizer
+
+    async def validate(
+        self, request: inference_pb2.GenerateRequest, request_id: str
+    ) -> ValidRequest:
+        """Checks `request` and tokenizes its prompt. Raises RequestError(INVALID_ARGUMENT)."""
+        self._check_envelope(request)
+        sampling = self._sampling(request.sampling)
+        stop = self._stop_strings(request.sampling)
+        prompt = await self._prompt_ids(request)
+        self._check_length(len(prompt), sampling.max_tokens)
+        return ValidRequest(request_id, prompt, sampling, stop, request.priority)
+
+    def _check_envelope(self, request: inference_pb2.GenerateRequest | inference_pb2.EmbedRequest) -> None:
+        """What every request carries: its size, request_id and priority."""
+        size = request.ByteSize()
+        if size > self._config.max_request_bytes:
+            raise invalid(
+                f"the request is {size} bytes; the limit is {self._config.max_request_bytes} bytes"
+            )
+        _check_request_id(request.request_id)
+        self._check_priority(request.priority)
+
+    async def embed_inputs(self, request: inference_pb2.EmbedRequest) -> list[list[int]]:
+        """Checks an Embed request and tokenizes its text inputs. Raises
+        RequestError(INVALID_ARGUMENT)."""
+        self._check_envelope(request)
+        count, cap = len(request.inputs), self._config.max_embed_inputs
+        if not 1 <= count <= cap:
+            raise invalid(f"send 1 to {cap} inputs per Embed request, got {count}")
+        inputs = []
+        for i, item in enumerate(request.inputs):
+            ids = await self._ids(item, "input", f"input {i}")
+            if len(ids) > self._limits.context:
+                raise invalid(f"input {i} has {len(ids)} tokens; the model's context is "
+                              f"{self._limits.context}")
+            inputs.append(ids)
+        return inputs
+
+    async def _prompt_ids(self, request: inference_pb2.GenerateRequest) -> list[int]:
+        return await self._ids(request, "prompt", "prompt")
+
+    async def _ids(self, message: Message, oneof: str, subject: str) -> list[int]:
+        """Token ids of a `text` / `token_ids` oneof (`subject`: "prompt", "input 3"),
+        tokenizing text off the event loop."""
+        kind = message.WhichOneof(oneof)
+        if kind is None:
+            raise invalid(f"the {subject} is missing: set either text or token_ids")
+        if kind == "token_ids":
+            ids = list(message.token_ids.ids)
+            if not ids:
+                raise invalid(f"the {subject}'s token_ids is empty: send at least one token id")
+            vocab = self._limits.vocab_size
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise invalid(f"{subject} token id {bad} is outside the vocabulary [0, {vocab})")
+            return ids
+        if not message.text:
+            raise invalid(f"the {subject} text is empty")
+        # Tokenizing a long text takes milliseconds; keep the event loop free meanwhile.
+        ids = (await asyncio.to_thread(self._tokenizer.encode, message.text)).ids
+        if not ids:
+            raise invalid(f"the {subject} text produced no tokens")
+        return ids
+
+    def _check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        limits = self._limits
+        if prompt_tokens > limits.max_prompt_tokens:
+            raise invalid(
+                f"the prompt has {prompt_tokens} tokens; the limit is {limits.max_prompt_tokens}"
+            )
+        if prompt_tokens + max_tokens > limits.context:
+            raise invalid(
+                f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+                "model's "
+                f"context of {limits.context} tokens; shorten the prompt or lower max_tokens"
+            )
+
+    def _check_priority(self, priority: int) -> None:
+        bound = self._config.max_abs_priority
+        if not -bound <= priority <= bound:
+            raise invalid(f"priority must be in [-{bound}, {bound}], got {priority}")
+
+    def _sampling(self, p: inference_pb2.SamplingParams) -> engine_pb2.EngineSamplingParams:
+        max_tokens = p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+        if not 1 <= max_tokens <= self._limits.max_tokens:
+            raise invalid(f"max_tokens must be in [1, {self._limits.max_tokens}], got {max_tokens}")
+        floats = {name: _float(p, name, *rule) for name, rule in _FLOAT_RULES.items()}
+        if p.top_k < 0:
+            raise invalid(f"top_k must be >= 0 (0 turns it off), got {p.top_k}")
+        if not 0 <= p.logprobs <= MAX_LOGPROBS:
+            raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
+        vocab = self._limits.vocab_size
+        bad = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        return engine_pb2.EngineSamplingParams(
+            max_tokens=max_tokens,
+            top_k=p.top_k,
+            seed=p.seed if p.HasField("seed") else None,
+            stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+            logprobs=p.logprobs,
+            **floats,
+        )
+
+    def _stop_strings(self, p: inference_pb2.SamplingParams) -> tuple[str, ...]:
+        config = self._config
+        if len(p.stop) > config.max_stop_strings:
+            raise invalid(
+                f"{len(p.stop)} stop strings given; at most {config.max_stop_strings} are allowed"
+            )
+        for s in p.stop:
+            if not s:
+                raise invalid("stop strings must not be empty")
+            if len(s) > config.max_stop_string_chars:
+                raise invalid(
+                    f"a stop string has {len(s)} characters; "
+                    f"the limit is {config.max_stop_string_chars}"
+                )
+        return tuple(p.stop)
+
+
+def _float(
+    p: inference_pb2.SamplingParams,
+    name: str,
+    allowed: str,
+    ok: Callable[[float], bool],
+    default: float | None = None,
+) -> float:
+    """A float field, checked; `default` is the value of an unset `optional` field."""
+    value = default if default is not None and not p.HasField(name) else getattr(p, name)
+    if not math.isfinite(value) or not ok(value):
+        raise invalid(f"{name} must be a finite number {allowed}, got {value}")
+    return value
+
+
+def _check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not all(" " < c <= "~" for c in request_id):
+        raise invalid(
+            f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters "
+            "without spaces"
+        )

@@ -1,0 +1,207 @@
+"""`omnibus-router serve ...` (or `python -m omnibus.router serve ...`): the router process. `--help` lists every limit."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import fields
+
+from omnibus.router.config import RouterConfig, TenantLimits
+
+_DEFAULTS = {f.name: f.default for f in fields(RouterConfig)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omnibus-router", description="Omnibus router")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser(
+        "serve",
+        help="serve omnibus.v1.Inference in front of engine workers",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--host", default=_DEFAULTS["host"], help="address to listen on (0.0.0.0: all interfaces)"
+    )
+    p.add_argument("--port", type=int, default=_DEFAULTS["port"])
+    p.add_argument(
+        "--engine",
+        dest="engines",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="an engine worker; repeat for several",
+    )
+    p.add_argument("--model", required=True, help="model directory (tokenizer.json, config.json)")
+    p.add_argument(
+        "--model-name",
+        default=_DEFAULTS["model_name"],
+        help="public model id (default: directory name)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="context cap below the model's own"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_DEFAULTS["metrics_port"],
+        help="Prometheus /metrics port; 0: off",
+    )
+    p.add_argument(
+        "--log-level", default=_DEFAULTS["log_level"], choices=["debug", "info", "warning", "error"]
+    )
+    _auth_flags(p)
+    _validation_flags(p)
+    _queue_flags(p)
+    _engine_flags(p)
+    return parser
+
+
+def _auth_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("tenants")
+    g.add_argument(
+        "--keys-file",
+        default=None,
+        help="JSON file of tenants and their API keys (see router/auth.py); "
+        "without it every caller is tenant 'default'",
+    )
+    g.add_argument(
+        "--admin-key-file",
+        default=None,
+        help="file holding one admin key for the omnibus.v1.Admin service (adapter load / "
+        "unload); tenants marked \"admin\": true in the keys file are admins too; "
+        "without either the admin API is off",
+    )
+    g.add_argument(
+        "--tenant-max-concurrent",
+        type=int,
+        default=0,
+        help="default cap on a tenant's queued + running requests; 0: none",
+    )
+    g.add_argument(
+        "--tenant-tokens-per-minute",
+        type=int,
+        default=0,
+        help="default tenant budget of prompt + max_tokens per minute; 0: none",
+    )
+
+
+def _validation_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("request limits")
+    g.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="default: the context length - 1"
+    )
+    g.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=_DEFAULTS["max_tokens_limit"],
+        help="largest max_tokens",
+    )
+    g.add_argument("--max-stop-strings", type=int, default=_DEFAULTS["max_stop_strings"])
+    g.add_argument("--max-stop-string-chars", type=int, default=_DEFAULTS["max_stop_string_chars"])
+    g.add_argument("--max-request-bytes", type=int, default=_DEFAULTS["max_request_bytes"])
+    g.add_argument("--max-embed-inputs", type=int, default=_DEFAULTS["max_embed_inputs"],
+                   help="inputs of one Embed request at most")
+    g.add_argument(
+        "--max-abs-priority",
+        type=int,
+        default=_DEFAULTS["max_abs_priority"],
+        help="priorities must lie in [-N, N]",
+    )
+
+
+def _queue_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("admission and queueing")
+    g.add_argument("--max-queued-requests", type=int, default=_DEFAULTS["max_queued_requests"])
+    g.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=_DEFAULTS["max_queued_tokens"],
+        help="cap on prompt + max_tokens over the queued requests",
+    )
+    g.add_argument(
+        "--max-queue-seconds",
+        type=float,
+        default=_DEFAULTS["max_queue_seconds"],
+        help="longest wait for an engine before DEADLINE_EXCEEDED",
+    )
+    g.add_argument(
+        "--priority-aging-seconds",
+        type=float,
+        default=_DEFAULTS["priority_aging_seconds"],
+        help="waiting this long raises a request by one priority level; 0: no aging",
+    )
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engines")
+    g.add_argument(
+        "--max-inflight-per-engine",
+        type=int,
+        default=_DEFAULTS["max_inflight_per_engine"],
+        help="requests kept on one engine; 0: the engine's max_num_seqs plus an eighth",
+    )
+    g.add_argument(
+        "--engine-report-interval-ms", type=int, default=_DEFAULTS["engine_report_interval_ms"]
+    )
+    g.add_argument(
+        "--engine-stale-seconds",
+        type=float,
+        default=_DEFAULTS["engine_stale_seconds"],
+        help="an engine silent this long is marked unhealthy",
+    )
+    g.add_argument(
+        "--engine-retry-initial-seconds",
+        type=float,
+        default=_DEFAULTS["engine_retry_initial_seconds"],
+    )
+    g.add_argument(
+        "--engine-retry-max-seconds", type=float, default=_DEFAULTS["engine_retry_max_seconds"]
+    )
+    g.add_argument(
+        "--max-engine-attempts",
+        type=int,
+        default=_DEFAULTS["max_engine_attempts"],
+        help="engines tried for a request whose engine fails before its first token",
+    )
+    g.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=_DEFAULTS["drain_seconds"],
+        help="on SIGTERM, how long in-flight streams may take to finish",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    values = {k: v for k, v in vars(args).items() if k != "command"}
+    limits = TenantLimits(
+        max_concurrent=values.pop("tenant_max_concurrent"),
+        tokens_per_minute=values.pop("tenant_tokens_per_minute"),
+    )
+    values["engines"] = tuple(values["engines"])
+    return RouterConfig(tenant_limits=limits, **values)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import uvloop
+
+    from omnibus.common.logs import configure_logging
+    from omnibus.router.service.server import serve
+
+    configure_logging(config.log_level)
+    try:
+        uvloop.run(serve(config))
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""LoRA adapters as the router sees them: names, which engines have which, and
+adapter affinity.
+
+An adapter exists for the router when some healthy engine reports it under its
+adapter root (LoadReport.available_adapters). Affinity ranks the engines that have
+it: an engine with it in a device slot (or with this router's requests for it in
+flight there, so a burst sticks to one engine while the first load runs) beats one
+with it in host memory, which beats one that must read it from disk.
+"""
+
+from __future__ import annotations
+
+import enum
+
+# The engine's own rule for adapter names: one definition for both processes.
+from omnibus.common.adapters import ADAPTER_NAME_RE
+from omnibus.router.service.errors import invalid
+
+ADAPTER_HEADER = "x-adapter-id"
+
+
+class Affinity(enum.IntEnum):
+    """How ready an engine is to run a request for an adapter (higher is better)."""
+
+    COLD = 0  # on the engine's disk only: the request waits for a load
+    CACHED = 1  # in the engine's host memory: a copy into a device slot
+    RESIDENT = 2  # in a device slot (or loading there for this router's requests)
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+def check_adapter_name(name: str) -> None:
+    """Raises INVALID_ARGUMENT unless `name` is a well-formed adapter name."""
+    if not ADAPTER_NAME_RE.fullmatch(name):
+        shown = name[:40] + "..." if len(name) > 40 else name
+        raise invalid(
+            f"invalid adapter name {shown!r} in {ADAPTER_HEADER}: use 1-128 ASCII letters, digits, "
+            "'.', '_' or '-', starting with a letter or digit"
+        )
+
+
+def is_adapter_name(name: str) -> bool:
+    return ADAPTER_NAME_RE.fullmatch(name) is not None

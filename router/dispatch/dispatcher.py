@@ -1,0 +1,110 @@
+"""Late binding of queued requests to engines.
+
+Requests wait in the router's queue until some engine has room; one task owns the
+matching, so two requests never race for the same slot. It runs whenever something
+changes (a request arrives, a request finishes, an engine reports) and hands each
+request, best-ranked first, the engine with the most room. A request for a LoRA
+adapter goes only to engines that have the adapter, preferring the one where it is
+most ready (adapter affinity: in a device slot, then in host memory, then on disk),
+then the most room; while no engine with its adapter has room, requests behind it
+that can run elsewhere pass it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from omnibus.router.dispatch.adapters import Affinity
+from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.dispatch.queue import RequestQueue
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request's place in the queue; its future resolves to the engine it got."""
+
+    priority: int
+    cost: int  # prompt + max_tokens, for the queued-tokens cap
+    arrival: float  # monotonic seconds
+    adapter: str = ""  # LoRA adapter; "" for the base model
+    affinity: Affinity | None = None  # set on dispatch when there is an adapter
+    future: asyncio.Future[EngineClient] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class Dispatcher:
+    def __init__(self, engines: Sequence[EngineClient], queue: RequestQueue[Ticket]) -> None:
+        self._engines = engines
+        self.queue = queue
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="dispatcher")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def notify(self) -> None:
+        """Something changed: re-run the matching soon."""
+        self._wake.set()
+
+    def submit(self, ticket: Ticket) -> None:
+        self.queue.push(ticket, ticket.priority, ticket.cost, ticket.arrival)
+        self.notify()
+
+    def withdraw(self, ticket: Ticket) -> None:
+        """The request stopped waiting (cancel, deadline): forget it, and give back the
+        engine slot if one was assigned in the same instant."""
+        self.queue.remove(ticket)
+        if ticket.future.done() and not ticket.future.cancelled():
+            ticket.future.result().release(ticket.adapter)
+        else:
+            ticket.future.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            self._match()
+
+    def _match(self) -> None:
+        passed: list[Ticket] = []  # no engine with their adapter has room: others go first
+        try:
+            while len(self.queue) and any(e.room() > 0 for e in self._engines):
+                ticket = self.queue.pop()
+                if ticket.future.done():  # its waiter gave up and has yet to withdraw it
+                    continue
+                engine = self._best_engine(ticket.adapter)
+                if engine is None:
+                    passed.append(ticket)
+                    continue
+                if ticket.adapter:
+                    ticket.affinity = engine.affinity(ticket.adapter)
+                engine.acquire(ticket.adapter)
+                ticket.future.set_result(engine)
+        finally:
+            for ticket in passed:  # same priority and arrival: the same place in line
+                self.queue.push(ticket, ticket.priority, ticket.cost, ticket.arrival)
+
+    def _best_engine(self, adapter: str) -> EngineClient | None:
+        """Among engines with room (and the adapter, if any): the best adapter affinity,
+        then the largest share of room, then the most free KV blocks."""
+        open_ = [
+            e for e in self._engines if e.room() > 0 and (not adapter or e.has_adapter(adapter))
+        ]
+        if not open_:
+            return None
+        return max(
+            open_,
+            key=lambda e: (
+                e.affinity(adapter) if adapter else 0,
+                e.room() / e.capacity,
+                e.free_block_share(),
+            ),
+        )

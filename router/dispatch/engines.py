@@ -1,0 +1,193 @@
+"""The engine workers as one router sees them.
+
+Each `EngineClient` keeps a WatchLoad stream open to its engine. Reports say where
+there is room; the stream breaking (or going silent) marks the engine unhealthy, and
+it is retried with exponential backoff. The router also counts the requests it has in
+flight on each engine itself, because reports lag behind its own dispatches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import grpc
+import structlog
+from omnibus.v1 import engine_pb2, engine_pb2_grpc
+
+from omnibus.router.dispatch.adapters import Affinity
+from omnibus.router.config import RouterConfig
+
+log = structlog.get_logger("router.engines")
+
+# Keepalive pings find a dead peer the OS does not report (a cut cable, a frozen host).
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 16 << 20),
+]
+
+
+def _channel_options(config: RouterConfig) -> list[tuple[str, int]]:
+    # The channel's own reconnect backoff (up to 120 s by default) would otherwise
+    # delay our WatchLoad retries long after the engine is back.
+    backoff_ms = {
+        "grpc.initial_reconnect_backoff_ms": int(config.engine_retry_initial_seconds * 1000),
+        "grpc.min_reconnect_backoff_ms": int(config.engine_retry_initial_seconds * 1000),
+        "grpc.max_reconnect_backoff_ms": int(config.engine_retry_max_seconds * 1000),
+    }
+    return CHANNEL_OPTIONS + list(backoff_ms.items())
+
+
+class EngineClient:
+    """One engine: its channel, its latest load report, and this router's requests on it."""
+
+    def __init__(self, address: str, config: RouterConfig, on_change: Callable[[], None]) -> None:
+        self.address = address
+        self._config = config
+        self._on_change = on_change  # called whenever room may have appeared or gone
+        self._channel = grpc.aio.insecure_channel(address, options=_channel_options(config))
+        self.stub = engine_pb2_grpc.EngineStub(self._channel)
+        self.report: engine_pb2.LoadReport | None = None
+        self.healthy = False
+        self.inflight = 0  # requests this router has dispatched here and not finished
+        self._adapter_inflight: Counter[str] = Counter()  # the same, per adapter
+        # From the latest report: adapters in device slots, in host memory, on disk.
+        self.adapters_resident: frozenset[str] = frozenset()
+        self.adapters_cached: frozenset[str] = frozenset()
+        self.adapters_available: frozenset[str] = frozenset()
+        self._retry_delay = config.engine_retry_initial_seconds
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- capacity ------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        """Most requests this router keeps on the engine at once."""
+        if self._config.max_inflight_per_engine:
+            return self._config.max_inflight_per_engine
+        if not self.report:
+            return 0
+        # An eighth beyond the engine's running cap waits in its priority-ordered queue, so
+        # a slot a finished request frees is refilled at the next step, not a round trip later.
+        return self.report.max_num_seqs + self.report.max_num_seqs // 8
+
+    @property
+    def load(self) -> int:
+        """Sequences on the engine: its own count, or ours when the report lags behind."""
+        reported = self.report.num_running + self.report.num_waiting if self.report else 0
+        return max(reported, self.inflight)
+
+    @property
+    def accepting(self) -> bool:
+        """Reporting load and not draining: the engine takes new requests."""
+        return self.healthy and self.report is not None and not self.report.draining
+
+    def room(self) -> int:
+        """How many more requests the engine should get now (0 unless accepting)."""
+        return max(0, self.capacity - self.load) if self.accepting else 0
+
+    def free_block_share(self) -> float:
+        report = self.report
+        return (
+            report.num_free_blocks / report.num_total_blocks
+            if report and report.num_total_blocks
+            else 0.0
+        )
+
+    def acquire(self, adapter: str = "") -> None:
+        """Counts a request dispatched here (`adapter`: its LoRA adapter, "" for none)."""
+        self.inflight += 1
+        if adapter:
+            self._adapter_inflight[adapter] += 1
+
+    def release(self, adapter: str = "") -> None:
+        """The request `acquire` counted has ended."""
+        self.inflight -= 1
+        if adapter:
+            self._adapter_inflight[adapter] -= 1
+            if not self._adapter_inflight[adapter]:
+                del self._adapter_inflight[adapter]
+        self._on_change()
+
+    # ---- adapters ------------------------------------------------------------
+
+    def has_adapter(self, adapter: str) -> bool:
+        """The engine can serve `adapter`: it is under the engine's adapter root."""
+        return adapter in self.adapters_available
+
+    def affinity(self, adapter: str) -> Affinity:
+        """How ready the engine is to run a request for `adapter` (see router/adapters.py)."""
+        if adapter in self.adapters_resident or self._adapter_inflight[adapter]:
+            return Affinity.RESIDENT
+        if adapter in self.adapters_cached:
+            return Affinity.CACHED
+        return Affinity.COLD
+
+    def mark_failed(self, reason: str) -> None:
+        """A call found the engine gone: stop sending it work until it reports again."""
+        if self.healthy:
+            self._set_healthy(False, reason)
+
+    # ---- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch(), name=f"watch-{self.address}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._channel.close()
+
+    async def _watch(self) -> None:
+        while True:
+            reason = await self._follow_reports()
+            self._set_healthy(False, reason)
+            await asyncio.sleep(self._retry_delay)
+            self._retry_delay = min(self._retry_delay * 2, self._config.engine_retry_max_seconds)
+
+    async def _follow_reports(self) -> str:
+        """Reads load reports until the stream fails; returns why it did."""
+        call = self.stub.WatchLoad(
+            engine_pb2.WatchLoadRequest(interval_ms=self._config.engine_report_interval_ms)
+        )
+        try:
+            while True:
+                async with asyncio.timeout(self._config.engine_stale_seconds):
+                    report = await call.read()
+                if report is grpc.aio.EOF:
+                    return "the engine closed its load stream"
+                self._on_report(report)
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        except TimeoutError:
+            return f"no load report for {self._config.engine_stale_seconds} s"
+        finally:
+            call.cancel()
+
+    def _on_report(self, report: engine_pb2.LoadReport) -> None:
+        self.report = report
+        self.adapters_resident = frozenset(report.resident_adapters)
+        self.adapters_cached = frozenset(report.cached_adapters)
+        self.adapters_available = frozenset(report.available_adapters)
+        self._retry_delay = self._config.engine_retry_initial_seconds
+        self._set_healthy(True, "load report received")
+
+    def _set_healthy(self, healthy: bool, reason: str) -> None:
+        if healthy != self.healthy:
+            event = "engine_healthy" if healthy else "engine_unhealthy"
+            log.info(event, engine=self.address, reason=reason)
+        self.healthy = healthy
+        self._on_change()
+
+
+def available_adapters(engines: Iterable[EngineClient]) -> set[str]:
+    """The adapters on the disk of any engine that takes requests now."""
+    names: set[str] = set()
+    for engine in engines:
+        if engine.accepting:
+            names |= engine.adapters_available
+    return names

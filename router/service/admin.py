@@ -1,0 +1,189 @@
+"""The router's admin API (`omnibus.v1.Admin`): LoRA adapter load / unload fanned out
+to the engines, and each engine's adapter listing.
+
+Every call needs an admin key (router/auth.py). Load and unload succeed only when
+every targeted engine did; otherwise the call fails with the first failing engine's
+status and a message naming each engine's outcome, so an operator knows where to
+retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import NoReturn
+
+import grpc
+import structlog
+from omnibus.v1 import admin_pb2, admin_pb2_grpc, engine_pb2
+
+from omnibus.router.dispatch.adapters import check_adapter_name
+from omnibus.router.admission.auth import KeyStore
+from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.service.errors import RequestError
+
+log = structlog.get_logger("router.admin")
+
+ENGINE_CALL_TIMEOUT_S = 120.0  # one engine's load or unload, when the caller set no deadline
+LIST_TIMEOUT_S = 10.0
+
+_EngineReply = engine_pb2.LoadAdapterResponse | engine_pb2.UnloadAdapterResponse
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(self, keys: KeyStore, engines: Sequence[EngineClient]) -> None:
+        self._keys = keys
+        self._engines = engines
+
+    async def LoadAdapter(
+        self, request: admin_pb2.AdminAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.AdminAdapterResponse:
+        return await self._fan_out("load", request, context)
+
+    async def UnloadAdapter(
+        self, request: admin_pb2.AdminAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.AdminAdapterResponse:
+        return await self._fan_out("unload", request, context)
+
+    async def ListAdapters(
+        self, request: admin_pb2.AdminListAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.AdminListAdaptersResponse:
+        await self._authorize(context, "list", "")
+        remaining = context.time_remaining()
+        timeout = LIST_TIMEOUT_S if remaining is None else min(remaining, LIST_TIMEOUT_S)
+        entries = await asyncio.gather(*(_engine_listing(e, timeout) for e in self._engines))
+        return admin_pb2.AdminListAdaptersResponse(engines=entries)
+
+    # ---- load / unload -------------------------------------------------------
+
+    async def _fan_out(
+        self, action: str, request: admin_pb2.AdminAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.AdminAdapterResponse:
+        who = await self._authorize(context, action, request.adapter)
+        try:
+            check_adapter_name(request.adapter)
+            targets = self._targets(action, request)
+        except RequestError as err:
+            await _abort(context, err)
+        remaining = context.time_remaining()
+        timeout = ENGINE_CALL_TIMEOUT_S if remaining is None else remaining
+        replies = await asyncio.gather(
+            *(_engine_call(e, action, request.adapter, timeout) for e in targets)
+        )
+        outcomes = list(zip(targets, replies))
+        log.info(
+            "admin_adapter",
+            action=action,
+            adapter=request.adapter,
+            by=who,
+            outcomes={e.address: _outcome(r) for e, r in outcomes},
+        )
+        failed = [(e, r) for e, r in outcomes if isinstance(r, grpc.aio.AioRpcError)]
+        if failed:
+            await _abort(context, _fan_out_error(action, request.adapter, outcomes, failed))
+        results = [
+            admin_pb2.AdminEngineResult(
+                engine=e.address,
+                resident=isinstance(r, engine_pb2.LoadAdapterResponse) and r.resident,
+                was_loaded=r.was_loaded,
+            )
+            for e, r in outcomes
+            if not isinstance(r, grpc.aio.AioRpcError)
+        ]
+        return admin_pb2.AdminAdapterResponse(adapter=request.adapter, engines=results)
+
+    def _targets(self, action: str, request: admin_pb2.AdminAdapterRequest) -> list[EngineClient]:
+        """The engines to act on, in --engine order; RequestError when there are none."""
+        if request.engines:
+            known = [e.address for e in self._engines]
+            unknown = sorted(set(request.engines) - set(known))
+            if unknown:
+                raise RequestError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"engines {unknown} are not behind this router; its engines are {known}",
+                    "unknown_engine",
+                )
+            return [e for e in self._engines if e.address in set(request.engines)]
+        targets = [e for e in self._engines if e.accepting]
+        if not targets:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                "no engine worker is available; retry later",
+                "no_engine",
+            )
+        if action == "load":
+            targets = [e for e in targets if e.has_adapter(request.adapter)]
+            if not targets:
+                raise RequestError(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"adapter {request.adapter!r} not found: no engine has it under its adapter "
+                    "root (--adapter-dir)",
+                    "unknown_adapter",
+                )
+        return targets
+
+    async def _authorize(self, context: grpc.aio.ServicerContext, action: str, adapter: str) -> str:
+        try:
+            return self._keys.authenticate_admin(context.invocation_metadata() or ())
+        except RequestError as err:
+            log.info("admin_refused", action=action, adapter=adapter[:140], code=err.code.name,
+                     message=err.message)
+            await _abort(context, err)
+
+
+async def _engine_call(
+    engine: EngineClient, action: str, adapter: str, timeout: float
+) -> _EngineReply | grpc.aio.AioRpcError:
+    try:
+        if action == "load":
+            return await engine.stub.LoadAdapter(
+                engine_pb2.LoadAdapterRequest(adapter=adapter), timeout=timeout
+            )
+        return await engine.stub.UnloadAdapter(
+            engine_pb2.UnloadAdapterRequest(adapter=adapter), timeout=timeout
+        )
+    except grpc.aio.AioRpcError as exc:
+        return exc
+
+
+async def _engine_listing(engine: EngineClient, timeout: float) -> admin_pb2.AdminEngineAdapters:
+    try:
+        reply = await engine.stub.ListAdapters(engine_pb2.ListAdaptersRequest(), timeout=timeout)
+    except grpc.aio.AioRpcError as exc:
+        return admin_pb2.AdminEngineAdapters(
+            engine=engine.address, reachable=False, error=f"{exc.code().name}: {exc.details()}"
+        )
+    return admin_pb2.AdminEngineAdapters(
+        engine=engine.address,
+        reachable=True,
+        resident=reply.resident,
+        cached=reply.cached,
+        available=reply.available,
+        max_loras=reply.max_loras,
+    )
+
+
+def _outcome(reply: _EngineReply | grpc.aio.AioRpcError) -> str:
+    if isinstance(reply, grpc.aio.AioRpcError):
+        return f"{reply.code().name}: {reply.details()}"
+    return "ok"
+
+
+def _fan_out_error(
+    action: str,
+    adapter: str,
+    outcomes: list[tuple[EngineClient, _EngineReply | grpc.aio.AioRpcError]],
+    failed: list[tuple[EngineClient, grpc.aio.AioRpcError]],
+) -> RequestError:
+    detail = "; ".join(f"{e.address}: {_outcome(r)}" for e, r in outcomes)
+    return RequestError(
+        failed[0][1].code(),
+        f"{action} of adapter {adapter!r} failed on {len(failed)} of {len(outcomes)} engines "
+        f"({detail})",
+        f"admin_{action}_failed",
+    )
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: RequestError) -> NoReturn:
+    await context.abort(err.code, err.message)
+    raise AssertionError("unreachable: context.abort raises")

@@ -1,0 +1,141 @@
+"""Prometheus metrics of one router process (served on --metrics-port)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from omnibus.router.dispatch.dispatcher import Ticket
+from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.dispatch.queue import RequestQueue
+
+# Seconds, from a fast CPU decode step to a long generation.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RouterMetrics:
+    def __init__(self, queue: RequestQueue[Ticket], engines: Sequence[EngineClient]) -> None:
+        disable_created_metrics()  # the *_created series only add noise to every counter
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "omnibus_router_requests",
+            "Requests that ended, by outcome (finish reason or status)",
+            ["outcome"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "omnibus_router_rejected_requests",
+            "Requests refused or ended by the router, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "omnibus_router_prompt_tokens", "Prompt tokens served", registry=r
+        )
+        self.completion_tokens = Counter(
+            "omnibus_router_completion_tokens", "Tokens generated", registry=r
+        )
+        self.queue_time = _histogram("omnibus_router_queue_time_seconds", "Arrival to dispatch", r)
+        self.ttft = _histogram(
+            "omnibus_router_time_to_first_token_seconds", "Arrival to first token", r
+        )
+        self.tpot = _histogram(
+            "omnibus_router_time_per_output_token_seconds",
+            "Mean gap between tokens after the first",
+            r,
+        )
+        self.e2e = _histogram("omnibus_router_e2e_latency_seconds", "Arrival to last token", r)
+        self.adapter_requests = Counter(
+            "omnibus_router_adapter_requests",
+            "Requests admitted for a LoRA adapter, by adapter",
+            ["adapter"],
+            registry=r,
+        )
+        self.adapter_dispatches = Counter(
+            "omnibus_router_adapter_dispatches",
+            "Adapter requests sent to an engine, by how ready the engine was: resident "
+            "(device slot), cached (host memory) or cold (a disk load)",
+            ["affinity"],
+            registry=r,
+        )
+        r.register(_StateCollector(queue, engines))
+
+    def serve(self, port: int) -> None:
+        """Starts the /metrics HTTP endpoint on a background thread."""
+        start_http_server(port, registry=self.registry)
+
+
+def _histogram(name: str, documentation: str, registry: CollectorRegistry) -> Histogram:
+    return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=registry)
+
+
+class _StateCollector(Collector):
+    """Queue and engine gauges, read at scrape time so they are never stale."""
+
+    def __init__(self, queue: RequestQueue[Ticket], engines: Sequence[EngineClient]) -> None:
+        self._queue = queue
+        self._engines = engines
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        queued = GaugeMetricFamily(
+            "omnibus_router_queue_length",
+            "Requests waiting for an engine, by priority",
+            labels=["priority"],
+        )
+        for priority, n in sorted(self._queue.count_by_priority().items()):
+            queued.add_metric([str(priority)], n)
+        yield queued
+        yield GaugeMetricFamily(
+            "omnibus_router_queued_tokens",
+            "Prompt + max_tokens of the queued requests",
+            value=self._queue.tokens,
+        )
+        yield from self._engine_gauges()
+
+    def _engine_gauges(self) -> Iterator[GaugeMetricFamily]:
+        def family(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"omnibus_router_engine_{name}", doc, labels=["engine"])
+
+        healthy = family("healthy", "1 when the engine is reporting load and not draining")
+        inflight = family("inflight", "Requests this router has on the engine")
+        running = family("running_sequences", "Sequences running, as the engine last reported")
+        waiting = family(
+            "waiting_sequences", "Sequences waiting inside the engine, as last reported"
+        )
+        free = family("kv_blocks_free", "Free KV blocks, as last reported")
+        total = family("kv_blocks_total", "Usable KV blocks, as last reported")
+        resident = family("adapters_resident", "Adapters in device slots, as last reported")
+        cached = family("adapters_cached", "Adapters in host memory, as last reported")
+        available = family("adapters_available", "Adapters on the engine's disk, as last reported")
+        where = GaugeMetricFamily(
+            "omnibus_router_engine_adapter_resident",
+            "1 for each adapter in an engine's device slots, as last reported",
+            labels=["engine", "adapter"],
+        )
+        for e in self._engines:
+            labels = [e.address]
+            report = e.report
+            healthy.add_metric(labels, float(e.accepting))
+            inflight.add_metric(labels, e.inflight)
+            if report is not None:
+                running.add_metric(labels, report.num_running)
+                waiting.add_metric(labels, report.num_waiting)
+                free.add_metric(labels, report.num_free_blocks)
+                total.add_metric(labels, report.num_total_blocks)
+                resident.add_metric(labels, len(report.resident_adapters))
+                cached.add_metric(labels, len(report.cached_adapters))
+                available.add_metric(labels, len(report.available_adapters))
+                for adapter in report.resident_adapters:
+                    where.add_metric([e.address, adapter], 1)
+        yield from (healthy, inflight, running, waiting, free, total)
+        yield from (resident, cached, available, where)

@@ -1,0 +1,256 @@
+"""Multi-LoRA: token-exact against PEFT, tier eviction, prefix-cache isolation, confinement."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from omnibus.engine.config import EngineConfig
+from omnibus.engine.engine import AdapterError, Engine, UnknownAdapterError
+from omnibus.engine.worker.sampling import SamplingParams
+from tests.checkpoints import hf_greedy, load_hf, make_checkpoint
+
+ADAPTERS = {  # name -> (rank, alpha, targets, rslora)
+    "a-r2": (2, 4, ["q_proj", "v_proj"], False),
+    "b-r8": (8, 16, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], False),
+    "c-r4": (4, 8, ["o_proj", "down_proj", "up_proj"], True),
+    "d-r16": (16, 8, ["k_proj", "gate_proj"], False),
+}
+
+
+def make_adapter(base_path, out, rank, alpha, targets, rslora, seed):
+    import peft
+
+    torch.manual_seed(seed)
+    model = load_hf(base_path)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                          init_lora_weights=False)
+    pm = peft.get_peft_model(model, cfg)
+    with torch.no_grad():  # PEFT's random init is tiny; make the adapters change the outputs
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3)
+    pm.save_pretrained(out)
+    return pm.eval()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = make_checkpoint(root / "base", "llama")
+    adapters_dir = root / "adapters"
+    oracles = {}
+    for i, (name, spec) in enumerate(ADAPTERS.items()):
+        oracles[name] = make_adapter(base, adapters_dir / name, *spec, seed=i)
+    oracles[None] = load_hf(base)
+    return base, adapters_dir, oracles
+
+
+def expected(oracles, adapter, prompt, n):
+    return hf_greedy(oracles[adapter], prompt, n)
+
+
+def run(engine, requests):
+    """requests: list of (adapter, prompt, max_tokens); returns outputs in order."""
+    for i, (adapter, prompt, n) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                           adapter=adapter)
+    out = {f"r{i}": [] for i in range(len(requests))}
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            assert o.error is None, o.error
+            out[o.request_id] += o.new_token_ids
+        engine.check_integrity()
+    return [out[f"r{i}"] for i in range(len(requests))]
+
+
+def mixed_requests(prompt_len=30, per_adapter=2, prefix=None):
+    reqs = []
+    names = [None, *ADAPTERS]
+    for k in range(per_adapter):
+        for j, name in enumerate(names):
+            body = [(7 * j + 3 * k + t) % 380 + 3 for t in range(prompt_len + 5 * j)]
+            reqs.append((name, (prefix or []) + body, 6 + j))
+    return reqs
+
+
+@pytest.mark.parametrize("max_loras,overlap", [(4, False), (2, False), (2, True)])  # 2 < 4 in use: reloads
+def test_mixed_batch_matches_peft(setup, max_loras, overlap):
+    base, adapters_dir, oracles = setup
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir),
+                                 max_loras=max_loras, max_cpu_loras=4, max_lora_rank=16,
+                                 overlap_scheduling=overlap))
+    reqs = mixed_requests()
+    got = run(engine, reqs)
+    for (adapter, prompt, n), out in zip(reqs, got):
+        assert out == expected(oracles, adapter, prompt, n), f"adapter {adapter} diverged"
+        if adapter is not None:  # the adapters really change the output
+            assert out != expected(oracles, None, prompt, n)
+    if max_loras == 2:
+        assert engine.adapters.stats["evictions"] > 0
+
+
+def test_prefix_cache_hits_stay_per_adapter(setup):
+    base, adapters_dir, oracles = setup
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir), max_loras=4))
+    shared = [11 + (t % 300) for t in range(64)]
+    reqs = mixed_requests(prompt_len=10, per_adapter=1, prefix=shared)
+    first = run(engine, reqs)
+    hits = engine.stats().num_prefix_cache_hit_blocks
+    second = run(engine, reqs)  # now every prompt hits its own adapter's cached blocks
+    assert first == second
+    assert engine.stats().num_prefix_cache_hit_blocks - hits >= len(reqs) * (64 // 16)
+    for (adapter, prompt, n), out in zip(reqs, second):
+        assert out == expected(oracles, adapter, prompt, n)
+
+
+def test_cache_never_shared_across_adapters(setup):
+    base, adapters_dir, _ = setup
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir)))
+    prompt = list(range(10, 60))
+    run(engine, [(None, prompt, 2)])
+    hits = engine.stats().num_prefix_cache_hit_blocks
+    run(engine, [("a-r2", prompt, 2), ("b-r8", prompt, 2)])
+    assert engine.stats().num_prefix_cache_hit_blocks == hits  # nothing reused from the base model
+    run(engine, [("a-r2", prompt, 2)])
+    assert engine.stats().num_prefix_cache_hit_blocks == hits + 3  # its own blocks are reused
+
+
+def test_adapter_loads_in_background_without_blocking_base(setup, monkeypatch):
+    base, adapters_dir, oracles = setup
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir)))
+    import omnibus.engine.lora.manager as lora_mod
+
+    real = lora_mod.load_adapter_weights
+    gate = {"open": False}
+
+    def slow_load(*a, **kw):
+        while not gate["open"]:
+            time.sleep(0.005)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(lora_mod, "load_adapter_weights", slow_load)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    engine.add_request("lora", [5, 6, 7], params, adapter="b-r8")
+    engine.add_request("base", [5, 6, 7], params)
+    base_tokens = []
+    for _ in range(5):
+        for o in engine.step():
+            assert o.request_id == "base"  # the adapter request waits; the base one streams
+            base_tokens += o.new_token_ids
+    assert base_tokens == expected(oracles, None, [5, 6, 7], 5)
+    gate["open"] = True
+    lora_tokens = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            lora_tokens += o.new_token_ids
+        time.sleep(0.001)
+    assert lora_tokens == expected(oracles, "b-r8", [5, 6, 7], 5)
+
+
+@pytest.mark.parametrize("name,error", [
+    ("../base", AdapterError),
+    ("/etc", AdapterError),
+    ("a" * 10_000, AdapterError),
+    ("a-r2\n", AdapterError),
+    ("ａ-r2", AdapterError),  # fullwidth letter
+    ("a-r2/..", AdapterError),
+    (".hidden", AdapterError),
+    ("nope", UnknownAdapterError),
+])
+def test_bad_adapter_names_refused(setup, name, error):
+    base, adapters_dir, _ = setup
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir), num_kv_blocks=16))
+    with pytest.raises(error):
+        engine.add_request("x", [5, 6], SamplingParams(max_tokens=2), adapter=name)
+    assert not engine.has_unfinished()
+
+
+def test_symlink_escaping_root_opens_nothing_outside(setup, tmp_path, monkeypatch):
+    base, adapters_dir, _ = setup
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "adapter_config.json").write_text(json.dumps({"r": 2, "target_modules": ["q_proj"]}))
+    root = tmp_path / "root"
+    root.mkdir()
+    os.symlink(outside, root / "escape")
+    (root / "filelink").mkdir()
+    os.symlink(outside / "adapter_config.json", root / "filelink" / "adapter_config.json")
+    opened = []
+    real_open = open
+
+    def spy_open(file, *a, **kw):
+        opened.append(os.path.realpath(file))
+        return real_open(file, *a, **kw)
+
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(root), num_kv_blocks=16))
+    monkeypatch.setattr("builtins.open", spy_open)
+    with pytest.raises(UnknownAdapterError):
+        engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="escape")
+    with pytest.raises(AdapterError, match="outside the adapter root"):
+        engine.add_request("y", [5], SamplingParams(max_tokens=1), adapter="filelink")
+    assert not any(p.startswith(str(outside.resolve())) for p in opened)
+
+
+def test_pickle_rank_and_shape_refused(setup, tmp_path):
+    base, adapters_dir, _ = setup
+    root = tmp_path / "root"
+    pick = root / "pickled"
+    pick.mkdir(parents=True)
+    (pick / "adapter_config.json").write_text(json.dumps({"r": 2, "target_modules": ["q_proj"]}))
+    (pick / "adapter_model.bin").write_bytes(b"\x80\x04junk")
+    import shutil
+    shutil.copytree(adapters_dir / "d-r16", root / "big")
+    other = make_checkpoint(tmp_path / "other", "llama", hidden_size=32, intermediate_size=64)
+    make_adapter(other, root / "mismatch", 2, 4, ["q_proj"], False, seed=9)
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(root), max_lora_rank=8))
+    with pytest.raises(AdapterError, match="pickle"):
+        engine.add_request("p", [5], SamplingParams(max_tokens=1), adapter="pickled")
+    with pytest.raises(AdapterError, match="rank 16, over"):
+        engine.add_request("b", [5], SamplingParams(max_tokens=1), adapter="big")
+    # shapes are only known once the tensors load (in the background): the request ends with an error
+    engine.add_request("m", [5], SamplingParams(max_tokens=1), adapter="mismatch")
+    outs = []
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        outs += engine.step()
+        time.sleep(0.002)
+    assert [(o.finish_reason, "does not fit this base model" in (o.error or "")) for o in outs] == [("abort", True)]
+    engine.check_integrity()
+
+
+def test_triton_lora_kernels_in_the_engine_match_peft(setup, monkeypatch):
+    """Shrink/expand (and attention) on the Triton kernels, interpreted on the CPU."""
+    monkeypatch.setenv("OMNIBUS_FORCE_TRITON", "1")
+    base, adapters_dir, oracles = setup
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir), max_loras=4))
+    reqs = [(name, [9 + j, 40, 41 + j, 77], 3) for j, name in enumerate([None, "a-r2", "b-r8", "c-r4", "d-r16"])]
+    for (adapter, prompt, n), out in zip(reqs, run(engine, reqs)):
+        assert out == expected(oracles, adapter, prompt, n), f"adapter {adapter} diverged"
+
+
+def test_host_tier_as_small_as_the_slots_keeps_a_new_adapter(setup):
+    """max_cpu_loras == max_loras: a newly read adapter must not be evicted from host memory
+    at once to make room (it would have no weights to fill its slot with)."""
+    base, adapters_dir, oracles = setup
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir),
+                                 max_loras=1, max_cpu_loras=1))
+    reqs = [("a-r2", [5, 6, 7], 3), ("b-r8", [5, 6, 7], 3), ("a-r2", [8, 9], 2)]
+    for (adapter, prompt, n), out in zip(reqs, run(engine, reqs)):
+        assert out == expected(oracles, adapter, prompt, n)
+
+
+def test_unreadable_adapter_config_is_a_clear_error(setup, tmp_path):
+    base, _, _ = setup
+    bad = tmp_path / "root" / "dirconfig"
+    (bad / "adapter_config.json").mkdir(parents=True)  # a directory where a file should be
+    (bad / "adapter_model.safetensors").write_bytes(b"")
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(tmp_path / "root")))
+    with pytest.raises(AdapterError, match="cannot be read"):
+        engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="dirconfig")

@@ -1,0 +1,35 @@
+"""The step-loop thread survives whatever one request brings."""
+
+import pytest
+
+from omnibus.engine.serving.async_engine import AsyncEngine
+from omnibus.engine.config import EngineConfig
+from omnibus.engine.engine import Engine
+from omnibus.engine.worker.sampling import SamplingParams
+from tests.checkpoints import make_checkpoint
+
+
+async def test_a_request_that_fails_to_admit_does_not_kill_the_loop(tmp_path, monkeypatch):
+    engine = Engine(EngineConfig(model=str(make_checkpoint(tmp_path / "m")), num_kv_blocks=32))
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    try:
+        real = engine.add_request
+
+        def flaky(request_id, *args, **kwargs):
+            if request_id == "bad":
+                raise OSError("adapter file vanished mid-read")
+            return real(request_id, *args, **kwargs)
+
+        monkeypatch.setattr(engine, "add_request", flaky)
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        with pytest.raises(RuntimeError, match="could not admit the request: OSError"):
+            async for _ in aengine.generate("bad", [5, 6], params):
+                pass
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            async for _ in aengine.generate("oov", [10**6], params):
+                pass
+        tokens = [t async for out in aengine.generate("good", [5, 6], params) for t in out.new_token_ids]
+        assert len(tokens) == 3 and aengine.is_alive and aengine.error is None
+    finally:
+        aengine.shutdown()

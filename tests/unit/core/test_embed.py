@@ -1,0 +1,134 @@
+"""The dynamic batcher's knobs and the Embed path's numerics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from omnibus.engine.serving.async_engine import AsyncEngine
+from omnibus.engine.serving.batcher import BatcherConfig, DynamicBatcher, QueueFullError, QueueTimeoutError
+from omnibus.engine.config import EngineConfig
+from omnibus.engine.engine import Engine
+from tests.checkpoints import load_hf, make_checkpoint
+
+
+def recording_batcher(config: BatcherConfig, delay: float = 0.0):
+    seen: list[list[int]] = []
+
+    async def run(items):
+        seen.append(list(items))
+        await asyncio.sleep(delay)
+        return [x * 10 for x in items]
+
+    return DynamicBatcher(config, run), seen
+
+
+async def test_full_batch_runs_at_once_without_waiting_for_the_window():
+    b, seen = recording_batcher(BatcherConfig(max_batch_size=4, max_queue_delay_ms=10_000))
+    b.start()
+    results = await asyncio.wait_for(asyncio.gather(*(b.submit([i]) for i in range(4))), timeout=2)
+    assert results == [[0], [10], [20], [30]] and seen == [[0, 1, 2, 3]]
+    await b.stop()
+
+
+async def test_partial_batch_runs_when_the_window_expires():
+    b, seen = recording_batcher(BatcherConfig(max_batch_size=8, max_queue_delay_ms=30))
+    b.start()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    results = await asyncio.gather(b.submit([1]), b.submit([2, 3]))
+    waited = loop.time() - t0
+    assert results == [[10], [20, 30]] and seen == [[1, 2, 3]]
+    assert waited >= 0.03  # it did wait for the window (a lower bound, not a timing target)
+    await b.stop()
+
+
+async def test_preferred_size_runs_early_and_priority_goes_first():
+    b, seen = recording_batcher(BatcherConfig(max_batch_size=8, max_queue_delay_ms=10_000,
+                                              preferred_batch_sizes=(2,)), delay=0.01)
+    low = asyncio.ensure_future(b.submit([1], priority=0))
+    high = asyncio.ensure_future(b.submit([2], priority=5))
+    await asyncio.sleep(0)
+    b.start()
+    assert await asyncio.wait_for(asyncio.gather(high, low), timeout=2) == [[20], [10]]
+    assert seen == [[2, 1]]  # preferred size 2 reached: sent at once, high priority first
+    await b.stop()
+
+
+async def test_queue_cap_and_timeout():
+    b, seen = recording_batcher(BatcherConfig(max_batch_size=8, max_queue_delay_ms=10_000, max_queue_size=2))
+    b.start()
+    first = asyncio.ensure_future(b.submit([1], timeout_ms=20))
+    second = asyncio.ensure_future(b.submit([2]))
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFullError, match="queue full"):
+        await b.submit([3])
+    with pytest.raises(QueueTimeoutError, match="past its timeout"):
+        await first
+    second.cancel()
+    await b.stop()
+    assert seen == []
+
+
+def test_batcher_config_validated():
+    with pytest.raises(ValueError, match="preferred_batch_sizes"):
+        BatcherConfig(max_batch_size=4, preferred_batch_sizes=(8,))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("embed"), "llama")
+    return path, Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64))
+
+
+INPUTS = [[5, 6, 7, 8, 9], [10], list(range(20, 60)), [3, 4, 200, 300]]
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_embeddings_equal_transformers_and_are_batch_invariant(model, pooling):
+    path, engine = model
+    hf = load_hf(path)
+    batched = torch.tensor(engine.embed(INPUTS, pooling, normalize=True))
+    for i, ids in enumerate(INPUTS):
+        alone = torch.tensor(engine.embed([ids], pooling, normalize=True)[0])
+        torch.testing.assert_close(batched[i], alone, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():
+            h = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]  # (n, hidden)
+        ref = h.mean(0) if pooling == "mean" else h[-1]
+        torch.testing.assert_close(alone, torch.nn.functional.normalize(ref, dim=-1), rtol=1e-4, atol=1e-5)
+    raw = torch.tensor(engine.embed(INPUTS[:1], pooling, normalize=False)[0])
+    assert abs(raw.norm().item() - 1.0) > 1e-3  # normalization is optional, not always on
+
+
+def test_embed_rejects_bad_input(model):
+    _, engine = model
+    with pytest.raises(ValueError, match="input 1 is empty"):
+        engine.embed([[5], []])
+    with pytest.raises(ValueError, match="pooling must be"):
+        engine.embed([[5]], pooling="max")
+
+
+async def test_embeds_interleave_with_generation(model):
+    from omnibus.engine.worker.sampling import SamplingParams
+
+    path, _ = model
+    aengine = AsyncEngine(Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64)),
+                          BatcherConfig(max_batch_size=4, max_queue_delay_ms=5))
+    aengine.start()
+    try:
+        async def generate():
+            tokens = []
+            async for out in aengine.generate("g", [5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0,
+                                                                               ignore_eos=True)):
+                tokens += out.new_token_ids
+            return tokens
+
+        gen = asyncio.ensure_future(generate())
+        embeds = await asyncio.gather(*(aengine.embed([ids]) for ids in INPUTS * 3))
+        assert len(embeds) == 12 and all(len(e) == 1 and len(e[0]) == 64 for e in embeds)
+        assert len(await gen) == 40
+        assert max(aengine.embed_batch_sizes) <= 4 and sum(aengine.embed_batch_sizes) == 12
+    finally:
+        aengine.shutdown()

@@ -1,0 +1,106 @@
+"""compose.yaml and the Dockerfile agree with the CLIs: every command, healthcheck and
+engine address is one the programs accept. (Docker itself is not run here.)"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+import yaml
+
+from omnibus.engine.serving.cli import build_parser as engine_parser
+from omnibus.engine.serving.cli import configs_from_args
+from omnibus.router.cli import build_parser as router_parser
+from omnibus.router.cli import config_from_args
+from omnibus.router.healthcheck import build_parser as healthcheck_parser
+from tests.grpc_helpers import ROOT
+
+COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+SERVICES = COMPOSE["services"]
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+PYPROJECT = (ROOT / "pyproject.toml").read_text()
+ENGINES = [name for name, s in SERVICES.items() if s["build"]["target"] == "engine"]
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    try:
+        return parser.parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{parser.prog} refuses {argv}")
+
+
+def service_args(name: str) -> argparse.Namespace:
+    service = SERVICES[name]
+    parser = engine_parser() if service["build"]["target"] == "engine" else router_parser()
+    return parse(parser, service["command"])
+
+
+def test_there_is_a_router_a_gpu_engine_and_a_cpu_engine():
+    assert sorted(SERVICES) == ["engine", "engine-cpu", "router"]
+    assert SERVICES["engine"]["profiles"] == ["gpu"] and SERVICES["engine-cpu"]["profiles"] == [
+        "cpu"
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_each_command_is_accepted_by_its_cli_and_makes_a_valid_config(name):
+    args = service_args(name)
+    if name in ENGINES:
+        engine, server = configs_from_args(args)
+        assert (engine.model, server.host) == ("/models/demo", "0.0.0.0")
+    else:
+        config = config_from_args(args)
+        assert (config.model, config.host) == ("/models/demo", "0.0.0.0")
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_healthcheck_asks_the_grpc_health_protocol_on_the_service_port(name):
+    test = SERVICES[name]["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "omnibus-healthcheck"]
+    target = parse(healthcheck_parser(), test[2:]).target
+    assert target == f"localhost:{service_args(name).port}"
+
+
+def test_router_reaches_whichever_engine_variant_runs():
+    (address,) = service_args("router").engines
+    host, port = address.split(":")
+    for name in ENGINES:
+        aliases = SERVICES[name].get("networks", {}).get("default", {}).get("aliases", [])
+        assert host == name or host in aliases, f"{name} is not reachable as {host}"
+        assert int(port) == service_args(name).port
+    assert set(SERVICES["router"]["depends_on"]) == set(ENGINES)
+
+
+def test_gpu_engine_reserves_a_gpu_and_the_cpu_variant_does_not():
+    (device,) = SERVICES["engine"]["deploy"]["resources"]["reservations"]["devices"]
+    assert (device["driver"], device["capabilities"]) == ("nvidia", ["gpu"])
+    assert service_args("engine").device == "cuda"
+    assert "deploy" not in SERVICES["engine-cpu"] and service_args("engine-cpu").device == "cpu"
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_model_and_adapter_directories_are_read_only_volumes(name):
+    volumes = SERVICES[name]["volumes"]
+    assert "./models:/models:ro" in volumes
+    if name in ENGINES:
+        assert "./adapters:/adapters:ro" in volumes
+
+
+def test_dockerfile_stages_compose_builds_run_the_right_module():
+    # Each stage runs from its FROM line to the next one.
+    stages = dict(re.findall(r"^FROM \S+ AS (\w+)\n(.*?)(?=^FROM |\Z)", DOCKERFILE, re.M | re.S))
+    for name, service in SERVICES.items():
+        target = service["build"]["target"]
+        assert f'ENTRYPOINT ["omnibus-{target}"]' in stages[target], name
+        assert f"omnibus-{target} = " in PYPROJECT, f"no console script omnibus-{target}"
+
+
+def test_router_image_has_no_torch_and_the_engine_image_runs_as_a_user():
+    stages = dict(re.findall(r"^FROM \S+ AS (\w+)\n(.*?)(?=^FROM |\Z)", DOCKERFILE, re.M | re.S))
+    assert "torch" not in stages["router"] and "[engine]" not in stages["router"]
+    assert "USER nobody" in stages["router"]
+    assert re.search(r"^USER (?!root)\w+", stages["engine"], re.M)
+    assert "pip install --index-url \"$TORCH_INDEX_URL\" torch==2.13.0" in stages["engine"]
+    # the runtime images are built from the wheel, not from a copied source tree
+    assert "COPY . ." not in DOCKERFILE

@@ -1,0 +1,126 @@
+"""Incremental detokenization: property tests on a byte-level BPE tokenizer (the test
+checkpoints' kind) and on a SentencePiece-style tokenizer with <0xNN> byte-fallback
+tokens, where multi-byte characters arrive one byte token at a time."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers
+
+from omnibus.router.text.detokenizer import IncrementalDetokenizer, byte_fallback_ids
+from tests.checkpoints import build_tokenizer
+
+SPECIALS = ["<unk>", "<s>", "</s>"]
+# Pieces with a leading "▁" and multi-byte characters; everything else falls back to bytes.
+PIECES = ["▁", "▁the", "▁fox", "▁a", "é", "日本", "ab", "☕"] + [chr(c) for c in range(97, 123)]
+
+
+def byte_fallback_tokenizer() -> Tokenizer:
+    """A Llama-style tokenizer: Unigram pieces, <0xNN> byte fallback, Metaspace decoding
+    that strips the first leading space."""
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    vocab = [(p, -1.0) for p in SPECIALS + bytes_] + [
+        (p, -float(i + 1)) for i, p in enumerate(PIECES)
+    ]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+BPE = build_tokenizer(384)
+SENTENCEPIECE = byte_fallback_tokenizer()
+TOKENIZERS = {"byte_level_bpe": BPE, "byte_fallback": SENTENCEPIECE}
+
+# Text mixing ASCII, Latin accents, CJK (some in the vocabulary, some not), emoji and spaces.
+TEXT = st.lists(
+    st.sampled_from(list("the fox ab é日本語☕😀ñ\n{}!") + ["naïve", "café", "  "]),
+    min_size=1,
+    max_size=25,
+).map("".join)
+
+
+def stream(tokenizer: Tokenizer, ids: list[int], chunks: list[int]) -> list[str]:
+    """Pushes `ids` in chunks of the given sizes (cycled), then flushes; returns the deltas."""
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas, i, c = [], 0, 0
+    while i < len(ids):
+        size = chunks[c % len(chunks)]
+        deltas.append(detok.push(ids[i : i + size]))
+        i, c = i + size, c + 1
+    deltas.append(detok.flush())
+    return deltas
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=300, deadline=None)
+@given(text=TEXT, chunks=st.lists(st.integers(1, 3), min_size=1, max_size=5))
+def test_encoded_text_streams_back_exactly_without_broken_characters(name, text, chunks):
+    tokenizer = TOKENIZERS[name]
+    ids = tokenizer.encode(text).ids
+    deltas = stream(tokenizer, ids, chunks)
+    assert "".join(deltas) == tokenizer.decode(ids)
+    # Valid text has no U+FFFD, so any in a delta would be a split character.
+    assert all("\ufffd" not in d for d in deltas)
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), chunks=st.lists(st.integers(1, 3), min_size=1, max_size=5))
+def test_any_id_sequence_concatenates_to_decode_of_all(name, data, chunks):
+    """Arbitrary ids, including invalid byte runs and special tokens: the stream never
+    emits text that decode(all) does not end up with."""
+    tokenizer = TOKENIZERS[name]
+    ids = data.draw(st.lists(st.integers(0, tokenizer.get_vocab_size() - 1), max_size=30))
+    assert "".join(stream(tokenizer, ids, chunks)) == tokenizer.decode(ids)
+
+
+def test_multibyte_character_from_byte_tokens_is_emitted_whole_once_complete():
+    tok = SENTENCEPIECE
+    ids = tok.encode("a 😀 b").ids
+    pieces = [tok.id_to_token(i) for i in ids]
+    assert pieces == ["▁a", "▁", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "▁", "b"]
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.push([i]) for i in ids] + [detok.flush()]
+    # The emoji's four byte tokens are held until the next non-byte token closes the run.
+    assert deltas == ["a", " ", "", "", "", "", "😀 ", "b", ""]
+
+
+def test_byte_level_split_character_is_held_until_complete():
+    tok = BPE
+    ids = tok.encode("語").ids  # not in the tiny vocabulary: one token per byte
+    assert len(ids) == 3
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.push([i]) for i in ids] == ["", "", "語"]
+    assert detok.flush() == ""
+
+
+def test_invalid_trailing_bytes_are_released_by_flush():
+    tok = SENTENCEPIECE
+    ids = tok.encode("x").ids + [tok.token_to_id("<0xE6>")]
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.push([i]) for i in ids) == "x"
+    assert detok.flush() == "\ufffd"
+
+
+def test_byte_fallback_ids_are_the_256_byte_tokens():
+    assert len(byte_fallback_ids(SENTENCEPIECE)) == 256
+    assert byte_fallback_ids(BPE) == frozenset()
+
+
+def test_tokens_that_decode_to_nothing_keep_their_context():
+    # '▁', <unk> (skipped), '▁': alone each first '▁' is stripped as a leading space, but
+    # together they decode to one space; streamed one at a time the text must agree.
+    ids = [259, 0, 259]
+    assert SENTENCEPIECE.decode(ids) == " "
+    assert "".join(stream(SENTENCEPIECE, ids, [1])) == " "
