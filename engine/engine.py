@@ -24,7 +24,8 @@ from omnibus.engine.config import EngineConfig, ModelConfig
 from omnibus.engine.lora.manager import AdapterError, LoraConfig, LoraManager, UnknownAdapterError
 from omnibus.engine.worker.model_runner import ModelRunner, Step
 from omnibus.engine.core.policies import ContinuousPolicy, make_policy
-from omnibus.engine.worker.sampling import SamplingParams, make_generator
+from omnibus.common.sampling import SamplingParams, check_context, check_token_ids
+from omnibus.engine.worker.sampling import make_generator
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig, StepCounters
 from omnibus.engine.core.sequence import RequestOutput, Sequence
 
@@ -117,12 +118,7 @@ class Engine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         self._check_tokens(prompt, "the prompt")
-        limit = self.model_config.max_model_len
-        if len(prompt) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context limit of {limit} tokens; shorten the prompt or lower max_tokens"
-            )
+        check_context(len(prompt), params.max_tokens, self.model_config.max_model_len)
         blocks = -(-(len(prompt) + params.max_tokens) // self.config.block_size)
         if blocks > self.allocator.num_usable_blocks:
             raise ValueError(
@@ -131,12 +127,7 @@ class Engine:
             )
 
     def _check_tokens(self, ids: list[int], what: str) -> None:
-        if not ids:
-            raise ValueError(f"{what} is empty: send at least one token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"{what}: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        check_token_ids(ids, self.model_config.vocab_size, what)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (waiting, mid-prefill, decoding); its blocks are

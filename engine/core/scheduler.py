@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING
 
 from omnibus.engine.core.block_allocator import BlockAllocator
 from omnibus.engine.core.policies import BatchingPolicy
-from omnibus.engine.worker.sampling import SamplerOutput
-from omnibus.engine.core.sequence import RequestOutput, Sequence, SequenceStatus
+from omnibus.engine.core.sequence import RequestOutput, SamplerOutput, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from omnibus.engine.lora.manager import LoraManager

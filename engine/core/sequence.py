@@ -6,10 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from omnibus.common.sampling import SamplingParams
 
-from omnibus.engine.worker.sampling import SamplingParams, TokenLogprobs
+if TYPE_CHECKING:
+    import torch
 
 _arrival_counter = itertools.count()
 
@@ -18,6 +20,23 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs for one generated token (of the penalized, pre-temperature distribution)."""
+
+    token_id: int
+    logprob: float  # of the sampled token
+    top: tuple[tuple[int, float], ...]  # top-n (token_id, logprob), highest first
+
+
+@dataclass
+class SamplerOutput:
+    """What one Sampler call picked, row by row."""
+
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # None for rows that asked for none
 
 
 @dataclass(eq=False)

@@ -15,7 +15,6 @@ manage them at run time through the step thread (AsyncEngine).
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing
@@ -24,19 +23,19 @@ from typing import NoReturn, cast
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 from omnibus.v1 import engine_pb2, engine_pb2_grpc, inference_pb2
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Histogram,
     disable_created_metrics,
     start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from omnibus.common.grpc_server import Service, build_server, set_health, wait_for_signal
+from omnibus.common.metrics import RequestLatency
 from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine
 from omnibus.engine.serving.batcher import BatcherConfig, QueueFullError, QueueTimeoutError
 from omnibus.engine.engine import Engine, EngineStats, UnknownAdapterError
@@ -51,7 +50,6 @@ DEFAULT_REPORT_INTERVAL_S = 0.05
 MIN_REPORT_INTERVAL_S = 0.01
 HEARTBEAT_S = 1.0  # a report at least this often, changed or not: routers treat silence as death
 ABORT_WAIT_S = 2.0  # after the drain grace, how long aborted streams get to report ABORTED
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 ADAPTER_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 CATALOG_REFRESH_S = 2.0  # how often the adapter root is re-listed for load reports
 PRELOAD_TIMEOUT_S = 600.0
@@ -132,24 +130,7 @@ class EngineMetrics:
             ["outcome"],
             registry=r,
         )
-        self.ttft = Histogram(
-            "omnibus_engine_time_to_first_token_seconds",
-            "Arrival to first token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.tpot = Histogram(
-            "omnibus_engine_time_per_output_token_seconds",
-            "Mean gap between tokens after the first",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "omnibus_engine_e2e_latency_seconds",
-            "Arrival to last token",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.latency = RequestLatency("omnibus_engine", r)
         self.adapter_requests = Counter(
             "omnibus_engine_adapter_requests",
             "Generate calls the engine accepted for a LoRA adapter, by adapter",
@@ -159,14 +140,8 @@ class EngineMetrics:
         r.register(_StatsCollector(aengine))
 
     def observe(self, arrival: float, first: float | None, tokens: int, outcome: str) -> None:
-        now = time.monotonic()
         self.requests.labels(outcome).inc()
-        if first is None:
-            return
-        self.ttft.observe(first - arrival)
-        self.e2e.observe(now - arrival)
-        if tokens > 1:
-            self.tpot.observe((now - first) / (tokens - 1))
+        self.latency.observe(arrival, first, time.monotonic(), tokens)
 
 
 class _StatsCollector(Collector):
@@ -578,18 +553,8 @@ async def start(engine: Engine, config: ServerConfig) -> RunningServer:
     catalog = AdapterCatalog(engine.adapters)
     service = EngineService(aengine, metrics, catalog)
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server()
-    engine_pb2_grpc.add_EngineServicer_to_server(service, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
-        SERVICE_NAME,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
-    address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on {address}")
+    engine_service = Service(service, engine_pb2_grpc.add_EngineServicer_to_server, SERVICE_NAME)
+    server = build_server(config.host, config.port, [engine_service], health_servicer)
     await server.start()
     tasks = [asyncio.create_task(catalog.run(), name="adapter-catalog")]
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
@@ -612,7 +577,7 @@ async def start(engine: Engine, config: ServerConfig) -> RunningServer:
 async def serve(engine: Engine, config: ServerConfig) -> None:
     """Serves `engine` (already loaded and warmed up) until SIGTERM or SIGINT, then drains."""
     running = await start(engine, config)
-    await _wait_for_signal()
+    await wait_for_signal()
     log.info(
         "engine_draining", in_flight=running.service.num_active, grace_seconds=config.drain_seconds
     )
@@ -621,13 +586,4 @@ async def serve(engine: Engine, config: ServerConfig) -> None:
 
 
 async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
-    for service in ("", SERVICE_NAME):
-        await servicer.set(service, status)
-
-
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await set_health(servicer, (SERVICE_NAME,), status)

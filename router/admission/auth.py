@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from omnibus.router.dispatch.adapters import is_adapter_name
+from omnibus.common.adapters import is_adapter_name
 from omnibus.router.config import TenantLimits
 from omnibus.router.service.errors import RequestError
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,22 +12,14 @@ from google.protobuf.message import Message
 from omnibus.v1 import engine_pb2, inference_pb2
 from tokenizers import Tokenizer
 
+from omnibus.common.sampling import SamplingParams, check_context, check_token_ids
 from omnibus.router.config import RouterConfig
 from omnibus.router.service.errors import invalid
 
-MAX_LOGPROBS = 20
 MAX_REQUEST_ID_CHARS = 128
 DEFAULT_MAX_TOKENS = 16  # inference.proto's default for an unset max_tokens
-# Float sampling fields: what they accept, and the default of the proto3 `optional` ones
-# (None: a plain field, whose unset value 0 is its default).
-_FLOAT_RULES: dict[str, tuple[str, Callable[[float], bool], float | None]] = {
-    "temperature": (">= 0", lambda v: v >= 0, 1.0),
-    "top_p": ("in (0, 1]", lambda v: 0 < v <= 1, 1.0),
-    "min_p": ("in [0, 1]", lambda v: 0 <= v <= 1, None),
-    "repetition_penalty": ("> 0", lambda v: v > 0, 1.0),
-    "presence_penalty": ("in [-2, 2]", lambda v: -2 <= v <= 2, None),
-    "frequency_penalty": ("in [-2, 2]", lambda v: -2 <= v <= 2, None),
-}
+# proto3 `optional` sampling fields: unset means SamplingParams' default, not 0.
+_OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed")
 
 
 def load_tokenizer(model_dir: str) -> Tokenizer:
@@ -140,12 +130,10 @@ class Validator:
             raise invalid(f"the {subject} is missing: set either text or token_ids")
         if kind == "token_ids":
             ids = list(message.token_ids.ids)
-            if not ids:
-                raise invalid(f"the {subject}'s token_ids is empty: send at least one token id")
-            vocab = self._limits.vocab_size
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise invalid(f"{subject} token id {bad} is outside the vocabulary [0, {vocab})")
+            try:
+                check_token_ids(ids, self._limits.vocab_size, f"{subject} token_ids")
+            except ValueError as exc:
+                raise invalid(str(exc)) from None
             return ids
         if not message.text:
             raise invalid(f"the {subject} text is empty")
@@ -161,12 +149,10 @@ class Validator:
             raise invalid(
                 f"the prompt has {prompt_tokens} tokens; the limit is {limits.max_prompt_tokens}"
             )
-        if prompt_tokens + max_tokens > limits.context:
-            raise invalid(
-                f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
-                "model's "
-                f"context of {limits.context} tokens; shorten the prompt or lower max_tokens"
-            )
+        try:
+            check_context(prompt_tokens, max_tokens, limits.context)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
 
     def _check_priority(self, priority: int) -> None:
         bound = self._config.max_abs_priority
@@ -174,26 +160,41 @@ class Validator:
             raise invalid(f"priority must be in [-{bound}, {bound}], got {priority}")
 
     def _sampling(self, p: inference_pb2.SamplingParams) -> engine_pb2.EngineSamplingParams:
+        """The request's sampling parameters, checked by the rule the engine runs them by
+        (omnibus.common.sampling), plus this router's max_tokens cap and the vocabulary."""
         max_tokens = p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         if not 1 <= max_tokens <= self._limits.max_tokens:
             raise invalid(f"max_tokens must be in [1, {self._limits.max_tokens}], got {max_tokens}")
-        floats = {name: _float(p, name, *rule) for name, rule in _FLOAT_RULES.items()}
-        if p.top_k < 0:
-            raise invalid(f"top_k must be >= 0 (0 turns it off), got {p.top_k}")
-        if not 0 <= p.logprobs <= MAX_LOGPROBS:
-            raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
-        vocab = self._limits.vocab_size
-        bad = next((t for t in p.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise invalid(f"stop token id {bad} is outside the vocabulary [0, {vocab})")
+        optional = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                top_k=p.top_k,
+                min_p=p.min_p,
+                presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                stop_token_ids=tuple(p.stop_token_ids),
+                ignore_eos=p.ignore_eos,
+                logprobs=p.logprobs,
+                **optional,
+            )
+            if params.stop_token_ids:
+                check_token_ids(list(params.stop_token_ids), self._limits.vocab_size, "stop_token_ids")
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
         return engine_pb2.EngineSamplingParams(
-            max_tokens=max_tokens,
-            top_k=p.top_k,
-            seed=p.seed if p.HasField("seed") else None,
-            stop_token_ids=list(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs,
-            **floats,
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            seed=params.seed,
+            stop_token_ids=list(params.stop_token_ids),
+            ignore_eos=params.ignore_eos,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            logprobs=params.logprobs,
         )
 
     def _stop_strings(self, p: inference_pb2.SamplingParams) -> tuple[str, ...]:
@@ -211,20 +212,6 @@ class Validator:
                     f"the limit is {config.max_stop_string_chars}"
                 )
         return tuple(p.stop)
-
-
-def _float(
-    p: inference_pb2.SamplingParams,
-    name: str,
-    allowed: str,
-    ok: Callable[[float], bool],
-    default: float | None = None,
-) -> float:
-    """A float field, checked; `default` is the value of an unset `optional` field."""
-    value = default if default is not None and not p.HasField(name) else getattr(p, name)
-    if not math.isfinite(value) or not ok(value):
-        raise invalid(f"{name} must be a finite number {allowed}, got {value}")
-    return value
 
 
 def _check_request_id(request_id: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 
 # The engine's own rule for adapter names: one definition for both processes.
-from omnibus.common.adapters import ADAPTER_NAME_RE
+from omnibus.common.adapters import adapter_name_error
 from omnibus.router.service.errors import invalid
 
 ADAPTER_HEADER = "x-adapter-id"
@@ -33,13 +33,6 @@ class Affinity(enum.IntEnum):
 
 def check_adapter_name(name: str) -> None:
     """Raises INVALID_ARGUMENT unless `name` is a well-formed adapter name."""
-    if not ADAPTER_NAME_RE.fullmatch(name):
-        shown = name[:40] + "..." if len(name) > 40 else name
-        raise invalid(
-            f"invalid adapter name {shown!r} in {ADAPTER_HEADER}: use 1-128 ASCII letters, digits, "
-            "'.', '_' or '-', starting with a letter or digit"
-        )
-
-
-def is_adapter_name(name: str) -> bool:
-    return ADAPTER_NAME_RE.fullmatch(name) is not None
+    error = adapter_name_error(name, f" in {ADAPTER_HEADER}")
+    if error is not None:
+        raise invalid(error)

@@ -7,11 +7,12 @@ from collections.abc import Iterator, Sequence
 from prometheus_client import (
     CollectorRegistry,
     Counter,
-    Histogram,
     disable_created_metrics,
     start_http_server,
 )
 from prometheus_client.core import GaugeMetricFamily
+
+from omnibus.common.metrics import RequestLatency, latency_histogram
 from prometheus_client.registry import Collector
 
 from omnibus.router.dispatch.dispatcher import Ticket
@@ -19,7 +20,6 @@ from omnibus.router.dispatch.engines import EngineClient
 from omnibus.router.dispatch.queue import RequestQueue
 
 # Seconds, from a fast CPU decode step to a long generation.
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class RouterMetrics:
@@ -45,16 +45,10 @@ class RouterMetrics:
         self.completion_tokens = Counter(
             "omnibus_router_completion_tokens", "Tokens generated", registry=r
         )
-        self.queue_time = _histogram("omnibus_router_queue_time_seconds", "Arrival to dispatch", r)
-        self.ttft = _histogram(
-            "omnibus_router_time_to_first_token_seconds", "Arrival to first token", r
+        self.queue_time = latency_histogram(
+            "omnibus_router_queue_time_seconds", "Arrival to dispatch", r
         )
-        self.tpot = _histogram(
-            "omnibus_router_time_per_output_token_seconds",
-            "Mean gap between tokens after the first",
-            r,
-        )
-        self.e2e = _histogram("omnibus_router_e2e_latency_seconds", "Arrival to last token", r)
+        self.latency = RequestLatency("omnibus_router", r)
         self.adapter_requests = Counter(
             "omnibus_router_adapter_requests",
             "Requests admitted for a LoRA adapter, by adapter",
@@ -74,9 +68,6 @@ class RouterMetrics:
         """Starts the /metrics HTTP endpoint on a background thread."""
         start_http_server(port, registry=self.registry)
 
-
-def _histogram(name: str, documentation: str, registry: CollectorRegistry) -> Histogram:
-    return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=registry)
 
 
 class _StateCollector(Collector):

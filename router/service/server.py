@@ -12,7 +12,6 @@ which makes the engine free the sequence's KV blocks.
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -21,8 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 from omnibus.v1 import admin_pb2, admin_pb2_grpc, engine_pb2, inference_pb2, inference_pb2_grpc
 from tokenizers import Tokenizer
 
@@ -30,6 +28,7 @@ from omnibus.router.dispatch.adapters import ADAPTER_HEADER, check_adapter_name
 from omnibus.router.service.admin import AdminService
 from omnibus.router.admission.limits import Admission, Permit
 from omnibus.router.admission.auth import KeyStore, Tenant
+from omnibus.common.grpc_server import Service, build_server, set_health, wait_for_signal
 from omnibus.router.config import RouterConfig
 from omnibus.router.text.detokenizer import IncrementalDetokenizer, byte_fallback_ids, special_ids
 from omnibus.router.dispatch.dispatcher import Dispatcher, Ticket
@@ -421,11 +420,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         m.completion_tokens.inc(job.completion_tokens)
         if job.dispatched is not None:
             m.queue_time.observe(job.dispatched - job.arrival)
-        if job.first_token is not None:
-            m.ttft.observe(job.first_token - job.arrival)
-            m.e2e.observe(now - job.arrival)
-            if job.completion_tokens > 1:
-                m.tpot.observe((now - job.first_token) / (job.completion_tokens - 1))
+        m.latency.observe(job.arrival, job.first_token, now, job.completion_tokens)
         log.info(
             "request_done",
             request_id=job.request.request_id,
@@ -474,8 +469,7 @@ class _HealthTracker:
         task.add_done_callback(self._pending.discard)
 
     async def _set(self, status: int) -> None:
-        for service in ("", SERVICE_NAME):
-            await self._servicer.set(service, status)
+        await set_health(self._servicer, (SERVICE_NAME,), status)
 
 
 async def serve(config: RouterConfig) -> None:
@@ -514,7 +508,7 @@ async def serve(config: RouterConfig) -> None:
         tenants=[t.name for t in keys.tenants],
         admin_api=keys.admin_enabled,
     )
-    await _wait_for_signal()
+    await wait_for_signal()
     log.info("router_draining", seconds=config.drain_seconds)
     tracker.draining = True
     tracker.update()
@@ -530,30 +524,11 @@ def _grpc_server(
     admin: AdminService,
     health_servicer: health.aio.HealthServicer,
 ) -> grpc.aio.Server:
+    services = (
+        Service(service, inference_pb2_grpc.add_InferenceServicer_to_server, SERVICE_NAME),
+        Service(admin, admin_pb2_grpc.add_AdminServicer_to_server, ADMIN_SERVICE_NAME),
+    )
     # gRPC's own cap sits above ours so that an oversized request gets our clear
     # INVALID_ARGUMENT rather than a bare RESOURCE_EXHAUSTED.
-    server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", 2 * config.max_request_bytes + 4096)]
-    )
-    inference_pb2_grpc.add_InferenceServicer_to_server(service, server)
-    admin_pb2_grpc.add_AdminServicer_to_server(admin, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
-        SERVICE_NAME,
-        ADMIN_SERVICE_NAME,
-        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
-    address = f"{config.host}:{config.port}"
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"cannot listen on {address}")
-    return server
-
-
-async def _wait_for_signal() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    options = [("grpc.max_receive_message_length", 2 * config.max_request_bytes + 4096)]
+    return build_server(config.host, config.port, services, health_servicer, options)

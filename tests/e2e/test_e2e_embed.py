@@ -73,7 +73,7 @@ def test_embedding_is_the_same_alone_or_batched(cluster):
     (pb.EmbedRequest(inputs=[pb.EmbedInput(text="")]), (), grpc.StatusCode.INVALID_ARGUMENT,
      "the input 0 text is empty"),
     (pb.EmbedRequest(inputs=[pb.EmbedInput(text="a"), pb.EmbedInput(token_ids=pb.TokenIds(ids=[10**6]))]), (),
-     grpc.StatusCode.INVALID_ARGUMENT, "input 1 token id 1000000 is outside the vocabulary"),
+     grpc.StatusCode.INVALID_ARGUMENT, "input 1 token_ids: token id 1000000 is outside the vocabulary"),
     (pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")]), (("x-adapter-id", "a1"),),
      grpc.StatusCode.INVALID_ARGUMENT, "embeddings come from the base model"),
 ])

@@ -224,14 +224,14 @@ BAD_REQUESTS = [
         pb.GenerateRequest(text=""),
         "the prompt text is empty",
     ),  # a oneof member is present even when empty
-    (pb.GenerateRequest(token_ids=pb.TokenIds()), "the prompt's token_ids is empty: send at least one token id"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds()), "prompt token_ids is empty: send at least one token"),
     (
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, VOCAB])),
-        f"prompt token id {VOCAB} is outside the vocabulary [0, {VOCAB})",
+        f"prompt token_ids: token id {VOCAB} is outside the vocabulary [0, {VOCAB})",
     ),
     (
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[-1])),
-        "prompt token id -1 is outside the vocabulary",
+        "prompt token_ids: token id -1 is outside the vocabulary",
     ),
     (
         pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 600)),
@@ -268,7 +268,7 @@ BAD_REQUESTS = [
     ),
     (
         pb.GenerateRequest(text="hi", sampling=S(top_k=-1)),
-        "top_k must be >= 0 (0 turns it off), got -1",
+        "top_k must be >= 0 (0 disables it), got -1",
     ),
     (
         pb.GenerateRequest(text="hi", sampling=S(min_p=2)),
@@ -298,7 +298,7 @@ BAD_REQUESTS = [
     ),
     (
         pb.GenerateRequest(text="hi", sampling=S(stop_token_ids=[VOCAB + 1])),
-        f"stop token id {VOCAB + 1} is outside the vocabulary [0, {VOCAB})",
+        f"stop_token_ids: token id {VOCAB + 1} is outside the vocabulary [0, {VOCAB})",
     ),
     (pb.GenerateRequest(text="hi", priority=101), "priority must be in [-100, 100], got 101"),
     (

@@ -1,0 +1,64 @@
+"""The gRPC server bootstrap both processes use: one aio server with the standard health
+and reflection services, listening on one address, and the signal that starts a drain."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+@dataclass(frozen=True)
+class Service:
+    """One servicer and how to register it: `add(servicer, server)` is the generated
+    `add_XServicer_to_server`; `name` is its full name (for reflection and health)."""
+
+    servicer: Any
+    add: Callable[[Any, grpc.aio.Server], None]
+    name: str
+
+
+def build_server(
+    host: str,
+    port: int,
+    services: Sequence[Service],
+    health_servicer: health.aio.HealthServicer,
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.aio.Server:
+    """A server (not started) with `services`, health and reflection, bound to host:port.
+    Raises OSError when the address cannot be bound."""
+    server = grpc.aio.server(options=list(options))
+    for s in services:
+        s.add(s.servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (*(s.name for s in services), HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    address = f"{host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    return server
+
+
+async def set_health(
+    servicer: health.aio.HealthServicer, services: Sequence[str], status: int
+) -> None:
+    """Sets the overall status ("") and each named service's to `status`."""
+    for name in ("", *services):
+        await servicer.set(name, status)
+
+
+async def wait_for_signal() -> None:
+    """Returns at the first SIGTERM or SIGINT (what starts a drain)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

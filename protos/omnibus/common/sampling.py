@@ -1,0 +1,133 @@
+"""Sampling parameters and the limits on them: one definition, used by the router to
+validate requests and by the engine to run them (torch-free).
+
+Messages say what to change; every refusal is a ValueError, which the router turns into
+INVALID_ARGUMENT and the engine's in-process API raises as is.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "check_context", "check_seed", "check_token_ids"]
+
+MAX_LOGPROBS = 20
+# Temperatures below this are treated as greedy: dividing logits by them overflows float32
+# to inf (and softmax to NaN), while the distribution is already a point mass at the argmax.
+_GREEDY_TEMPERATURE = 1e-5
+# torch.Generator.manual_seed takes any unsigned 64-bit value.
+_SEED_MAX = 2**64 - 1
+
+
+def _int_field(name: str, value: object, allowed: str, lo: int, hi: int | None = None) -> int:
+    # bool is an int subclass, but `max_tokens=True` is a caller bug, not a count.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+    v = int(value)
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be {allowed}, got {v}")
+    return v
+
+
+def _float_field(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or not ok(v):
+        raise ValueError(f"{name} must be a finite number {allowed}, got {v}")
+    return v
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the tokens of one request. Validated at construction.
+
+    Numbers given as other numeric types (numpy scalars, ints for floats) are converted
+    to plain int / float; bools, NaN and infinities are refused with ValueError.
+    """
+
+    max_tokens: int = 16  # >= 1; tokens to generate at most
+    temperature: float = 1.0  # >= 0; below 1e-5 (and so 0) means greedy argmax
+    top_p: float = 1.0  # in (0, 1]; nucleus size, 1 = off
+    top_k: int = 0  # 0 = off, else >= 1
+    min_p: float = 0.0  # in [0, 1]; drop tokens with prob < min_p * max prob
+    seed: int | None = None  # in [0, 2**64 - 1]; same seed => same tokens in any batch
+    stop_token_ids: tuple[int, ...] = ()  # token ids >= 0 that end the request
+    ignore_eos: bool = False  # keep generating past the model's EOS token
+    repetition_penalty: float = 1.0  # > 0; HF semantics over prompt + output tokens
+    presence_penalty: float = 0.0  # in [-2, 2]; OpenAI semantics over output tokens
+    frequency_penalty: float = 0.0  # in [-2, 2]; OpenAI semantics over output tokens
+    logprobs: int = 0  # in [0, 20]; top-n logprobs to return per generated token
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)  # frozen: normalize through the back door
+
+        put("max_tokens", _int_field("max_tokens", self.max_tokens, ">= 1", lo=1))
+        put("temperature", _float_field("temperature", self.temperature, ">= 0", lambda v: v >= 0))
+        put("top_p", _float_field("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1))
+        put("top_k", _int_field("top_k", self.top_k, ">= 0 (0 disables it)", lo=0))
+        put("min_p", _float_field("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1))
+        if self.seed is not None:
+            put("seed", check_seed(self.seed))
+        put("stop_token_ids", _stop_ids(self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        put(
+            "repetition_penalty",
+            _float_field("repetition_penalty", self.repetition_penalty, "> 0", lambda v: v > 0),
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            put(name, _float_field(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2))
+        lp_range = f"in [0, {MAX_LOGPROBS}]"
+        put("logprobs", _int_field("logprobs", self.logprobs, lp_range, 0, MAX_LOGPROBS))
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax instead of sampling."""
+        return self.temperature < _GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any repetition / presence / frequency penalty changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _stop_ids(value: object) -> tuple[int, ...]:
+    allowed = "a list or tuple of token ids >= 0"
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be {allowed}, got {value!r}")
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            raise ValueError(f"stop_token_ids must be {allowed}, got element {t!r}")
+    return tuple(int(t) for t in value)
+
+
+def check_seed(seed: object) -> int:
+    """A seed as an int in [0, 2**64 - 1] (what torch.Generator.manual_seed takes)."""
+    return _int_field("seed", seed, "in [0, 2**64 - 1]", 0, _SEED_MAX)
+
+
+def check_token_ids(ids: list[int], vocab_size: int, what: str) -> None:
+    """ValueError unless `ids` is a non-empty list of token ids in [0, vocab_size)."""
+    if not ids:
+        raise ValueError(f"{what} is empty: send at least one token")
+    bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"{what}: token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_context(prompt_tokens: int, max_tokens: int, context: int) -> None:
+    """ValueError unless the prompt plus max_tokens fits the model's context."""
+    if prompt_tokens + max_tokens > context:
+        raise ValueError(
+            f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"model's context of {context} tokens; shorten the prompt or lower max_tokens"
+        )
