@@ -24,8 +24,10 @@ RUN pip wheel --no-deps --wheel-dir /wheels .
 
 FROM base AS router
 COPY --from=wheel /wheels /wheels
-RUN pip install /wheels/omnibus-*.whl && rm -rf /wheels
-USER nobody
+COPY requirements.txt /tmp/requirements.txt
+# The base install (torch-free), pinned by the development lock as constraints.
+RUN pip install -c /tmp/requirements.txt /wheels/omnibus-*.whl && rm -rf /wheels /tmp/requirements.txt
+USER 65534
 EXPOSE 50051 9090
 ENTRYPOINT ["omnibus-router"]
 CMD ["serve", "--help"]
@@ -40,12 +42,15 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=wheel /wheels /wheels
-# torch first from its index (CUDA or CPU build), then the engine extra: with torch pinned,
-# pip takes the Triton that torch's CUDA build pins (the extra's range admits it).
+COPY requirements.txt /tmp/requirements.txt
+# torch first from its index (CUDA or CPU build), then the engine extra pinned by the
+# development lock, less its Triton: pip keeps the Triton torch's CUDA build pins (3.7.1).
 RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0 \
-    && whl="$(ls /wheels/omnibus-*.whl)" && pip install "${whl}[engine]" && rm -rf /wheels \
-    && useradd --system --create-home --home-dir /home/omnibus omnibus
-USER omnibus
+    && grep -v '^triton==' /tmp/requirements.txt > /tmp/constraints.txt \
+    && whl="$(ls /wheels/omnibus-*.whl)" && pip install -c /tmp/constraints.txt "${whl}[engine]" \
+    && rm -rf /wheels /tmp/requirements.txt /tmp/constraints.txt \
+    && useradd --system --uid 10001 --create-home --home-dir /home/omnibus omnibus
+USER 10001
 ENV TRITON_CACHE_DIR=/home/omnibus/.triton
 EXPOSE 50061 9091
 ENTRYPOINT ["omnibus-engine"]
