@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -35,7 +36,7 @@ def build_server(
 ) -> grpc.aio.Server:
     """A server (not started) with `services`, health and reflection, bound to host:port.
     Raises OSError when the address cannot be bound."""
-    server = grpc.aio.server(options=list(options))
+    server = grpc.aio.server(options=list(options), interceptors=[_DecodeErrorsAreInvalid()])
     for s in services:
         s.add(s.servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -45,6 +46,59 @@ def build_server(
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}")
     return server
+
+
+class _DecodeErrorsAreInvalid(grpc.aio.ServerInterceptor):
+    """Bytes that do not parse as the method's request message get INVALID_ARGUMENT with a
+    message naming the expected type, not gRPC's UNKNOWN "Unexpected DecodeError"."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None or handler.request_streaming:
+            return handler
+        parse = handler.request_deserializer
+        kind = "unary_stream" if handler.response_streaming else "unary_unary"
+        behavior = getattr(handler, kind)
+        type_name = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
+        expected = type_name.full_name if type_name is not None else "request"
+
+        def decode(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return parse(raw)
+            except DecodeError:
+                return _UNDECODABLE
+
+        async def refuse(context: grpc.aio.ServicerContext) -> None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request is not a valid {expected} message (protobuf wire format)",
+            )
+
+        if handler.response_streaming:
+
+            async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                request = decode(raw, context)
+                if request is _UNDECODABLE:
+                    await refuse(context)
+                async for item in behavior(request, context):
+                    yield item
+
+            return handler._replace(request_deserializer=None, unary_stream=unary_stream)
+
+        async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            request = decode(raw, context)
+            if request is _UNDECODABLE:
+                await refuse(context)
+            return await behavior(request, context)
+
+        return handler._replace(request_deserializer=None, unary_unary=unary_unary)
+
+
+_UNDECODABLE = object()
 
 
 async def set_health(

@@ -1,0 +1,59 @@
+"""The gRPC bootstrap both processes share (omnibus.common.grpc_server): bytes that are
+not the method's request message get INVALID_ARGUMENT naming the expected type."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health
+from omnibus.v1 import inference_pb2, inference_pb2_grpc
+
+from omnibus.common.grpc_server import Service, build_server
+from tests.grpc_helpers import free_port
+
+GARBAGE = [b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x08" + b"\xff" * 11]  # bad tag, truncated, varint overflow
+
+
+class _Echo(inference_pb2_grpc.InferenceServicer):
+    async def ListModels(self, request, context):
+        return inference_pb2.ListModelsResponse()
+
+    async def Generate(self, request, context):
+        yield inference_pb2.GenerateResponse(text=request.text)
+
+
+@pytest.fixture
+async def address():
+    port = free_port()
+    service = Service(_Echo(), inference_pb2_grpc.add_InferenceServicer_to_server, "omnibus.v1.Inference")
+    server = build_server("127.0.0.1", port, [service], health.aio.HealthServicer())
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(0)
+
+
+@pytest.mark.parametrize("raw", GARBAGE)
+async def test_undecodable_requests_are_invalid_argument(address, raw):
+    async with grpc.aio.insecure_channel(address) as channel:
+        unary = channel.unary_unary("/omnibus.v1.Inference/ListModels")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await unary(raw)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == (
+            "the request is not a valid omnibus.v1.ListModelsRequest message (protobuf wire format)"
+        )
+        stream = channel.unary_stream("/omnibus.v1.Inference/Generate")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stream(raw):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "DecodeError" not in err.value.details()
+        assert "omnibus.v1.GenerateRequest" in err.value.details()
+
+
+async def test_valid_requests_still_reach_the_servicer(address):
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        replies = [r.text async for r in stub.Generate(inference_pb2.GenerateRequest(text="hi"))]
+        assert replies == ["hi"]
+        assert await stub.ListModels(inference_pb2.ListModelsRequest()) == inference_pb2.ListModelsResponse()
