@@ -39,7 +39,7 @@ from omnibus.common.metrics import RequestLatency
 from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine
 from omnibus.engine.serving.batcher import BatcherConfig, QueueFullError, QueueTimeoutError
 from omnibus.engine.engine import Engine, EngineStats, UnknownAdapterError
-from omnibus.engine.lora.manager import LoraManager
+from omnibus.engine.lora import AdapterLoadError, LoraManager
 from omnibus.engine.worker.sampling import SamplingParams
 from omnibus.engine.core.sequence import RequestOutput
 
@@ -82,20 +82,7 @@ class ServerConfig:
 
 def sampling_params(p: engine_pb2.EngineSamplingParams) -> SamplingParams:
     """The engine's SamplingParams for a request's; ValueError names a bad field."""
-    return SamplingParams(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        seed=p.seed if p.HasField("seed") else None,
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        repetition_penalty=p.repetition_penalty,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        logprobs=p.logprobs,
-    )
+    return SamplingParams.from_proto(p)
 
 
 def response_proto(out: RequestOutput) -> engine_pb2.EngineGenerateResponse:
@@ -201,9 +188,9 @@ def _adapter_metrics(
         "omnibus_engine_adapter_evictions", "Device slots refilled with another adapter",
         value=s.adapter_evictions,
     )
-    # The loader thread appends one duration per successful disk load; list() copies it
-    # atomically, and the histogram is rebuilt from it at scrape time.
-    seconds = list(adapters.stats["load_seconds"])
+    # One duration per successful disk load (a copy taken atomically); the histogram is
+    # rebuilt from it at scrape time.
+    seconds = adapters.stats().load_seconds
     buckets = [(str(b), float(sum(1 for x in seconds if x <= b))) for b in ADAPTER_LOAD_BUCKETS]
     buckets.append(("+Inf", float(len(seconds))))
     yield HistogramMetricFamily(
@@ -516,11 +503,11 @@ def preload(engine: Engine, timeout: float = PRELOAD_TIMEOUT_S) -> None:
     end = time.monotonic() + timeout
     while pending:
         for name in list(pending):
-            state = adapters.poll(name)
-            if state == "failed":
-                raise ValueError(f"cannot preload adapter {name!r}: {adapters.failed[name]}")
-            if state == "ready":
-                pending.remove(name)
+            try:
+                if adapters.ready(name):
+                    pending.remove(name)
+            except AdapterLoadError as exc:
+                raise ValueError(f"cannot preload adapter {name!r}: {exc.reason}") from exc
         if pending and time.monotonic() > end:
             raise ValueError(f"preloading {pending} took more than {timeout:.0f} s")
         time.sleep(0.005)

@@ -182,20 +182,7 @@ class Validator:
                 check_token_ids(list(params.stop_token_ids), self._limits.vocab_size, "stop_token_ids")
         except ValueError as exc:
             raise invalid(str(exc)) from None
-        return engine_pb2.EngineSamplingParams(
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            min_p=params.min_p,
-            seed=params.seed,
-            stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            repetition_penalty=params.repetition_penalty,
-            presence_penalty=params.presence_penalty,
-            frequency_penalty=params.frequency_penalty,
-            logprobs=params.logprobs,
-        )
+        return params.to_proto()
 
     def _stop_strings(self, p: inference_pb2.SamplingParams) -> tuple[str, ...]:
         config = self._config

@@ -12,6 +12,8 @@ import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from omnibus.v1 import engine_pb2
+
 __all__ = ["MAX_LOGPROBS", "SamplingParams", "check_context", "check_seed", "check_token_ids"]
 
 MAX_LOGPROBS = 20
@@ -85,6 +87,19 @@ class SamplingParams:
         lp_range = f"in [0, {MAX_LOGPROBS}]"
         put("logprobs", _int_field("logprobs", self.logprobs, lp_range, 0, MAX_LOGPROBS))
 
+    @classmethod
+    def from_proto(cls, p: engine_pb2.EngineSamplingParams) -> SamplingParams:
+        """The engine's reading of the router's message (ValueError if out of range)."""
+        kwargs = {name: getattr(p, name) for name in _FIELDS}
+        kwargs["seed"] = p.seed if p.HasField("seed") else None
+        kwargs["stop_token_ids"] = tuple(p.stop_token_ids)
+        return cls(**kwargs)
+
+    def to_proto(self) -> engine_pb2.EngineSamplingParams:
+        """The message the router sends the engine for these parameters."""
+        fields = {name: getattr(self, name) for name in _FIELDS}
+        return engine_pb2.EngineSamplingParams(**fields, stop_token_ids=list(self.stop_token_ids))
+
     @property
     def greedy(self) -> bool:
         """True when the request takes the argmax instead of sampling."""
@@ -98,6 +113,11 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+# Every field, as EngineSamplingParams names it too (stop_token_ids aside: a repeated field).
+_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
+           "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
 
 
 def _stop_ids(value: object) -> tuple[int, ...]:
