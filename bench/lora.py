@@ -22,7 +22,7 @@ Every adapter a run uses is loaded into host memory before its clock starts
 interleaved over `--repeats` rounds and the best round is reported (the machine may
 be shared: other jobs only ever slow a round down), with every round listed. Each
 run also times the LoRA matmuls (`LoraBatch.apply`) and the device slot refills
-(`LoraManager._fill_slot`), to show where the difference to the base model goes.
+(`DeviceSlots.fill`), to show where the difference to the base model goes.
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ def run(model: Path, adapter_dir: Path, names: list[str], config: Config, prompt
     """Throughput of the workload under `config`, and where the LoRA time went."""
     from omnibus.engine.config import EngineConfig
     from omnibus.engine.engine import Engine
-    from omnibus.engine.lora.manager import LoraBatch, LoraManager
+    from omnibus.engine.lora import LoraBatch
+    from omnibus.engine.lora.slots import DeviceSlots
     from omnibus.engine.worker.sampling import SamplingParams
     from omnibus.engine.serving.server import preload
 
@@ -148,8 +149,8 @@ def run(model: Path, adapter_dir: Path, names: list[str], config: Config, prompt
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         engine.add_request(f"r{i}", prompt, params, adapter=used[i % len(used)] if used else None)
-    produced, totals = 0, {"apply": 0.0, "_fill_slot": 0.0}
-    with timing(LoraBatch, "apply", totals), timing(LoraManager, "_fill_slot", totals):
+    produced, totals = 0, {"apply": 0.0, "fill": 0.0}
+    with timing(LoraBatch, "apply", totals), timing(DeviceSlots, "fill", totals):
         t0 = time.perf_counter()
         while engine.has_unfinished():
             for out in engine.step():
@@ -162,7 +163,7 @@ def run(model: Path, adapter_dir: Path, names: list[str], config: Config, prompt
     engine.check_integrity()
     if engine.adapters is not None:
         engine.adapters.shutdown()
-    return Result(produced / elapsed, totals["apply"] / elapsed, totals["_fill_slot"] / elapsed)
+    return Result(produced / elapsed, totals["apply"] / elapsed, totals["fill"] / elapsed)
 
 
 def main() -> None:

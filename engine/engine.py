@@ -21,8 +21,9 @@ import structlog
 
 from omnibus.engine.core.block_allocator import BlockAllocator, BlockCounts
 from omnibus.engine.config import EngineConfig, ModelConfig
-from omnibus.engine.lora.manager import AdapterError, LoraConfig, LoraManager, UnknownAdapterError
-from omnibus.engine.worker.model_runner import ModelRunner, Step
+from omnibus.engine.lora import (
+    AdapterError, AdapterInventory, LoraConfig, LoraManager, LoraStats, UnknownAdapterError)
+from omnibus.engine.worker.model_runner import ModelRunner, Step, resolve_dtype
 from omnibus.engine.core.policies import ContinuousPolicy, make_policy
 from omnibus.common.sampling import SamplingParams, check_context, check_token_ids
 from omnibus.engine.worker.sampling import make_generator
@@ -63,15 +64,14 @@ class Engine:
         max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # model_config.max_model_len is the engine's context limit from here on.
         self.model_config = dataclasses.replace(mc, max_position_embeddings=max_len)
-        self.runner = ModelRunner(config, self.model_config)
         self.adapters = None
         if config.adapter_dir is not None:
             self.adapters = LoraManager(
                 LoraConfig(Path(config.adapter_dir), config.max_loras, config.max_cpu_loras, config.max_lora_rank),
-                self.model_config, self.runner.dtype, self.runner.device)
-            self.runner.adapters = self.adapters
+                self.model_config, resolve_dtype(config, self.model_config), config.torch_device)
             for name in config.preload_adapters:
-                self.adapters.load_async(name)
+                self.adapters.prefetch(name)
+        self.runner = ModelRunner(config, self.model_config, self.adapters)
         self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
@@ -97,8 +97,7 @@ class Engine:
         if adapter:
             if self.adapters is None:
                 raise UnknownAdapterError(f"adapter {adapter!r} not found: this engine serves no adapters")
-            salt = self.adapters.spec(adapter).fingerprint
-            self.adapters.load_async(adapter)
+            salt = self.adapters.prefetch(adapter)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -213,6 +212,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         counts = self.allocator.counts()
+        inventory = self.adapters.inventory() if self.adapters else AdapterInventory((), ())
+        lora = self.adapters.stats() if self.adapters else LoraStats(0, 0, ())
         c = self.scheduler.counters
         return EngineStats(
             num_waiting=self.scheduler.num_waiting,
@@ -223,11 +224,11 @@ class Engine:
             num_steps=self.num_steps,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_hit_blocks=self.allocator.num_cache_hits,
-            num_running_adapters=sum(1 for pins in self.adapters.pins if pins) if self.adapters else 0,
-            resident_adapters=tuple(self.adapters.resident()) if self.adapters else (),
-            cached_adapters=tuple(sorted(self.adapters.host)) if self.adapters else (),
-            adapter_loads=self.adapters.stats["loads"] if self.adapters else 0,
-            adapter_evictions=self.adapters.stats["evictions"] if self.adapters else 0,
+            num_running_adapters=inventory.running,
+            resident_adapters=inventory.resident,
+            cached_adapters=inventory.cached,
+            adapter_loads=lora.loads,
+            adapter_evictions=lora.evictions,
             slots_stepped=c.slots_stepped,
             useful_tokens=c.useful_tokens,
             kv_tokens_stored=c.kv_tokens_stored,

@@ -25,7 +25,7 @@ from omnibus.engine.core.policies import BatchingPolicy
 from omnibus.engine.core.sequence import RequestOutput, SamplerOutput, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from omnibus.engine.lora.manager import LoraManager
+    from omnibus.engine.lora import LoraManager
 
 
 @dataclass(frozen=True)
@@ -283,18 +283,16 @@ class Scheduler:
         every slot pinned by running sequences) or "failed" (the request is finished)."""
         if seq.adapter is None:
             return "ok"
-        state = self.adapters.poll(seq.adapter)
-        if state == "loading":
-            return "wait"
-        if state == "failed":
+        gate = self.adapters.gate(seq.adapter)
+        if gate.error is not None:
             del self.requests[seq.request_id]
             self.num_waiting -= 1
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
             out = self._output(seq, [], [])
-            out.error = f"adapter {seq.adapter!r} failed to load: {self.adapters.failed[seq.adapter]}"
+            out.error = gate.error
             self._aborted.append(out)
             return "failed"
-        seq.lora_slot = self.adapters.acquire(seq.adapter)
+        seq.lora_slot = gate.slot
         return "wait" if seq.lora_slot is None else "ok"
 
     def _push_waiting(self, seq: Sequence) -> None:

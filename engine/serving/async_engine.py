@@ -21,7 +21,7 @@ import structlog
 
 from omnibus.engine.serving.batcher import BatcherConfig, DynamicBatcher
 from omnibus.engine.engine import Engine, EngineStats
-from omnibus.engine.lora.manager import UnknownAdapterError, resolve_adapter_dir
+from omnibus.engine.lora import AdapterInventory, AdapterLoadError, AdapterStateError, UnknownAdapterError
 from omnibus.engine.worker.sampling import SamplingParams
 from omnibus.engine.core.sequence import RequestOutput
 
@@ -45,12 +45,6 @@ class _Abort:
     request_id: str
 
 
-class AdapterStateError(RuntimeError):
-    """An adapter cannot be loaded or unloaded in the engine's current state: its weights
-    failed to load, running sequences use it, it is still loading, or the engine serves
-    no adapters (FAILED_PRECONDITION)."""
-
-
 @dataclass(frozen=True)
 class AdapterLoaded:
     """The outcome of `AsyncEngine.load_adapter`."""
@@ -58,14 +52,6 @@ class AdapterLoaded:
     adapter: str
     resident: bool  # in a device slot now (False: every slot is held by running sequences)
     was_loaded: bool  # it was in host memory already: no disk read
-
-
-@dataclass(frozen=True)
-class AdapterInventory:
-    """The adapters in memory, as the step thread sees them between two steps."""
-
-    resident: tuple[str, ...]  # in device slots, sorted
-    cached: tuple[str, ...]  # in host memory (resident ones included), sorted
 
 
 @dataclass
@@ -323,9 +309,7 @@ class AsyncEngine:
 
     def _inventory(self) -> AdapterInventory:
         adapters = self.engine.adapters
-        if adapters is None:
-            return AdapterInventory((), ())
-        return AdapterInventory(tuple(sorted(adapters.resident())), tuple(sorted(adapters.host)))
+        return AdapterInventory((), ()) if adapters is None else adapters.inventory()
 
     def _start_load(self, cmd: _LoadAdapter) -> None:
         adapters = self.engine.adapters
@@ -333,10 +317,7 @@ class AsyncEngine:
             raise AdapterStateError(
                 f"cannot load adapter {cmd.name!r}: this engine serves no adapters "
                 "(start it with --adapter-dir)")
-        cmd.was_loaded = cmd.name in adapters.host
-        if not cmd.was_loaded:
-            adapters.spec(cmd.name)  # the name and adapter_config.json, checked before any read
-            adapters.load_async(cmd.name)
+        cmd.was_loaded = adapters.load(cmd.name)
         self._loads.append(cmd)
 
     def _poll_loads(self) -> None:
@@ -346,17 +327,15 @@ class AsyncEngine:
         assert adapters is not None  # loads are only started when adapters are served
         pending, done = [], []
         for cmd in self._loads:
-            state = adapters.poll(cmd.name)
-            if state == "loading":
+            try:
+                resident = adapters.place(cmd.name)
+            except AdapterLoadError as exc:
+                done.append((cmd, None, exc))
+                continue
+            if resident is None:
                 pending.append(cmd)
-            elif state == "failed":
-                reason = adapters.failed[cmd.name]
-                done.append((cmd, None, AdapterStateError(f"adapter {cmd.name!r} failed to load: {reason}")))
             else:
-                slot = adapters.acquire(cmd.name)  # into a device slot, evicting the LRU unpinned one
-                if slot is not None:
-                    adapters.release(cmd.name)  # resident, but pinned by no sequence
-                done.append((cmd, AdapterLoaded(cmd.name, slot is not None, cmd.was_loaded), None))
+                done.append((cmd, AdapterLoaded(cmd.name, resident, cmd.was_loaded), None))
         self._loads = pending
         if done:
             self._stats = self.engine.stats()  # load reports show the new residents before the reply
@@ -367,26 +346,8 @@ class AsyncEngine:
         adapters = self.engine.adapters
         if adapters is None:
             raise UnknownAdapterError(f"adapter {name!r} not found: this engine serves no adapters")
-        try:
-            resolve_adapter_dir(adapters.config.adapter_dir, name)  # the name check (AdapterError)
-            on_disk = True
-        except UnknownAdapterError:
-            on_disk = False  # a loaded adapter whose directory went away can still be unloaded
-        if adapters.is_loading(name):
-            raise AdapterStateError(f"adapter {name!r} is still loading; unload it once the load has ended")
-        slot = adapters.slot_of(name)
-        if slot is None and name not in adapters.host:
-            if not on_disk:
-                raise UnknownAdapterError(
-                    f"adapter {name!r} not found: it is neither loaded nor under the adapter root")
-            adapters.failed.pop(name, None)
-            return False
         if not adapters.unload(name):
-            n = adapters.pins[slot] if slot is not None else 0
-            raise AdapterStateError(
-                f"adapter {name!r} is in use by {n} running sequence{'s' if n != 1 else ''}; "
-                "unload it when they have finished")
-        adapters.failed.pop(name, None)
+            return False
         self._stats = self.engine.stats()
         return True
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from omnibus.engine.config import DTYPES, EngineConfig, ModelConfig
 from omnibus.engine.model.loader import load_model, random_model
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
-from omnibus.engine.lora.manager import LoraBatch, LoraManager
+from omnibus.engine.lora import LoraManager
 from omnibus.engine.model.llama import ForwardBatch
 from omnibus.engine.worker.sampling import SampledBatch, Sampler, SamplerOutput
 from omnibus.engine.core.scheduler import SchedulerOutput
@@ -38,7 +38,8 @@ def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtyp
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig,
+                 adapters: LoraManager | None = None) -> None:
         self.config = config
         self.model_config = model_config
         self.device = config.torch_device
@@ -57,7 +58,7 @@ class ModelRunner:
             for _ in range(model_config.num_layers)
         ]
         self.sampler = Sampler(seed=config.seed)
-        self.adapters: LoraManager | None = None  # set by the engine when it serves adapters
+        self.adapters = adapters  # None when the engine serves no adapters
         use_graphs = config.decode_graphs if config.decode_graphs is not None else self.device.type == "cuda"
         self.graphs = None
         if use_graphs:
@@ -164,10 +165,7 @@ class ModelRunner:
             tables.append(table)
             if item.samples:
                 logits_indices.append(query_start[-1] - 1)
-        lora = None
-        if self.adapters is not None and any(item.seq.lora_slot is not None for item in plan.scheduled):
-            lora = LoraBatch(self.adapters, [(-1 if item.seq.lora_slot is None else item.seq.lora_slot,
-                                               item.num_tokens) for item in plan.scheduled])
+        lora = None if self.adapters is None else self.adapters.batch_for(plan.scheduled)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device

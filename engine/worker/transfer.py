@@ -17,4 +17,10 @@ def to_device(data: list | torch.Tensor, dtype: torch.dtype, device: torch.devic
     t = data.to(dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
     if device.type != "cuda":
         return t
-    return t.pin_memory().to(device, non_blocking=True)
+    return pinned(t, device).to(device, non_blocking=True)
+
+
+def pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` staged for copies to `device`: page-locked for a CUDA device, so `copy_(...,
+    non_blocking=True)` really is asynchronous; `t` itself otherwise (pinning needs CUDA)."""
+    return t.pin_memory() if device.type == "cuda" else t

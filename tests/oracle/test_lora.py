@@ -93,7 +93,7 @@ def test_mixed_batch_matches_peft(setup, max_loras, overlap):
         if adapter is not None:  # the adapters really change the output
             assert out != expected(oracles, None, prompt, n)
     if max_loras == 2:
-        assert engine.adapters.stats["evictions"] > 0
+        assert engine.adapters.stats().evictions > 0
 
 
 def test_prefix_cache_hits_stay_per_adapter(setup):
@@ -254,3 +254,25 @@ def test_unreadable_adapter_config_is_a_clear_error(setup, tmp_path):
     engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(tmp_path / "root")))
     with pytest.raises(AdapterError, match="cannot be read"):
         engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="dirconfig")
+
+
+def test_a_slot_refilled_with_a_smaller_adapter_keeps_nothing_of_the_old_one(setup):
+    """b-r8 (rank 8, every projection) is evicted by a-r2 (rank 2, q and v only), which then
+    runs in one batch with c-r4 (o, up, down): the batch applies q, v, o, up and down to
+    a-r2's slot, so any rank tail or projection left over from b-r8 would change a-r2's
+    tokens. Slot fills zero only what the old occupant leaves behind; PEFT decides."""
+    base, adapters_dir, oracles = setup
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir),
+                                 max_loras=2, max_cpu_loras=4))
+    assert run(engine, [("b-r8", [5, 6, 7], 2)]) == [expected(oracles, "b-r8", [5, 6, 7], 2)]
+    assert run(engine, [("c-r4", [5, 6, 7], 2)]) == [expected(oracles, "c-r4", [5, 6, 7], 2)]
+    assert engine.adapters.inventory().resident == ("b-r8", "c-r4")
+    engine.adapters.load("a-r2")
+    deadline = time.monotonic() + 30
+    while not engine.adapters.ready("a-r2") and time.monotonic() < deadline:  # in host memory first,
+        time.sleep(0.002)  # so both requests join the same first step
+    reqs = [("a-r2", [9, 40, 41, 77], 8), ("c-r4", [9, 40, 42, 77], 8)]
+    for (adapter, prompt, n), out in zip(reqs, run(engine, reqs)):
+        assert out == expected(oracles, adapter, prompt, n), f"adapter {adapter} diverged"
+    assert engine.adapters.inventory().resident == ("a-r2", "c-r4")
+    assert engine.adapters.stats().evictions == 1  # a-r2 took b-r8's slot

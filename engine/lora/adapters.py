@@ -1,0 +1,187 @@
+"""Adapters on disk: names, the confined adapter root, adapter_config.json, weights.
+
+An adapter is a PEFT directory directly under the adapter root, named by
+`^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`. Symlinks are resolved and must stay inside the
+root; nothing outside it is ever opened. Pickle weights are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from omnibus.common.adapters import ADAPTER_NAME_RE
+from omnibus.engine.config import ModelConfig
+from omnibus.engine.worker.transfer import pinned
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# fused module of the model -> the projections it holds, in output order
+FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
+         "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+
+
+class AdapterError(ValueError):
+    """An adapter name or adapter directory that cannot be served (INVALID_ARGUMENT)."""
+
+
+class UnknownAdapterError(LookupError):
+    """No adapter of that name under the adapter root (NOT_FOUND)."""
+
+
+class AdapterStateError(RuntimeError):
+    """An adapter cannot be loaded or unloaded in the engine's current state: its weights
+    failed to load, running sequences use it, it is still loading, or the engine serves
+    no adapters (FAILED_PRECONDITION)."""
+
+
+class AdapterLoadError(AdapterStateError):
+    """The adapter's weights failed to load; `reason` says why."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"adapter {name!r} failed to load: {reason}")
+        self.reason = reason
+
+
+def proj_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every LoRA-targetable projection."""
+    q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def resolve_adapter_dir(root: Path, name: str) -> Path:
+    """The adapter's directory, proven to lie inside `root` (symlinks resolved)."""
+    if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
+        shown = name[:40] + "..." if isinstance(name, str) and len(name) > 40 else name
+        raise AdapterError(
+            f"invalid adapter name {shown!r}: use 1-128 ASCII letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit")
+    root = root.resolve()
+    path = (root / name).resolve()
+    if path.parent != root:
+        raise UnknownAdapterError(f"adapter {name!r} not found")  # a symlink leading out of the root
+    if not path.is_dir():
+        raise UnknownAdapterError(f"adapter {name!r} not found under the adapter root")
+    return path
+
+
+def _confined_file(root: Path, adapter_dir: Path, filename: str) -> Path | None:
+    f = adapter_dir / filename
+    if not f.exists():
+        return None
+    real = f.resolve()
+    if real.parent != adapter_dir or not real.is_relative_to(root.resolve()):
+        raise AdapterError(f"{filename} of adapter {adapter_dir.name!r} points outside the adapter root")
+    return real
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What adapter_config.json promises; checked before any tensor is read."""
+
+    name: str
+    path: Path  # adapter_model.safetensors
+    rank: int
+    scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
+    targets: frozenset[str]
+    fingerprint: str  # changes when the file does: salts the prefix cache
+
+    @classmethod
+    def read(cls, root: Path, name: str, max_rank: int) -> "AdapterSpec":
+        adir = resolve_adapter_dir(root, name)
+        cfg_file = _confined_file(root, adir, "adapter_config.json")
+        weights = _confined_file(root, adir, "adapter_model.safetensors")
+        if weights is None:
+            if any((adir / f).exists() for f in ("adapter_model.bin", "adapter_model.pt")):
+                raise AdapterError(f"adapter {name!r} is a pickle file (adapter_model.bin), which is refused "
+                                   "because loading it can run arbitrary code; save it with safetensors")
+            raise AdapterError(f"adapter {name!r} has no adapter_model.safetensors")
+        if cfg_file is None:
+            raise AdapterError(f"adapter {name!r} has no adapter_config.json")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except OSError as exc:
+            raise AdapterError(f"adapter_config.json of {name!r} cannot be read: {exc.strerror}") from exc
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise AdapterError(f"adapter_config.json of {name!r} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise AdapterError(f"adapter_config.json of {name!r} is not a JSON object")
+        return cls._from_config(name, weights, raw, max_rank)
+
+    @classmethod
+    def _from_config(cls, name: str, weights: Path, raw: dict, max_rank: int) -> "AdapterSpec":
+        if raw.get("peft_type", "LORA") != "LORA":
+            raise AdapterError(f"adapter {name!r} is {raw.get('peft_type')!r}, only LORA is supported")
+        for unsupported in ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "lora_bias"):
+            if raw.get(unsupported):
+                raise AdapterError(f"adapter {name!r} uses {unsupported}, which is not supported")
+        rank, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+            raise AdapterError(f"adapter {name!r} has an invalid rank r={rank!r}")
+        if rank > max_rank:
+            raise AdapterError(f"adapter {name!r} has rank {rank}, over this engine's --max-lora-rank {max_rank}")
+        targets = raw.get("target_modules") or []
+        if isinstance(targets, str):
+            targets = [targets]
+        bad = sorted(set(targets) - set(PROJECTIONS))
+        if bad:
+            raise AdapterError(f"adapter {name!r} targets {bad}; supported: {', '.join(PROJECTIONS)}")
+        scale = float(alpha) / (math.sqrt(rank) if raw.get("use_rslora") else rank)
+        st = weights.stat()
+        return cls(name, weights, rank, scale, frozenset(targets), f"{name}@{st.st_size}:{st.st_mtime_ns}")
+
+
+@dataclass
+class AdapterWeights:
+    spec: AdapterSpec
+    # (layer, projection) -> (A (r, in), B (out, r)), on the host (pinned when bound for CUDA)
+    tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+_KEY_RE = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+
+
+def load_adapter_weights(spec: AdapterSpec, cfg: ModelConfig, dtype: torch.dtype,
+                         device: torch.device) -> AdapterWeights:
+    """Read and check every tensor of an adapter (runs on the loader thread). The host
+    copies are staged for `device` (pinned for CUDA), so filling a slot never blocks."""
+    dims = proj_dims(cfg)
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(str(spec.path), framework="pt", device="cpu") as f:
+        for key in f.keys():
+            m = _KEY_RE.fullmatch(key)
+            if m is None or m.group(2) not in PROJECTIONS:
+                raise AdapterError(f"adapter {spec.name!r}: unexpected tensor {key!r}")
+            layer, proj, ab = int(m.group(1)), m.group(2), m.group(3)
+            if layer >= cfg.num_layers:
+                raise AdapterError(f"adapter {spec.name!r} has layer {layer}, the base model has {cfg.num_layers}")
+            parts.setdefault((layer, proj), {})[ab] = f.get_tensor(key)
+    tensors = {}
+    for (layer, proj), ab in parts.items():
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"adapter {spec.name!r}: layer {layer} {proj} lacks lora_{'A' if 'A' not in ab else 'B'}")
+        a, b = ab["A"], ab["B"]
+        in_f, out_f = dims[proj]
+        if tuple(a.shape) != (spec.rank, in_f) or tuple(b.shape) != (out_f, spec.rank):
+            raise AdapterError(
+                f"adapter {spec.name!r} does not fit this base model: layer {layer} {proj} has A{tuple(a.shape)} "
+                f"B{tuple(b.shape)}, expected A{(spec.rank, in_f)} B{(out_f, spec.rank)}")
+        tensors[(layer, proj)] = (pinned(a.to(dtype), device), pinned(b.to(dtype), device))
+    if not tensors:
+        raise AdapterError(f"adapter {spec.name!r} holds no LoRA weights")
+    return AdapterWeights(spec, tensors)
+
+
+def list_adapter_names(root: Path) -> list[str]:
+    """The adapter directories directly under `root`, sorted (lists the root only)."""
+    if not root.is_dir():
+        return []
+    real = root.resolve()
+    return sorted(p.name for p in root.iterdir()
+                  if ADAPTER_NAME_RE.fullmatch(p.name) and p.resolve().parent == real and p.is_dir())

@@ -1,0 +1,103 @@
+"""The device tier: `max_loras` slots of stacked, zero-padded LoRA weights.
+
+For every layer and projection the slots share one A tensor (slots, max_rank, in) and
+one B tensor (slots, out, max_rank), preallocated, so a batch indexes them by slot.
+Outside its occupant's footprint (the projections it adapts, up to its rank) a slot
+holds zeros: ranks and projections an adapter lacks contribute nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from omnibus.engine.config import ModelConfig
+from omnibus.engine.lora.adapters import FUSED, PROJECTIONS, AdapterWeights, proj_dims
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a fill wrote into a slot: ranks [0, rank) of these (layer, projection)s."""
+
+    rank: int = 0
+    keys: frozenset[tuple[int, str]] = frozenset()
+
+
+class DeviceSlots:
+    """Slot contents, pins and LRU order. Step thread only."""
+
+    def __init__(self, num_slots: int, max_rank: int, model_config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.device = device
+        dims = proj_dims(model_config)
+        n, r = num_slots, max_rank
+        # stacked[layer][proj] = (A (slots, r, in), B (slots, out, r)); zeros where unused
+        self.stacked = [
+            {p: (torch.zeros(n, r, dims[p][0], dtype=dtype, device=device),
+                 torch.zeros(n, dims[p][1], r, dtype=dtype, device=device)) for p in PROJECTIONS}
+            for _ in range(model_config.num_layers)
+        ]
+        self.scales = torch.zeros(n, dtype=torch.float32, device=device)
+        # fused module -> (projection, first column, end column) inside its output
+        self.columns: dict[str, list[tuple[str, int, int]]] = {}
+        for fused, projs in FUSED.items():
+            lo, cols = 0, []
+            for p in projs:
+                cols.append((p, lo, lo + dims[p][1]))
+                lo += dims[p][1]
+            self.columns[fused] = cols
+        self.names: list[str | None] = [None] * n
+        self.targets: list[frozenset[str]] = [frozenset()] * n  # projections each slot's adapter adapts
+        self.pins = [0] * n  # running sequences using each slot
+        self.evictions = 0  # fills that replaced another adapter
+        self._footprints = [Footprint()] * n  # kept after an unload: the next fill clears it
+        self._lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n))
+
+    def slot_of(self, name: str) -> int | None:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            return None
+
+    def free_slot(self) -> int | None:
+        """An empty slot, else the least recently used unpinned one; None when all are pinned."""
+        free = [s for s in self._lru if self.pins[s] == 0]
+        return next((s for s in free if self.names[s] is None), free[0] if free else None)
+
+    def pin(self, slot: int) -> None:
+        self.pins[slot] += 1
+        self._lru.move_to_end(slot)
+
+    def unpin(self, slot: int) -> None:
+        if self.pins[slot] > 0:
+            self.pins[slot] -= 1
+
+    def fill(self, slot: int, weights: AdapterWeights) -> None:
+        """Put `weights` into `slot`. Zeroes only what the previous occupant wrote and this
+        adapter does not overwrite; copies are non-blocking (the host tensors are pinned on
+        CUDA, and the caching host allocator keeps them alive until the copies ran)."""
+        if self.names[slot] is not None:
+            self.evictions += 1
+        rank, old = weights.spec.rank, self._footprints[slot]
+        for key in old.keys:
+            lo = rank if key in weights.tensors else 0
+            if lo < old.rank:
+                a, b = self.stacked[key[0]][key[1]]
+                a[slot, lo:old.rank].zero_()
+                b[slot, :, lo:old.rank].zero_()
+        for (layer, proj), (a, b) in weights.tensors.items():
+            sa, sb = self.stacked[layer][proj]
+            sa[slot, :rank].copy_(a, non_blocking=True)
+            sb[slot, :, :rank].copy_(b, non_blocking=True)
+        self._footprints[slot] = Footprint(rank, frozenset(weights.tensors))
+        self.scales[slot].fill_(weights.spec.scale)  # a kernel, not a host-to-device copy
+        self.names[slot] = weights.spec.name
+        self.targets[slot] = weights.spec.targets
+
+    def clear(self, slot: int) -> None:
+        """Empty an unpinned slot (its weights stay until the next fill, with scale 0)."""
+        self.names[slot] = None
+        self.targets[slot] = frozenset()
+        self.scales[slot].fill_(0.0)
