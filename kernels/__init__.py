@@ -99,10 +99,13 @@ def lora_shrink(
     lora_a: torch.Tensor,
     seg_starts: torch.Tensor,
     seg_slots: torch.Tensor,
+    max_seg_len: int | None = None,
 ) -> torch.Tensor:
-    """Per-segment ``x @ A[slot].T`` as (T, max_rank) float32; see :func:`lora_shrink_ref`."""
+    """Per-segment ``x @ A[slot].T`` as (T, max_rank) float32; see :func:`lora_shrink_ref`.
+    ``max_seg_len``, the longest segment (known on the host), sizes the Triton grid; without
+    it the grid covers T tokens per segment."""
     if use_triton(x):
-        return lora_shrink_triton(x, lora_a, seg_starts, seg_slots)
+        return lora_shrink_triton(x, lora_a, seg_starts, seg_slots, max_seg_len=max_seg_len)
     return lora_shrink_ref(x, lora_a, seg_starts, seg_slots)
 
 
@@ -113,10 +116,12 @@ def lora_expand(
     seg_slots: torch.Tensor,
     scales: torch.Tensor,
     out: torch.Tensor,
+    max_seg_len: int | None = None,
 ) -> None:
-    """In place ``out += scale * y @ B[slot].T`` per segment; see :func:`lora_expand_ref`."""
+    """In place ``out += scale * y @ B[slot].T`` per segment; see :func:`lora_expand_ref`
+    (``max_seg_len`` as in :func:`lora_shrink`)."""
     if use_triton(y):
-        lora_expand_triton(y, lora_b, seg_starts, seg_slots, scales, out)
+        lora_expand_triton(y, lora_b, seg_starts, seg_slots, scales, out, max_seg_len=max_seg_len)
     else:
         lora_expand_ref(y, lora_b, seg_starts, seg_slots, scales, out)
 

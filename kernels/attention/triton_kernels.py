@@ -23,13 +23,18 @@ import torch
 import triton
 import triton.language as tl
 
-from omnibus.kernels._tiles import next_pow2, tile
+from omnibus.kernels._tiles import dot_precision, next_pow2, tile
 
 # Decode KV partition length when split-K is chosen automatically.
 _DEFAULT_PARTITION = 512
 # Below this many (sequence, KV head) programs a GPU has idle SMs, and splitting the KV
 # length adds parallelism worth the extra reduction pass.
 _SPLIT_BELOW_PROGRAMS = 256
+# Most KV partitions of one decode sequence. CUDA-graph buckets size the block table for
+# max_model_len, so an uncapped split count follows it (256 partitions at 128k): the partial
+# buffers grow with it, and the reduce program's (BLOCK_S, BLOCK_D) float32 tile (256 x 128
+# over 4 warps) spills registers. Past the cap the partitions get longer instead.
+MAX_SPLITS = 32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,17 +122,17 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale):
+def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION: tl.constexpr):
     """One online-softmax step in float32: folds the (rows, BLOCK_N) scores of this K/V tile
     into the running max ``m_i``, denominator ``l_i`` and unnormalized output ``acc``.
     A row needs a visible key in its first tile so that m_i is finite from then on."""
-    s = tl.dot(q, k.to(q.dtype)) * scale  # (rows, BLOCK_N)
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale  # (rows, BLOCK_N)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)  # rescales what was accumulated under the old max
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -142,6 +147,7 @@ def _extend_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_btb, stride_btn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Causal attention of BLOCK_M query tokens of one sequence, one query head."""
     seq = tl.program_id(0)
@@ -185,7 +191,7 @@ def _extend_kernel(
             stride_vb, stride_vs, stride_vh, stride_vd,
         )
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]  # causal
-        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale)
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION)
 
     l_i = tl.where(l_i > 0, l_i, 1.0)  # idle tiles: avoid 0/0, nothing is stored anyway
     out = acc / l_i[:, None]
@@ -209,6 +215,7 @@ def _decode_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_btb, stride_btn,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Attention of one decode token's query heads sharing one KV head, over one partition
     of the KV positions (the whole sequence when not SPLIT)."""
@@ -248,7 +255,7 @@ def _decode_kernel(
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd,
         )
-        m_i, l_i, acc = _attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, scale)
+        m_i, l_i, acc = _attend_tile(q, k, v, n_mask[None, :], m_i, l_i, acc, scale, DOT_PRECISION)
 
     if SPLIT:
         # Partials are (B, num_splits, H[, D]) float32, contiguous.
@@ -343,6 +350,7 @@ def paged_attention_triton(
     block_d = tile(head_dim, hi=1 << 16)
     # Larger head dims get narrower KV tiles to bound the registers held per program.
     block_n = 64 if head_dim <= 128 else 32
+    precision = dot_precision(q.dtype, k_cache.dtype, v_cache.dtype)
     common = (block_size, group, head_dim)
     strides = (
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
@@ -354,7 +362,7 @@ def paged_attention_triton(
         _extend_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
             scale, *common, *strides,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
         )
 
     # The block table width bounds every sequence's length without reading seq_lens.
@@ -374,6 +382,7 @@ def paged_attention_triton(
         block_tables, query_start_loc, seq_lens,
         scale, *common, num_heads, partition, num_splits, *strides,
         BLOCK_G=tile(group, hi=1 << 16), BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=num_splits > 1,
+        DOT_PRECISION=precision,
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
@@ -385,11 +394,17 @@ def paged_attention_triton(
 
 
 def _plan_splits(num_programs: int, max_ctx: int, partition_size: int | None) -> tuple[int, int]:
-    """(number of KV partitions, partition length) for the decode kernel."""
+    """(number of KV partitions, partition length) for the decode kernel; at most
+    MAX_SPLITS partitions."""
     if partition_size is not None:
         if partition_size < 1:
             raise ValueError(f"partition_size must be positive, got {partition_size}")
-        return triton.cdiv(max_ctx, partition_size), partition_size
-    if num_programs < _SPLIT_BELOW_PROGRAMS and max_ctx > 2 * _DEFAULT_PARTITION:
-        return triton.cdiv(max_ctx, _DEFAULT_PARTITION), _DEFAULT_PARTITION
-    return 1, max_ctx
+    elif num_programs < _SPLIT_BELOW_PROGRAMS and max_ctx > 2 * _DEFAULT_PARTITION:
+        partition_size = _DEFAULT_PARTITION
+    else:
+        return 1, max_ctx
+    num_splits = triton.cdiv(max_ctx, partition_size)
+    if num_splits > MAX_SPLITS:
+        partition_size = triton.cdiv(max_ctx, MAX_SPLITS)
+        num_splits = triton.cdiv(max_ctx, partition_size)
+    return num_splits, partition_size

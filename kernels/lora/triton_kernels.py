@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omnibus.kernels._tiles import tile
+from omnibus.kernels._tiles import dot_precision, tile
 
 _BLOCK_M = 16
 
@@ -25,6 +25,7 @@ def _shrink_kernel(
     stride_as, stride_ar, stride_ak,
     stride_ot, stride_or,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """out[rows, r-tile] = x[rows] @ A[slot, r-tile].T, or zeros for slot -1."""
     seg = tl.program_id(0)
@@ -55,7 +56,7 @@ def _shrink_kernel(
             a_base + offs_r[None, :] * stride_ar + kk[:, None] * stride_ak,
             mask=r_mask[None, :] & k_mask[:, None], other=0.0,
         )  # (BLOCK_K, BLOCK_R): A[slot] transposed
-        acc += tl.dot(x, a.to(x.dtype))
+        acc += tl.dot(x, a.to(x.dtype), input_precision=DOT_PRECISION)
     tl.store(
         out_ptr + rows[:, None] * stride_ot + offs_r[None, :] * stride_or,
         acc.to(out_ptr.dtype.element_ty),
@@ -71,6 +72,7 @@ def _expand_kernel(
     stride_bs, stride_bn, stride_br,
     stride_ot, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """out[rows, n-tile] += scale[slot] * y[rows] @ B[slot, n-tile].T; nothing for slot -1.
     The whole (padded) rank is one reduction tile."""
@@ -80,32 +82,34 @@ def _expand_kernel(
     start = tl.load(seg_starts_ptr + seg)
     end = tl.load(seg_starts_ptr + seg + 1)
     slot = tl.load(seg_slots_ptr + seg)
-    slot_or_0 = tl.maximum(slot, 0).to(tl.int64)
+    first = start + m_block * BLOCK_M
+    # Tiles past their segment's end, and segments without adapter, exit after three scalar
+    # loads: the grid is sized for the longest segment, so most tiles of a batch of many
+    # short segments are such tiles.
+    if (slot >= 0) & (first < end):
+        slot_or_0 = slot.to(tl.int64)
+        rows = first + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+        row_mask = rows < end
+        offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < out_dim
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
 
-    rows = start + m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    # Slot -1 rows get no update. (Scalar conditions are folded into the bound: a
-    # `tensor & scalar` mask breaks the Triton interpreter.)
-    row_mask = rows < tl.where(slot >= 0, end, 0)
-    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < out_dim
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
+        y = tl.load(
+            y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr,
+            mask=row_mask[:, None] & r_mask[None, :], other=0.0,
+        )  # (BLOCK_M, BLOCK_R)
+        b = tl.load(
+            b_ptr + slot_or_0 * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
+            mask=r_mask[:, None] & n_mask[None, :], other=0.0,
+        )  # (BLOCK_R, BLOCK_N): B[slot] transposed
+        scale = tl.load(scales_ptr + slot_or_0).to(tl.float32)
+        delta = tl.dot(y.to(b.dtype), b, input_precision=DOT_PRECISION) * scale  # (BLOCK_M, BLOCK_N)
 
-    y = tl.load(
-        y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr,
-        mask=row_mask[:, None] & r_mask[None, :], other=0.0,
-    )  # (BLOCK_M, BLOCK_R)
-    b = tl.load(
-        b_ptr + slot_or_0 * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None] * stride_br,
-        mask=r_mask[:, None] & n_mask[None, :], other=0.0,
-    )  # (BLOCK_R, BLOCK_N): B[slot] transposed
-    scale = tl.load(scales_ptr + slot_or_0).to(tl.float32)
-    delta = tl.dot(y.to(b.dtype), b) * scale  # (BLOCK_M, BLOCK_N)
-
-    mask = row_mask[:, None] & n_mask[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
-    prev = tl.load(out_ptrs, mask=mask, other=0.0)
-    tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)
+        mask = row_mask[:, None] & n_mask[None, :]
+        out_ptrs = out_ptr + rows[:, None] * stride_ot + offs_n[None, :] * stride_on
+        prev = tl.load(out_ptrs, mask=mask, other=0.0)
+        tl.store(out_ptrs, (prev.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def shrink(
@@ -132,6 +136,7 @@ def shrink(
         x, lora_a, out, seg_starts, seg_slots, in_dim, rank,
         *x.stride(), *lora_a.stride(), *out.stride(),
         BLOCK_M=_BLOCK_M, BLOCK_R=block_r, BLOCK_K=tile(in_dim, hi=128),
+        DOT_PRECISION=dot_precision(x.dtype),
     )
     return out
 
@@ -158,4 +163,5 @@ def expand(
         y, lora_b, out, scales, seg_starts, seg_slots, out_dim, rank,
         *y.stride(), *lora_b.stride(), *out.stride(),
         BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_R=tile(rank, hi=1 << 16),
+        DOT_PRECISION=dot_precision(lora_b.dtype),
     )

@@ -281,3 +281,38 @@ def test_dispatch_forced_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     out = kernels.paged_attention(*args, b.max_query_len)
     assert calls == ["triton"]
     assert rel_err(out, ref) < 1e-4
+
+
+@needs_triton
+def test_split_count_is_capped() -> None:
+    """A CUDA-graph bucket's block table spans max_model_len: at 128k and a few programs the
+    decode split-K used 256 partitions of 512; it is capped at MAX_SPLITS longer ones
+    (issue #17, defect 6)."""
+    from omnibus.kernels.attention.triton_kernels import MAX_SPLITS, _plan_splits
+
+    assert MAX_SPLITS == 32
+    assert _plan_splits(8, 131072, None) == (32, 4096)
+    assert _plan_splits(8, 8192, None) == (16, 512)  # under the cap: unchanged
+    assert _plan_splits(8, 1000, 16) == (32, 32)  # a forced partition is lengthened too
+    assert _plan_splits(512, 131072, None) == (1, 131072)  # enough programs: no split
+
+
+@needs_triton
+def test_triton_split_k_reduces_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Partition 8 over a 600-position table would be 75 partitions: the kernel runs 32 of
+    19 positions, the reduction merges all 32 (sequences spanning every partition, and one
+    ending in the middle), and the output matches the reference."""
+    from omnibus.kernels.attention import triton_kernels as attention_triton
+    from tests.kernels.launches import record_launches
+
+    decodes = record_launches(monkeypatch, attention_triton, "_decode_kernel")
+    reduces = record_launches(monkeypatch, attention_triton, "_reduce_kernel")
+    b = make_batch([(1, 600), (1, 333)], 2, 16, 8, seed=17)
+    ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc,
+                              b.seq_lens, b.scale)
+    out = attention_triton.paged_attention_triton(
+        b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc, b.seq_lens, b.scale, 1,
+        partition_size=8)
+    assert [launch.grid for launch in decodes] == [(2, NUM_KV_HEADS, 32)]
+    assert [(launch.grid, launch.kwargs["BLOCK_S"]) for launch in reduces] == [((2, 4), 32)]
+    assert rel_err(out, ref) < 1e-4

@@ -158,3 +158,30 @@ def test_dispatch_forced_triton(monkeypatch: pytest.MonkeyPatch) -> None:
         out = torch.zeros(b.x.shape[0], OUT_DIM)
         kernels.lora_expand(y, b.lora_b, b.seg_starts, b.seg_slots, b.scales, out)
         assert rel_err(out, loop_expand(b, y, torch.zeros_like(out))) < 1e-5
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_grid_sized_by_longest_segment_and_idle_tiles_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dispatchers forward max_seg_len: the grid's token-tile axis covers the longest
+    segment (18 tokens: 2 tiles of 16), not all 38 tokens (3 tiles); and expand tiles past
+    their segment's end or without adapter exit before their dot (issue #17, defect 3)."""
+    from omnibus import kernels
+    from omnibus.kernels.lora import triton_kernels as lora_triton
+    from tests.kernels.launches import count_dots, record_launches
+
+    monkeypatch.setenv("OMNIBUS_FORCE_TRITON", "1")
+    b = make_lora_batch([2, 5, 8], 8, seed=11)
+    longest = max(n for n, _ in SEGMENTS)
+    shrinks = record_launches(monkeypatch, lora_triton, "_shrink_kernel")
+    expands = record_launches(monkeypatch, lora_triton, "_expand_kernel")
+    y = kernels.lora_shrink(b.x, b.lora_a, b.seg_starts, b.seg_slots, max_seg_len=longest)
+    out = torch.zeros(b.x.shape[0], OUT_DIM)
+    dots = count_dots(monkeypatch)
+    kernels.lora_expand(y, b.lora_b, b.seg_starts, b.seg_slots, b.scales, out, max_seg_len=longest)
+    # (segments, token tiles, N tiles of 64 over 80 columns); rank 8 is one reduction tile
+    assert [launch.grid for launch in expands] == [(len(SEGMENTS), 2, 2)]
+    assert [launch.grid[:2] for launch in shrinks] == [(len(SEGMENTS), 2)]
+    # Only tiles holding adapter tokens compute: one per adapter segment, two for the
+    # 18-token one, times 2 N tiles: 7 * 2 of the 32 programs.
+    assert dots[0] == 14
+    assert rel_err(out, loop_expand(b, y, torch.zeros_like(out))) < 1e-5
