@@ -26,6 +26,7 @@ class LoraBatch:
         dev = slots.device
         self.seg_starts = to_device(starts, torch.int32, dev)
         self.seg_slots = to_device(seg_slots, torch.int32, dev)
+        self.max_seg_len = max(b - a for a, b in zip(starts, starts[1:]))  # sizes the kernels' grid
         # Only projections some adapter in this batch targets cost anything.
         active = frozenset().union(*(slots.targets[s] for s in set(seg_slots) if s >= 0))
         self.columns = {fused: [c for c in cols if c[0] in active] for fused, cols in slots.columns.items()}
@@ -35,5 +36,5 @@ class LoraBatch:
         stacked = self.slots.stacked[layer]
         for proj, lo, hi in self.columns[fused]:
             a, b = stacked[proj]
-            y = lora_shrink(x, a, self.seg_starts, self.seg_slots)  # (T, r) float32
-            lora_expand(y, b, self.seg_starts, self.seg_slots, self.slots.scales, out[:, lo:hi])
+            y = lora_shrink(x, a, self.seg_starts, self.seg_slots, self.max_seg_len)  # (T, r) float32
+            lora_expand(y, b, self.seg_starts, self.seg_slots, self.slots.scales, out[:, lo:hi], self.max_seg_len)
