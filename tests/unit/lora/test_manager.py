@@ -1,0 +1,74 @@
+"""LoraManager's interface on the CPU: the admission gate, pins, the adapter RPCs' policy."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from omnibus.engine.lora import (
+    AdapterError, AdapterLoadError, AdapterStateError, LoraConfig, LoraManager, UnknownAdapterError)
+from tests.unit.lora.conftest import MAX_RANK
+
+
+@pytest.fixture
+def manager(model):
+    cfg, root = model
+    m = LoraManager(LoraConfig(root, max_loras=1, max_cpu_loras=2, max_lora_rank=MAX_RANK),
+                    cfg, torch.float32, torch.device("cpu"))
+    yield m
+    m.shutdown()
+
+
+def settle(step, timeout=30.0):
+    """Poll `step()` until it returns something other than None / a waiting gate."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        result = step()
+        if result is not None and getattr(result, "state", None) != "wait":
+            return result
+        time.sleep(0.002)
+    raise AssertionError("timed out")
+
+
+def test_gate_waits_for_the_load_then_pins_the_slot(manager):
+    assert manager.prefetch("qv-r2").startswith("qv-r2@")
+    gate = settle(lambda: manager.gate("qv-r2"))
+    assert (gate.state, gate.slot) == ("ready", 0)
+    assert manager.inventory().running == 1
+    # the only slot is pinned: another adapter waits, whatever its load state
+    settle(lambda: manager.ready("k-r2") or None)
+    assert manager.gate("k-r2").state == "wait"
+    with pytest.raises(AdapterStateError, match="in use by 1 running sequence;"):
+        manager.unload("qv-r2")
+    manager.release("qv-r2")
+    assert manager.gate("k-r2").slot == 0  # the unpinned slot is refilled
+    inv = manager.inventory()
+    assert (inv.resident, inv.cached, inv.running) == (("k-r2",), ("k-r2", "qv-r2"), 1)
+    assert (manager.stats().loads, manager.stats().evictions) == (2, 1)
+
+
+def test_load_place_unload(manager):
+    assert manager.load("mlp-r4") is False  # read from disk
+    assert settle(lambda: manager.place("mlp-r4")) is True
+    assert manager.load("mlp-r4") is True  # in host memory already
+    assert manager.unload("mlp-r4") is True
+    assert manager.inventory().cached == ()
+    assert manager.unload("mlp-r4") is False  # on disk, not loaded
+    with pytest.raises(UnknownAdapterError):
+        manager.unload("never-there")
+    with pytest.raises(AdapterError):
+        manager.unload("../escape")
+    assert "all-r8" in manager.available()
+
+
+def test_a_failed_read_is_the_gates_error_until_a_new_request_retries(manager):
+    gate = settle(lambda: manager.gate("broken"))
+    assert gate.state == "error"
+    assert gate.error.startswith("adapter 'broken' failed to load: adapter 'broken' does not fit")
+    with pytest.raises(AdapterLoadError, match="failed to load") as info:
+        manager.ready("broken")
+    assert info.value.reason.startswith("adapter 'broken' does not fit this base model")
+    manager.prefetch("broken")  # a new request reads it again, and fails again
+    assert settle(lambda: manager.gate("broken")).error == gate.error
