@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="engines",
         action="append",
         required=True,
-        metavar="HOST:PORT",
-        help="an engine worker; repeat for several",
+        metavar="HOST:PORT|dns:///NAME:PORT",
+        help="an engine worker, or a DNS name resolving to every engine (re-resolved; "
+        "each address its own engine); repeat for several",
     )
     p.add_argument("--model", required=True, help="model directory (tokenizer.json, config.json)")
     p.add_argument(
@@ -83,6 +84,26 @@ def _auth_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="default tenant budget of prompt + max_tokens per minute; 0: none",
+    )
+    g.add_argument(
+        "--limits-store",
+        default=_DEFAULTS["limits_store"],
+        metavar="redis://HOST:PORT/DB",
+        help="count tenant caps and budgets in Redis, shared by every router; "
+        "default: in this router's memory",
+    )
+    g.add_argument(
+        "--limits-store-failure",
+        default=_DEFAULTS["limits_store_failure"],
+        choices=["open", "closed"],
+        help="when the store is unreachable: open = fall back to this router's own "
+        "in-memory limits, closed = refuse requests with UNAVAILABLE",
+    )
+    g.add_argument(
+        "--limits-store-lease-seconds",
+        type=float,
+        default=_DEFAULTS["limits_store_lease_seconds"],
+        help="a router renews its requests' leases; a crashed router's stop counting after this",
     )
 
 
@@ -143,6 +164,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--engine-report-interval-ms", type=int, default=_DEFAULTS["engine_report_interval_ms"]
+    )
+    g.add_argument(
+        "--engine-resolve-seconds",
+        type=float,
+        default=_DEFAULTS["engine_resolve_seconds"],
+        help="how often dns:/// engine names are re-resolved (also soon after an engine fails)",
     )
     g.add_argument(
         "--engine-stale-seconds",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -30,11 +31,55 @@ class TenantLimits:
 
 
 @dataclass(frozen=True)
+class EngineTarget:
+    """One --engine value: a fixed `host:port`, or a DNS name that resolves to every
+    engine (`dns:///NAME:PORT`, gRPC's naming syntax; `dns://DNS_HOST:DNS_PORT/NAME:PORT`
+    asks that DNS server instead of the system resolver)."""
+
+    host: str
+    port: int
+    dns: bool = False  # re-resolved while the router runs; each address its own engine
+    dns_server: tuple[str, int] | None = None  # None: the system resolver (getaddrinfo)
+
+    @classmethod
+    def parse(cls, text: str) -> EngineTarget:
+        """Raises ValueError naming the accepted forms."""
+        if not text.startswith("dns:"):
+            host, port = _host_port(text)
+            return cls(host, port)
+        parts = urlsplit(text)
+        name = parts.path.lstrip("/") if parts.netloc or text.startswith("dns:/") else parts.path
+        host, port = _host_port(name)
+        server = None
+        if parts.netloc:
+            server = (parts.hostname or "", parts.port or 53)
+        return cls(host, port, dns=True, dns_server=server)
+
+    def __str__(self) -> str:
+        if not self.dns:
+            return f"{self.host}:{self.port}"
+        server = f"{self.dns_server[0]}:{self.dns_server[1]}" if self.dns_server else ""
+        return f"dns://{server}/{self.host}:{self.port}"
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(
+            f"engine address must be host:port or dns:///name:port, got {address!r}"
+        )
+    return host, int(port)
+
+
+LIMITS_STORE_FAILURE = ("open", "closed")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything `omnibus-router serve` is started with."""
 
     model: str  # HF model directory: tokenizer.json and config.json (limits)
-    engines: tuple[str, ...]  # engine worker addresses, host:port
+    engines: tuple[str, ...]  # engine targets: host:port or dns:///name:port (EngineTarget)
     host: str = "127.0.0.1"
     port: int = 50051
     model_name: str = ""  # public model id; "" = the model directory's name
@@ -60,16 +105,35 @@ class RouterConfig:
     max_inflight_per_engine: int = 0  # 0: the engine's reported max_num_seqs + 1/8 (a short engine queue)
     engine_report_interval_ms: int = 50
     engine_stale_seconds: float = 5.0  # no load report for this long: engine unhealthy
+    engine_resolve_seconds: float = 5.0  # dns:/// targets are re-resolved this often
     engine_retry_initial_seconds: float = 0.2  # reconnect backoff, doubling up to the max
     engine_retry_max_seconds: float = 2.0
     max_engine_attempts: int = 3  # tries of a request whose engine failed before any token
     drain_seconds: float = 10.0  # SIGTERM: how long in-flight streams may take to finish
+    # Tenant limits shared by every router: "" keeps them in this router's memory;
+    # redis://host:port/db counts them in Redis (router/admission/store.py).
+    limits_store: str = ""
+    limits_store_failure: str = "open"  # store unreachable: "open" = this router's own
+    # in-memory limits, "closed" = refuse requests (UNAVAILABLE)
+    limits_store_lease_seconds: float = 15.0  # a crashed router's requests stop counting after
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         _check(bool(self.engines), "engines", "at least one host:port", self.engines)
         for address in self.engines:
-            _check(_is_host_port(address), "engine address", "host:port", address)
+            EngineTarget.parse(address)  # raises ValueError on a malformed address
+        _check(
+            self.limits_store == "" or urlsplit(self.limits_store).scheme in ("redis", "rediss"),
+            "limits_store",
+            "empty (in memory) or a redis:// URL",
+            self.limits_store,
+        )
+        _check(
+            self.limits_store_failure in LIMITS_STORE_FAILURE,
+            "limits_store_failure",
+            " or ".join(LIMITS_STORE_FAILURE),
+            self.limits_store_failure,
+        )
         _check(0 <= self.port < 65536, "port", "in [0, 65535]", self.port)
         _check(0 <= self.metrics_port < 65536, "metrics_port", "in [0, 65535]", self.metrics_port)
         _check(
@@ -94,6 +158,8 @@ class RouterConfig:
             "max_queue_seconds": self.max_queue_seconds,
             "engine_report_interval_ms": self.engine_report_interval_ms,
             "engine_stale_seconds": self.engine_stale_seconds,
+            "engine_resolve_seconds": self.engine_resolve_seconds,
+            "limits_store_lease_seconds": self.limits_store_lease_seconds,
             "engine_retry_initial_seconds": self.engine_retry_initial_seconds,
             "max_engine_attempts": self.max_engine_attempts,
         }
@@ -115,7 +181,3 @@ class RouterConfig:
             self.engine_retry_max_seconds,
         )
 
-
-def _is_host_port(address: str) -> bool:
-    host, sep, port = address.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)

@@ -135,7 +135,7 @@ async def main(args: argparse.Namespace) -> None:
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServicer_to_server(fake, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    server.add_insecure_port(f"127.0.0.1:{args.port}")
+    server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
     await fake.run()
 
@@ -143,6 +143,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1", help="e.g. 127.0.0.2: one of several")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--num-blocks", type=int, default=256)

@@ -1,6 +1,9 @@
 """Admission control: per-tenant concurrency caps and token-rate budgets, and the
 global caps on what may wait in the queue. Every refusal is RESOURCE_EXHAUSTED with a
-message that names the limit."""
+message that names the limit.
+
+Tenant limits are counted in this router's memory, or, with a shared store
+(router/admission/store.py, --limits-store), once for every router."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -61,8 +65,24 @@ class _TenantUsage:
     bucket: TokenBucket | None = None
 
 
-class Permit:
-    """An admitted request's hold on its tenant's limits; release() exactly once."""
+class Permit(Protocol):
+    """An admitted request's hold on its tenant's limits."""
+
+    def release(self, used_tokens: int) -> None:
+        """Frees the concurrency slot and refunds the charged tokens beyond `used_tokens`;
+        calls after the first do nothing."""
+
+
+class SharedLimits(Protocol):
+    """Tenant limits counted for every router (router/admission/store.py)."""
+
+    async def acquire(self, tenant: Tenant, cost: int) -> Permit | None:
+        """A permit, or RequestError(RESOURCE_EXHAUSTED) over a limit; None when the
+        store is unreachable and the router should fall back to its own limits."""
+
+
+class LocalPermit:
+    """A hold on this router's in-memory counts."""
 
     def __init__(self, usage: _TenantUsage, charged: int) -> None:
         self._usage = usage
@@ -83,34 +103,51 @@ class Admission:
     """Decides whether a request may enter the queue."""
 
     def __init__(
-        self, max_queued_requests: int, max_queued_tokens: int, clock: Clock = time.monotonic
+        self,
+        max_queued_requests: int,
+        max_queued_tokens: int,
+        clock: Clock = time.monotonic,
+        shared: SharedLimits | None = None,
     ) -> None:
         self._max_requests = max_queued_requests
         self._max_tokens = max_queued_tokens
         self._clock = clock
         self._tenants: dict[str, _TenantUsage] = {}
+        self._shared = shared
 
     def active(self, tenant: str) -> int:
         """Requests the tenant has admitted and not released."""
         usage = self._tenants.get(tenant)
         return usage.active if usage else 0
 
-    def admit(self, tenant: Tenant, cost: int, queued_requests: int, queued_tokens: int) -> Permit:
+    async def admit(
+        self, tenant: Tenant, cost: int, queued_requests: int, queued_tokens: int
+    ) -> Permit:
         """Admits a request costing `cost` tokens (prompt + max_tokens) given what is
-        queued now, or raises RequestError(RESOURCE_EXHAUSTED)."""
+        queued now, or raises RequestError (RESOURCE_EXHAUSTED over a limit; UNAVAILABLE
+        when the shared store is down and the router fails closed)."""
+        if self._shared is not None:
+            self._check_queue(cost, queued_requests, queued_tokens)
+            permit = await self._shared.acquire(tenant, cost)
+            if permit is not None:
+                return permit
+        return self.admit_local(tenant, cost, queued_requests, queued_tokens)
+
+    def admit_local(
+        self, tenant: Tenant, cost: int, queued_requests: int, queued_tokens: int
+    ) -> LocalPermit:
+        """`admit` counting in this router's memory only."""
         usage = self._usage(tenant)
         limit = tenant.limits.max_concurrent
         if limit and usage.active >= limit:
-            raise _exhausted(
-                f"tenant {tenant.name!r} has reached its limit of {limit} concurrent requests; "
-                "retry when one of them has finished",
-                "tenant_concurrency",
-            )
+            raise concurrency_refusal(tenant)
         self._check_queue(cost, queued_requests, queued_tokens)
         if usage.bucket is not None:
-            self._charge(tenant, usage.bucket, cost)
+            wait = usage.bucket.take(cost)
+            if wait:
+                raise budget_refusal(tenant, cost, wait, usage.bucket.level)
         usage.active += 1
-        return Permit(usage, cost)
+        return LocalPermit(usage, cost)
 
     def _check_queue(self, cost: int, queued_requests: int, queued_tokens: int) -> None:
         if queued_requests >= self._max_requests:
@@ -127,24 +164,6 @@ class Admission:
                 "overloaded",
             )
 
-    def _charge(self, tenant: Tenant, bucket: TokenBucket, cost: int) -> None:
-        wait = bucket.take(cost)
-        if wait == 0.0:
-            return
-        budget = tenant.limits.tokens_per_minute
-        if math.isinf(wait):
-            raise _exhausted(
-                f"this request needs {cost} tokens (prompt + max_tokens) but tenant "
-                f"{tenant.name!r} has a budget of {budget} tokens per minute; lower max_tokens",
-                "tenant_budget",
-            )
-        raise _exhausted(
-            f"tenant {tenant.name!r} is over its budget of {budget} tokens per minute "
-            f"(this request needs {cost}, {int(bucket.level)} are left); "
-            f"retry in {math.ceil(wait)} s",
-            "tenant_budget",
-        )
-
     def _usage(self, tenant: Tenant) -> _TenantUsage:
         usage = self._tenants.get(tenant.name)
         if usage is None:
@@ -152,6 +171,31 @@ class Admission:
             bucket = TokenBucket(per_minute, self._clock) if per_minute else None
             usage = self._tenants[tenant.name] = _TenantUsage(bucket=bucket)
         return usage
+
+
+def concurrency_refusal(tenant: Tenant) -> RequestError:
+    return _exhausted(
+        f"tenant {tenant.name!r} has reached its limit of {tenant.limits.max_concurrent} "
+        "concurrent requests; retry when one of them has finished",
+        "tenant_concurrency",
+    )
+
+
+def budget_refusal(tenant: Tenant, cost: int, wait: float, level: float) -> RequestError:
+    """The tenant's budget has `level` tokens and `cost` fits in `wait` seconds (inf: never)."""
+    budget = tenant.limits.tokens_per_minute
+    if math.isinf(wait):
+        return _exhausted(
+            f"this request needs {cost} tokens (prompt + max_tokens) but tenant "
+            f"{tenant.name!r} has a budget of {budget} tokens per minute; lower max_tokens",
+            "tenant_budget",
+        )
+    return _exhausted(
+        f"tenant {tenant.name!r} is over its budget of {budget} tokens per minute "
+        f"(this request needs {cost}, {int(level)} are left); "
+        f"retry in {math.ceil(wait)} s",
+        "tenant_budget",
+    )
 
 
 def _exhausted(message: str, reason: str) -> RequestError:

@@ -44,10 +44,19 @@ def _channel_options(config: RouterConfig) -> list[tuple[str, int]]:
 class EngineClient:
     """One engine: its channel, its latest load report, and this router's requests on it."""
 
-    def __init__(self, address: str, config: RouterConfig, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        address: str,
+        config: RouterConfig,
+        on_change: Callable[[], None],
+        on_failure: Callable[[], None] | None = None,
+    ) -> None:
         self.address = address
         self._config = config
         self._on_change = on_change  # called whenever room may have appeared or gone
+        self._on_failure = on_failure  # called when the engine stops answering
+        self.retiring = False  # gone from discovery: finishes its requests, takes no new ones
+        self._idle = asyncio.Event()  # set while retiring with nothing in flight
         self._channel = grpc.aio.insecure_channel(address, options=_channel_options(config))
         self.stub = engine_pb2_grpc.EngineStub(self._channel)
         self.report: engine_pb2.LoadReport | None = None
@@ -82,8 +91,13 @@ class EngineClient:
 
     @property
     def accepting(self) -> bool:
-        """Reporting load and not draining: the engine takes new requests."""
-        return self.healthy and self.report is not None and not self.report.draining
+        """Reporting load, not draining, not retiring: the engine takes new requests."""
+        return (
+            self.healthy
+            and not self.retiring
+            and self.report is not None
+            and not self.report.draining
+        )
 
     def room(self) -> int:
         """How many more requests the engine should get now (0 unless accepting)."""
@@ -110,6 +124,8 @@ class EngineClient:
             self._adapter_inflight[adapter] -= 1
             if not self._adapter_inflight[adapter]:
                 del self._adapter_inflight[adapter]
+        if self.retiring and not self.inflight:
+            self._idle.set()
         self._on_change()
 
     # ---- adapters ------------------------------------------------------------
@@ -136,11 +152,21 @@ class EngineClient:
     def start(self) -> None:
         self._task = asyncio.create_task(self._watch(), name=f"watch-{self.address}")
 
-    async def close(self) -> None:
+    async def retire(self) -> None:
+        """Takes no new requests and returns once the ones in flight have ended (each
+        ends by itself: it finishes, hits its deadline, or the engine's drain ends it)."""
+        self.retiring = True
+        self._on_change()
+        if self.inflight:
+            self._idle.clear()
+            await self._idle.wait()
+
+    async def close(self, grace: float | None = None) -> None:
+        """Stops watching; calls still open get `grace` seconds (None: cancelled now)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await self._channel.close()
+        await self._channel.close(grace)
 
     async def _watch(self) -> None:
         while True:
@@ -180,6 +206,8 @@ class EngineClient:
         if healthy != self.healthy:
             event = "engine_healthy" if healthy else "engine_unhealthy"
             log.info(event, engine=self.address, reason=reason)
+            if not healthy and self._on_failure is not None:
+                self._on_failure()
         self.healthy = healthy
         self._on_change()
 

@@ -26,11 +26,13 @@ from tokenizers import Tokenizer
 
 from omnibus.router.dispatch.adapters import ADAPTER_HEADER, check_adapter_name
 from omnibus.router.service.admin import AdminService
-from omnibus.router.admission.limits import Admission, Permit
+from omnibus.router.admission.limits import Permit
+from omnibus.router.admission.store import admission_for
 from omnibus.router.admission.auth import KeyStore, Tenant
 from omnibus.common.grpc_server import Service, build_server, set_health, wait_for_signal
 from omnibus.router.config import RouterConfig
 from omnibus.router.text.detokenizer import IncrementalDetokenizer, byte_fallback_ids, special_ids
+from omnibus.router.dispatch.discovery import EngineDiscovery
 from omnibus.router.dispatch.dispatcher import Dispatcher, Ticket
 from omnibus.router.dispatch.engines import EngineClient, available_adapters
 from omnibus.router.service.errors import RequestError, invalid
@@ -88,7 +90,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self._special_ids = special_ids(tokenizer)
         self._keys = keys
         self._validator = Validator(config, limits, tokenizer)
-        self._admission = Admission(config.max_queued_requests, config.max_queued_tokens)
+        self._admission = admission_for(config, metrics.registry)
         self._dispatcher = dispatcher
         self._engines = engines
         self._metrics = metrics
@@ -150,12 +152,12 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
             if next((v for k, v in metadata if k == ADAPTER_HEADER), ""):
                 raise invalid("embeddings come from the base model: leave x-adapter-id empty")
             inputs = await self._validator.embed_inputs(request)
-            engines = [e for e in self._engines if e.healthy and not (e.report and e.report.draining)]
+            engines = [e for e in self._engines if e.accepting]
             if not engines:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                    "no engine worker is available; retry later", "no_engine")
             tokens = sum(map(len, inputs))
-            permit = self._admission.admit(tenant, tokens, 0, 0)  # tenant caps and budgets
+            permit = await self._admission.admit(tenant, tokens, 0, 0)  # tenant caps and budgets
         except RequestError as err:
             await self._refuse(context, err, request_id)
         engine = min(engines, key=lambda e: e.load)
@@ -211,7 +213,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                 "unknown_adapter",
             )
         queue = self._dispatcher.queue
-        permit = self._admission.admit(tenant, valid.cost, len(queue), queue.tokens)
+        permit = await self._admission.admit(tenant, valid.cost, len(queue), queue.tokens)
         if adapter:
             self._metrics.adapter_requests.labels(adapter).inc()
         return _Job(valid, tenant, adapter, permit, arrival)
@@ -487,7 +489,7 @@ async def serve(config: RouterConfig) -> None:
         dispatcher.notify()
         tracker.update()
 
-    engines.extend(EngineClient(address, config, on_engine_change) for address in config.engines)
+    discovery = EngineDiscovery(config, engines, on_engine_change)
     metrics = RouterMetrics(queue, engines)
     service = InferenceService(config, limits, tokenizer, keys, dispatcher, engines, metrics)
     admin = AdminService(keys, engines)
@@ -495,8 +497,7 @@ async def serve(config: RouterConfig) -> None:
     await tracker.start()
     await server.start()
     dispatcher.start()
-    for engine in engines:
-        engine.start()
+    discovery.start()
     if config.metrics_port:
         metrics.serve(config.metrics_port)
     log.info(
@@ -514,7 +515,7 @@ async def serve(config: RouterConfig) -> None:
     tracker.update()
     await server.stop(config.drain_seconds)
     await dispatcher.close()
-    await asyncio.gather(*(e.close() for e in engines))
+    await discovery.close()
     log.info("router_stopped")
 
 

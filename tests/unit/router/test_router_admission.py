@@ -39,28 +39,28 @@ def test_token_bucket_refills_at_the_per_minute_rate_up_to_capacity():
 def test_tenant_concurrency_cap_names_the_tenant_and_limit_and_frees_on_release():
     admission = Admission(max_queued_requests=100, max_queued_tokens=10_000)
     alice = Tenant("alice", TenantLimits(max_concurrent=2))
-    first = admission.admit(alice, 10, 0, 0)
-    admission.admit(alice, 10, 0, 0)
+    first = admission.admit_local(alice, 10, 0, 0)
+    admission.admit_local(alice, 10, 0, 0)
     with pytest.raises(RequestError) as err:
-        admission.admit(alice, 10, 0, 0)
+        admission.admit_local(alice, 10, 0, 0)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert err.value.reason == "tenant_concurrency"
     assert "tenant 'alice' has reached its limit of 2 concurrent requests" in err.value.message
     first.release(used_tokens=10)
     first.release(used_tokens=10)  # idempotent
     assert admission.active("alice") == 1
-    admission.admit(alice, 10, 0, 0)
+    admission.admit_local(alice, 10, 0, 0)
     # Another tenant is not affected by alice's cap.
-    admission.admit(Tenant("bob", TenantLimits(max_concurrent=1)), 10, 0, 0)
+    admission.admit_local(Tenant("bob", TenantLimits(max_concurrent=1)), 10, 0, 0)
 
 
 def test_token_budget_refuses_with_retry_time_and_refunds_unused_tokens():
     clock = FakeClock()
     admission = Admission(100, 10_000, clock)
     bob = Tenant("bob", TenantLimits(tokens_per_minute=600))  # 10 per second
-    permit = admission.admit(bob, 500, 0, 0)
+    permit = admission.admit_local(bob, 500, 0, 0)
     with pytest.raises(RequestError) as err:
-        admission.admit(bob, 200, 0, 0)
+        admission.admit_local(bob, 200, 0, 0)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert err.value.reason == "tenant_budget"
     assert err.value.message == (
@@ -68,24 +68,24 @@ def test_token_budget_refuses_with_retry_time_and_refunds_unused_tokens():
         "(this request needs 200, 100 are left); retry in 10 s"
     )
     permit.release(used_tokens=300)  # 200 of the 500 charged were not used
-    admission.admit(bob, 200, 0, 0)
+    admission.admit_local(bob, 200, 0, 0)
     with pytest.raises(RequestError, match="needs 601 tokens .* budget of 600 tokens per minute"):
-        admission.admit(bob, 601, 0, 0)
+        admission.admit_local(bob, 601, 0, 0)
 
 
 def test_queue_caps_say_server_overloaded():
     admission = Admission(max_queued_requests=3, max_queued_tokens=1000)
     anyone = Tenant("default")
     with pytest.raises(RequestError) as err:
-        admission.admit(anyone, 10, queued_requests=3, queued_tokens=30)
+        admission.admit_local(anyone, 10, queued_requests=3, queued_tokens=30)
     assert (err.value.code, err.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded")
     assert err.value.message.startswith("server overloaded, retry later")
     with pytest.raises(
         RequestError, match="server overloaded, retry later .*900 tokens are queued"
     ):
-        admission.admit(anyone, 101, queued_requests=1, queued_tokens=900)
-    admission.admit(anyone, 100, queued_requests=1, queued_tokens=900)
-    admission.admit(
+        admission.admit_local(anyone, 101, queued_requests=1, queued_tokens=900)
+    admission.admit_local(anyone, 100, queued_requests=1, queued_tokens=900)
+    admission.admit_local(
         anyone, 5000, queued_requests=0, queued_tokens=0
     )  # an empty queue takes anything
     assert admission.active("default") == 2
