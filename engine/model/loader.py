@@ -73,7 +73,9 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
     """The model with uninitialized weights, allocated once on `device`."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_len)
-    model = model.to_empty(device=device).to(dtype)
+    # dtype first, on meta (free): materializing in float32 and converting after would
+    # transiently hold the whole model in float32 on the device (32 GB at 8B).
+    model = model.to(dtype).to_empty(device=device)
     model.rope = type(model.rope)(cfg, max_len).to(device)  # buffers are computed, not loaded
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

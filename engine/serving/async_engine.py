@@ -23,6 +23,7 @@ from omnibus.engine.serving.batcher import BatcherConfig, DynamicBatcher
 from omnibus.engine.engine import Engine, EngineStats
 from omnibus.engine.lora import AdapterInventory, AdapterLoadError, AdapterStateError, UnknownAdapterError
 from omnibus.engine.worker.sampling import SamplingParams
+from omnibus.engine.worker.model_runner import bind_device
 from omnibus.engine.core.sequence import RequestOutput
 
 log = structlog.get_logger(__name__)
@@ -217,6 +218,7 @@ class AsyncEngine:
     # ---- the step thread -----------------------------------------------------
 
     def _run(self) -> None:
+        bind_device(self.engine.runner.device)  # the current CUDA device is per thread
         try:
             while not self._stopped.is_set():
                 idle = not self.engine.has_unfinished() and not self._embeds

@@ -7,6 +7,7 @@ sampler. It never decides anything: the plan says which tokens to compute.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from omnibus.common.sampling import SamplingParams
 from omnibus.engine.config import DTYPES, EngineConfig, ModelConfig
 from omnibus.engine.model.loader import load_model, random_model
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
@@ -22,11 +24,20 @@ from omnibus.engine.model.llama import ForwardBatch
 from omnibus.engine.worker.sampling import SampledBatch, Sampler, SamplerOutput
 from omnibus.engine.core.scheduler import SchedulerOutput
 from omnibus.engine.core.sequence import Sequence
+from omnibus.engine.worker.memory import MemoryUse, kv_cache_budget, lora_stack_bytes
 from omnibus.engine.worker.transfer import to_device
 
 log = structlog.get_logger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 512 << 20
+
+
+def bind_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device: Triton launches, CUDA-graph
+    capture and `torch.cuda.Event()` use the current device, which is cuda:0 otherwise.
+    No-op for the CPU and for a bare "cuda" (the current device is meant)."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
 
 
 def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
@@ -45,6 +56,9 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = resolve_dtype(config, model_config)
         self.block_size = config.block_size
+        bind_device(self.device)
+        self.adapters = adapters  # None when the engine serves no adapters
+        self.sampler = Sampler(seed=config.seed)  # before sizing: the warm-up samples
         if config.load_format == "dummy":
             self.model = random_model(model_config, self.dtype, self.device, model_config.max_model_len, config.seed)
         else:
@@ -57,11 +71,8 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(model_config.num_layers)
         ]
-        self.sampler = Sampler(seed=config.seed)
-        self.adapters = adapters  # None when the engine serves no adapters
-        use_graphs = config.decode_graphs if config.decode_graphs is not None else self.device.type == "cuda"
         self.graphs = None
-        if use_graphs:
+        if self.graphs_wanted:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
                                        -(-model_config.max_model_len // self.block_size), self.device,
                                        capture=self.device.type == "cuda")
@@ -93,18 +104,53 @@ class ModelRunner:
             )
         return int(blocks)
 
+    @property
+    def graphs_wanted(self) -> bool:
+        cfg = self.config
+        return cfg.decode_graphs if cfg.decode_graphs is not None else self.device.type == "cuda"
+
     def _cuda_kv_budget(self) -> int:
-        """What is left of gpu_memory_utilization × device memory after the weights and
-        the activations of the largest step the scheduler can plan (a warm-up forward)."""
+        """What is left of gpu_memory_utilization × device memory after the weights, the
+        largest step's activations and sampling (a warm-up), the decode graphs' pool (a
+        decode warm-up at the largest bucket) and adapter stacks not yet allocated."""
+        step_peak = self._peak_bytes(lambda: self._warmup_forward(self.config.max_num_batched_tokens, num_blocks=1))
+        graph_pool = self._peak_bytes(self._warmup_decode) if self.graphs_wanted else 0
+        torch.cuda.empty_cache()  # cached but unused (loader transients, warm-ups) is not in use
+        free, total = torch.cuda.mem_get_info(self.device)
+        cfg = self.config
+        pending_lora = 0
+        if cfg.adapter_dir is not None and self.adapters is None:
+            pending_lora = lora_stack_bytes(self.model_config, cfg.max_loras, cfg.max_lora_rank, self.dtype)
+        use = MemoryUse(total, total - free, step_peak, graph_pool, pending_lora)
+        budget = kv_cache_budget(use, cfg.gpu_memory_utilization)
+        log.info("kv_cache_budget", budget=budget, **dataclasses.asdict(use))
+        return budget
+
+    def _peak_bytes(self, run) -> int:
+        """Bytes `run()` allocates at its peak above what stays allocated after it."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        scratch = self._warmup_forward(self.config.max_num_batched_tokens, num_blocks=1)
+        scratch = run()
         del scratch
         torch.cuda.synchronize(self.device)
-        peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak_extra
-        return max(budget, 0)
+        return torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+
+    def _warmup_decode(self) -> torch.Tensor:
+        """A decode forward at the largest graph bucket with block tables as wide as
+        max_model_len (what a captured graph holds), all reading the null block."""
+        mc = self.model_config
+        n, width, dev = min(self.config.max_num_seqs, 512), -(-mc.max_model_len // self.block_size), self.device
+        shape = (1, self.block_size, mc.num_kv_heads, mc.head_dim)
+        caches = [(torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev))
+                  for _ in range(mc.num_layers)]
+        batch = ForwardBatch(
+            input_ids=torch.zeros(n, dtype=torch.long, device=dev), positions=torch.zeros(n, dtype=torch.long, device=dev),
+            slot_mapping=torch.zeros(n, dtype=torch.long, device=dev),
+            block_tables=torch.zeros(n, width, dtype=torch.int32, device=dev),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(n, dtype=torch.int32, device=dev), max_query_len=1,
+            logits_indices=torch.zeros(0, dtype=torch.long, device=dev))
+        return self.model(batch, caches)
 
     def _warmup_forward(self, num_tokens: int, num_blocks: int | None = None):
         """One forward over `num_tokens` tokens whose KV goes to the null block."""
@@ -127,7 +173,12 @@ class ModelRunner:
             logits_indices=torch.arange(min(n, self.config.max_num_seqs), device=dev),
         )
         hidden = self.model(batch, caches)
-        return self.model.compute_logits(hidden[batch.logits_indices]).softmax(dim=-1)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        rows = logits.shape[0]
+        # Every sampling path at once (top-k, top-p, min-p, penalties, logprobs): its peak.
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                                frequency_penalty=0.5, logprobs=5)
+        return self.sampler.sample(logits, [params] * rows, [[1]] * rows, [[2]] * rows, [None] * rows)
 
     # ---- one step ------------------------------------------------------------
 
