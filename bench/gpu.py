@@ -1,13 +1,16 @@
 """GPU roofline benchmark: `make bench-gpu` (python -m omnibus.bench.gpu --out docs/benchmarks/gpu.md).
 
 A Llama-3-8B-shaped bf16 model with random weights made on the device (no download).
-In one run it reports:
+It reports, in sections that can run as separate commands (`--sections roofline,decode`,
+then `--sections offline`, ...; each fits a 10-minute limit, results accumulate in the
+JSON file beside --out and the markdown is rewritten after every section):
 
 1. decode step time at batch 1, 8, 32, 128, 256 against the roofline: (weight bytes +
-   KV bytes read) ÷ the device-to-device copy bandwidth measured in the same run;
+   KV bytes read) ÷ the device-to-device copy bandwidth (section roofline);
 2. offline output tokens/s on a ShareGPT-shaped workload (prompts ~200 tokens,
-   outputs ~180, both log-normal, ignore_eos) against transformers' static
-   `generate` and continuous batching, all on the same weights;
+   outputs ~180, both log-normal, ignore_eos; section offline) against transformers'
+   static `generate` and continuous batching (section hf, its own random weights:
+   the lengths are fixed, so only the speed is compared);
 3. the share of each step in which the GPU waits on Python;
 4. throughput with 8 and 32 LoRA adapters (rank 16, q/k/v/o) against base only.
 
@@ -37,20 +40,29 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
 
 
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+def copy_bandwidth(device: torch.device, nbytes: int, copies: int = 50) -> float:
+    """Bytes/s of back-to-back device-to-device copies, counting bytes read plus bytes written.
+    On CUDA the copies are timed by events around all of them: one 1 GiB copy takes ~0.5 ms
+    on an H200, too short for a host timer around a synchronize."""
     src = torch.randn(nbytes // 4, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    times = []
-    for _ in range(20):
-        _sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(copies):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
         t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / statistics.median(times)
+        for _ in range(copies):
+            dst.copy_(src)
+        seconds = time.perf_counter() - t0
+    return 2 * src.numel() * 4 * copies / seconds
 
 
 def write_config(path: Path, shape: dict) -> Path:
@@ -175,13 +187,27 @@ def make_adapters(root: Path, shape: dict, count: int, rank: int = 16) -> list[s
     return names
 
 
+SECTIONS = ("roofline", "decode", "offline", "hf", "lora")
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None, help="markdown file for the results")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="results file, read first and rewritten after each section (default: --out as .json)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)}; run them in separate commands "
+                         "to keep each under a time limit (results accumulate in --json)")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, CPU allowed (keeps the script tested)")
     ap.add_argument("--requests", type=int, default=None, help="offline workload size (default 256; smoke 8)")
-    ap.add_argument("--skip-hf", action="store_true", help="skip the transformers peers")
+    ap.add_argument("--skip-hf", action="store_true", help="skip the transformers peers (the hf section)")
     args = ap.parse_args(argv)
+    sections = [x for x in args.sections.split(",") if x]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        ap.error(f"unknown sections {unknown}; choose from {', '.join(SECTIONS)}")
+    if args.skip_hf:
+        sections = [x for x in sections if x != "hf"]
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -190,74 +216,89 @@ def main(argv: list[str] | None = None) -> dict:
     shape = TINY if args.smoke else LLAMA3_8B
     dtype = "bfloat16" if cuda else "float32"
     n = args.requests or (8 if args.smoke else 256)
-    batches = [1, 2, 4] if args.smoke else [1, 8, 32, 64, 128, 256]
+    json_path = args.json or (args.out.with_suffix(".json") if args.out else None)
+    result: dict = json.loads(json_path.read_text()) if json_path and json_path.exists() else {}
+    result.update({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                   "shape": "tiny" if args.smoke else "llama-3-8b", "dtype": dtype, "requests": n})
     tmp = tempfile.TemporaryDirectory()
     path = write_config(Path(tmp.name) / "model", shape)
-    result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                    "shape": "tiny" if args.smoke else "llama-3-8b", "dtype": dtype}
-    result["copy_bandwidth_gb_s"] = copy_bandwidth(device, (1 << 30) if cuda else (16 << 20)) / 1e9
+    util = {"gpu_memory_utilization": 0.8} if cuda else {"kv_cache_memory": 64 << 20}
+    prompts, lengths = workload(n, shape["vocab_size"], 0.1 if args.smoke else 1.0)
+    engine = None
 
-    hf = None
-    if not args.skip_hf:
+    def done(section: str) -> None:
+        """Partial results on disk after every section."""
+        print(f"section {section} done", flush=True)
+        if json_path:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(result, indent=2))
+        if args.out:
+            write_markdown(args.out, result)
+
+    if "roofline" in sections:
+        result["roofline_copy_bandwidth_gb_s"] = copy_bandwidth(device, (1 << 30) if cuda else (16 << 20)) / 1e9
+        done("roofline")
+    if "decode" in sections:
+        if "roofline_copy_bandwidth_gb_s" not in result:
+            raise SystemExit("the decode section needs the roofline section's bandwidth (run it first)")
+        engine = make_engine(path, device.type, dtype, **util)
+        batches = [1, 2, 4] if args.smoke else [1, 8, 32, 64, 128, 256]
+        result["decode"] = decode_roofline(engine, batches, 64 if args.smoke else 512,
+                                           result["roofline_copy_bandwidth_gb_s"] * 1e9)
+        done("decode")
+    if "offline" in sections:
+        engine = engine or make_engine(path, device.type, dtype, **util)
+        meter = engine.runner.idle_meter
+        if meter is not None:
+            meter.reset()
+        result["offline_omnibus_tok_s"] = omnibus_tok_s(engine, prompts, lengths)
+        result["offline_gpu_idle_share"] = meter.idle_share if meter is not None else None
+        done("offline")
+    del engine
+    if cuda:
+        torch.cuda.empty_cache()
+    if "hf" in sections:
         import transformers
 
         cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False)
         with torch.device(device):
             hf = transformers.LlamaForCausalLM._from_config(cfg, dtype=getattr(torch, dtype)).eval()
-    util = {"gpu_memory_utilization": 0.8} if cuda else {"kv_cache_memory": 64 << 20}
-    engine = make_engine(path, device.type, dtype, **util)
-    if hf is not None:
-        from omnibus.engine.model.loader import load_weights
-        load_weights(engine.runner.model, hf.state_dict().items())
-    result["decode"] = decode_roofline(engine, batches, 64 if args.smoke else 512, result["copy_bandwidth_gb_s"] * 1e9)
-
-    prompts, lengths = workload(n, shape["vocab_size"], 0.1 if args.smoke else 1.0)
-    meter = engine.runner.idle_meter
-    if meter is not None:
-        meter.reset()
-    result["omnibus_tok_s"] = omnibus_tok_s(engine, prompts, lengths)
-    result["gpu_idle_share"] = meter.idle_share if meter is not None else None
-    if hf is not None:
         result["hf_static_tok_s"] = hf_static_tok_s(hf, prompts, lengths)
+        done("hf")
         result["hf_continuous_tok_s"] = hf_continuous_tok_s(hf, prompts, lengths)
-        result["vs_hf_static"] = result["omnibus_tok_s"] / result["hf_static_tok_s"]
-        result["vs_hf_continuous"] = result["omnibus_tok_s"] / result["hf_continuous_tok_s"]
+        done("hf")
         del hf
-    del engine
-    if cuda:
-        torch.cuda.empty_cache()
-
-    adapters = make_adapters(Path(tmp.name) / "adapters", shape, 32, rank=8 if args.smoke else 16)
-    lora_engine = make_engine(path, device.type, dtype, adapter_dir=str(Path(tmp.name) / "adapters"),
-                              max_loras=32, max_cpu_loras=32, max_lora_rank=16, **util)
-    result["lora"] = {"base_tok_s": omnibus_tok_s(lora_engine, prompts, lengths)}
-    for k in (8, 32):
-        result["lora"][f"{k}_adapters_tok_s"] = omnibus_tok_s(lora_engine, prompts, lengths, adapters[:k])
-        result["lora"][f"{k}_vs_base"] = result["lora"][f"{k}_adapters_tok_s"] / result["lora"]["base_tok_s"]
-    print(json.dumps(result, indent=2))
-    if args.out:
-        write_markdown(args.out, result, n)
+        if cuda:
+            torch.cuda.empty_cache()
+    if "lora" in sections:
+        adapters = make_adapters(Path(tmp.name) / "adapters", shape, 32, rank=8 if args.smoke else 16)
+        lora_engine = make_engine(path, device.type, dtype, adapter_dir=str(Path(tmp.name) / "adapters"),
+                                  max_loras=32, max_cpu_loras=32, max_lora_rank=16, **util)
+        lora = result["lora"] = {"base_tok_s": omnibus_tok_s(lora_engine, prompts, lengths)}
+        for k in (8, 32):
+            lora[f"{k}_adapters_tok_s"] = omnibus_tok_s(lora_engine, prompts, lengths, adapters[:k])
+            lora[f"{k}_vs_base"] = lora[f"{k}_adapters_tok_s"] / lora["base_tok_s"]
+        done("lora")
     return result
 
 
-def write_markdown(out: Path, r: dict, n: int) -> None:
+def write_markdown(out: Path, r: dict) -> None:
+    """The sections present in `r` (a partial run writes what it has)."""
     def pct(x: float | None) -> str:
         return "n/a" if x is None else f"{100 * x:.1f}%"
-    rows = "\n".join(f"| {d['batch']} | {d['overlap_ms']:.2f} | {d['roofline_ms']:.2f} | {pct(d['of_roofline'])} | "
-                     f"{pct(d['overlap_idle'])} | {d['lockstep_ms']:.2f} | {pct(d['lockstep_idle'])} |"
-                     for d in r["decode"])
-    hf = ""
-    if "hf_static_tok_s" in r:
-        hf = (f"| transformers static `generate` (batches of 16) | {r['hf_static_tok_s']:.0f} | {r['vs_hf_static']:.1f}× |\n"
-              f"| transformers continuous batching | {r['hf_continuous_tok_s']:.0f} | {r['vs_hf_continuous']:.1f}× |\n")
-    lora = r["lora"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"""# GPU benchmark ({r['device']})
+    parts = [f"""# GPU benchmark ({r['device']})
 
-`make bench-gpu`; {r['shape']} shape, {r['dtype']}, random weights; torch {r['torch']}.
-Measured device-to-device copy bandwidth: {r['copy_bandwidth_gb_s']:.0f} GB/s (read + write).
-
-## Decode step vs roofline (prompts of 512 tokens)
+`make bench-gpu` (sections: `python -m omnibus.bench.gpu --sections ...`); {r['shape']} shape, {r['dtype']},
+random weights; torch {r['torch']}.
+"""]
+    if "roofline_copy_bandwidth_gb_s" in r:
+        parts.append(f"Measured device-to-device copy bandwidth: {r['roofline_copy_bandwidth_gb_s']:.0f} GB/s "
+                     "(read + write, 50 back-to-back copies of 1 GiB timed by CUDA events).\n")
+    if "decode" in r:
+        rows = "\n".join(f"| {d['batch']} | {d['overlap_ms']:.2f} | {d['roofline_ms']:.2f} | {pct(d['of_roofline'])} | "
+                         f"{pct(d['overlap_idle'])} | {d['lockstep_ms']:.2f} | {pct(d['lockstep_idle'])} |"
+                         for d in r["decode"])
+        parts.append(f"""## Decode step vs roofline (prompts of 512 tokens)
 
 Ten back-to-back decode steps per row. "Overlapped" plans and launches step N+1 before
 step N's tokens are read back (the default on CUDA); "lockstep" waits for each step's
@@ -267,16 +308,26 @@ GPU had nothing queued (CUDA events around each step's launches).
 | batch | overlapped step (ms) | roofline (ms) | share of roofline | GPU idle | lockstep step (ms) | GPU idle, lockstep |
 |---:|---:|---:|---:|---:|---:|---:|
 {rows}
-
-## Offline throughput ({n} ShareGPT-shaped requests)
+""")
+    if "offline_omnibus_tok_s" in r or "hf_static_tok_s" in r:
+        rows = []
+        ours = r.get("offline_omnibus_tok_s")
+        for label, key in (("Omnibus", "offline_omnibus_tok_s"),
+                           ("transformers static `generate` (batches of 16)", "hf_static_tok_s"),
+                           ("transformers continuous batching", "hf_continuous_tok_s")):
+            if key in r:
+                ratio = f"{ours / r[key]:.1f}×" if ours else "n/a"
+                rows.append(f"| {label} | {r[key]:.0f} | {ratio} |")
+        idle = (f"\nGPU idle share over the whole offline run (waiting on Python): "
+                f"{pct(r['offline_gpu_idle_share'])}.\n" if "offline_gpu_idle_share" in r else "")
+        parts.append(f"""## Offline throughput ({r['requests']} ShareGPT-shaped requests)
 
 | system | output tokens/s | Omnibus ÷ system |
 |---|---:|---:|
-| Omnibus | {r['omnibus_tok_s']:.0f} | 1.0× |
-{hf}
-GPU idle share over the whole offline run (waiting on Python): {pct(r['gpu_idle_share'])}.
-
-## Multi-LoRA
+""" + "\n".join(rows) + "\n" + idle)
+    if "lora" in r:
+        lora = r["lora"]
+        parts.append(f"""## Multi-LoRA
 
 | adapters | output tokens/s | vs base |
 |---:|---:|---:|
@@ -284,6 +335,8 @@ GPU idle share over the whole offline run (waiting on Python): {pct(r['gpu_idle_
 | 8 | {lora['8_adapters_tok_s']:.0f} | {lora['8_vs_base']:.2f} |
 | 32 | {lora['32_adapters_tok_s']:.0f} | {lora['32_vs_base']:.2f} |
 """)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(parts))
 
 
 def _sync(device: torch.device) -> None:
