@@ -180,6 +180,7 @@ def engine_command(
         "--block-size",
         str(cfg.block_size),
         "--no-prefix-caching",
+        "--study-counters",
         "--log-level",
         "warning",
         "--drain-seconds",

@@ -160,6 +160,7 @@ class EngineConfig:
     batch_window_ms: float | None = None  # dynamic: run a partial batch this long after its first request (default 10); static: optional timeout
     seed: int = 0  # engine-level RNG for unseeded sampling
     adapter_dir: str | None = None  # root of the PEFT LoRA adapters (one directory each); None: base only
+    study_counters: bool = False  # collect the batching study's per-step counters (O(running) a step)
     max_loras: int = 4  # device adapter slots (distinct adapters in one step)
     max_cpu_loras: int = 16  # adapters kept in host memory (LRU)
     max_lora_rank: int = 16  # adapters of a higher rank are refused

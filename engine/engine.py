@@ -27,7 +27,8 @@ from omnibus.engine.worker.model_runner import ModelRunner, Step, resolve_dtype
 from omnibus.engine.core.policies import ContinuousPolicy, make_policy
 from omnibus.common.sampling import SamplingParams, check_context, check_token_ids
 from omnibus.engine.worker.sampling import make_generator
-from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig, StepCounters
+from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
+from omnibus.engine.core.study import StudyCounters
 from omnibus.engine.core.sequence import RequestOutput, Sequence
 
 __all__ = ["AdapterError", "Engine", "EngineStats", "RequestOutput", "UnknownAdapterError"]
@@ -50,7 +51,7 @@ class EngineStats:
     cached_adapters: tuple[str, ...] = ()  # adapters in host memory (resident ones included), sorted
     adapter_loads: int = 0  # adapters read from disk into host memory since start
     adapter_evictions: int = 0  # device slots refilled with another adapter since start
-    # batching-study counters, cumulative over steps (see scheduler.StepCounters)
+    # batching-study counters, cumulative over steps (core/study.py; 0 without --study-counters)
     slots_stepped: int = 0
     useful_tokens: int = 0
     kv_tokens_stored: int = 0
@@ -85,6 +86,8 @@ class Engine:
         overlap = config.overlap_scheduling
         self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._in_flight: Step | None = None  # launched, picks not yet reported (overlap only)
+        if config.study_counters:
+            self.scheduler.observer = StudyCounters()
 
     # ---- requests ------------------------------------------------------------
 
@@ -175,7 +178,8 @@ class Engine:
             self.generate([[token] * 4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         finally:
             self.scheduler.policy = policy
-            self.scheduler.counters = StepCounters()
+            if self.config.study_counters:
+                self.scheduler.observer = StudyCounters()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  priorities: list[int] | None = None) -> list[list[int]]:
@@ -214,7 +218,7 @@ class Engine:
         counts = self.allocator.counts()
         inventory = self.adapters.inventory() if self.adapters else AdapterInventory((), ())
         lora = self.adapters.stats() if self.adapters else LoraStats(0, 0, ())
-        c = self.scheduler.counters
+        c = self.scheduler.observer if isinstance(self.scheduler.observer, StudyCounters) else StudyCounters()
         return EngineStats(
             num_waiting=self.scheduler.num_waiting,
             num_running=len(self.scheduler.running),

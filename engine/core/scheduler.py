@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from omnibus.engine.core.block_allocator import BlockAllocator
 from omnibus.engine.core.policies import BatchingPolicy
 from omnibus.engine.core.sequence import RequestOutput, SamplerOutput, Sequence, SequenceStatus
+from omnibus.engine.core.study import StepObserver
 
 if TYPE_CHECKING:
     from omnibus.engine.lora import LoraManager
@@ -41,17 +42,6 @@ class ScheduledSeq:
     start: int  # first token computed this step (the sequence's num_computed_tokens)
     num_tokens: int  # tokens computed this step
     samples: bool  # True when this chunk reaches the end, so the next token is sampled
-
-
-@dataclass
-class StepCounters:
-    """Cumulative counts over the steps that computed something."""
-
-    steps: int = 0
-    slots_stepped: int = 0  # batch slots held per step (formed batches keep finished slots)
-    useful_tokens: int = 0  # tokens computed (prompt chunks + decodes)
-    kv_tokens_stored: int = 0  # KV entries holding real tokens, summed over steps
-    kv_tokens_reserved: int = 0  # KV slots allocated to running sequences, summed over steps
 
 
 @dataclass
@@ -80,7 +70,7 @@ class Scheduler:
         self._aborted: list[RequestOutput] = []  # reported by the next update()
         self._step = 0
         self.num_preemptions = 0
-        self.counters = StepCounters()
+        self.observer: StepObserver | None = None  # the batching study's counters, when on
         self._batch_slots = 0  # formed-batch policies: size of the batch now running
 
     # ---- requests ------------------------------------------------------------
@@ -157,25 +147,15 @@ class Scheduler:
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens
             item.seq.num_pending += item.samples
-        if not out.is_empty:
-            self._count(out)
+        if self.observer is not None and not out.is_empty:
+            slots = self._batch_slots if self.policy.forms_batches else len(self.running)
+            self.observer.on_step(out.num_batched_tokens, slots, self.running, self.allocator.block_size)
         return out
 
     def _at_limit(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` ends by length once it holds `num_tokens` tokens."""
         return (num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
                 or num_tokens >= self.config.max_model_len)
-
-    def _count(self, out: SchedulerOutput) -> None:
-        """Utilization counters for the batching study (O(running) per step)."""
-        c = self.counters
-        c.steps += 1
-        c.slots_stepped += self._batch_slots if self.policy.forms_batches else len(self.running)
-        c.useful_tokens += out.num_batched_tokens
-        bs = self.allocator.block_size
-        for seq in self.running:  # computed counts already include this step's tokens
-            c.kv_tokens_stored += seq.num_computed_tokens
-            c.kv_tokens_reserved += len(seq.block_table) * bs
 
     def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
         seq.scheduled_step = self._step

@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         "static: optional timeout (default: wait for a full batch)",
     )
     p.add_argument(
+        "--study-counters", action="store_true",
+        help="count batch slots, useful tokens and KV use per step for the batching study "
+        "(Stats RPC); costs O(running sequences) per step, so off when serving",
+    )
+    p.add_argument(
         "--seed", type=int, default=0, help="seed of the shared generator for unseeded requests"
     )
     p.add_argument(
@@ -174,6 +179,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         batching=args.batching,
         max_batch_size=args.max_batch_size,
         batch_window_ms=args.batch_window_ms,
+        study_counters=args.study_counters,
         seed=args.seed,
         overlap_scheduling=args.overlap_scheduling,
         decode_graphs=args.decode_graphs,

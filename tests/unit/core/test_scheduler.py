@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from omnibus.engine.core.block_allocator import BlockAllocator
 from omnibus.engine.core.policies import make_policy
+from omnibus.engine.core.study import StudyCounters
 from omnibus.engine.worker.sampling import SamplerOutput, SamplingParams
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
 from omnibus.engine.core.sequence import Sequence
@@ -283,12 +284,13 @@ def test_utilization_counters_show_static_slots_held_by_finished_requests():
     results = {}
     for policy in ("continuous", "static"):
         s = make_scheduler(policy=policy, max_batch_size=2, max_seqs=2, num_blocks=64)
+        s.observer = StudyCounters()
         s.add(seq("short", 4, max_tokens=1))
         s.add(seq("long", 4, max_tokens=6))
         s.add(seq("next", 4, max_tokens=1))
         s.add(seq("next2", 4, max_tokens=1))
         run_to_end(s)
-        results[policy] = s.counters
+        results[policy] = s.observer
     cont, static = results["continuous"], results["static"]
     # Same work either way...
     assert cont.useful_tokens == static.useful_tokens == 4 * 4 + 5  # prefills + long's 5 decodes
@@ -321,10 +323,12 @@ def test_engine_warmup_runs_under_a_static_policy(tmp_path):
     from tests.checkpoints import make_checkpoint
 
     path = make_checkpoint(tmp_path / "m", "llama")
-    engine = Engine(EngineConfig(model=str(path), batching="static", max_batch_size=8, num_kv_blocks=32))
+    config = EngineConfig(model=str(path), batching="static", max_batch_size=8, num_kv_blocks=32,
+                          study_counters=True)
+    engine = Engine(config)
     engine.warmup()
     assert engine.num_steps >= 2 and not engine.has_unfinished()
-    assert engine.scheduler.policy.name == "static" and engine.scheduler.counters.steps == 0
+    assert engine.scheduler.policy.name == "static" and engine.scheduler.observer.steps == 0
 
 
 def test_high_priority_arrival_preempts_lower_priority_when_seats_run_out():
