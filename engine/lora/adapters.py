@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from omnibus.common.adapters import ADAPTER_NAME_RE
+from omnibus.common.adapters import adapter_name_error, is_adapter_name
 from omnibus.engine.config import ModelConfig
 from omnibus.engine.worker.transfer import pinned
 
@@ -57,11 +57,9 @@ def proj_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def resolve_adapter_dir(root: Path, name: str) -> Path:
     """The adapter's directory, proven to lie inside `root` (symlinks resolved)."""
-    if not isinstance(name, str) or not ADAPTER_NAME_RE.fullmatch(name):
-        shown = name[:40] + "..." if isinstance(name, str) and len(name) > 40 else name
-        raise AdapterError(
-            f"invalid adapter name {shown!r}: use 1-128 ASCII letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit")
+    error = adapter_name_error(name)
+    if error is not None:
+        raise AdapterError(error)
     root = root.resolve()
     path = (root / name).resolve()
     if path.parent != root:
@@ -184,4 +182,4 @@ def list_adapter_names(root: Path) -> list[str]:
         return []
     real = root.resolve()
     return sorted(p.name for p in root.iterdir()
-                  if ADAPTER_NAME_RE.fullmatch(p.name) and p.resolve().parent == real and p.is_dir())
+                  if is_adapter_name(p.name) and p.resolve().parent == real and p.is_dir())
