@@ -11,31 +11,21 @@ is in exactly one state:
 
 Free and cached blocks share one LRU queue, so allocation and freeing are O(1).
 A full block's hash chains the previous block's hash, its token ids and a salt (the
-LoRA adapter's name), so equal hashes mean equal prefixes under the same weights.
+LoRA adapter's identity), so equal hashes mean equal prefixes under the same weights
+(the rule is omnibus.common.prefix, which the router's prefix-aware routing shares).
 This module is the one place that frees blocks.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from omnibus.common.prefix import block_hash, block_key
 from omnibus.engine.core.sequence import Sequence
 
 NULL_BLOCK = 0
-
-
-def block_hash(parent: bytes, tokens: list[int], salt: str | None) -> bytes:
-    """Chained hash of one full block. blake2b: collisions would leak KV across
-    tenants, so a cryptographic hash is worth its ~1 µs per block."""
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(array("q", tokens).tobytes())
-    if salt:
-        h.update(b"\x00adapter:" + salt.encode())
-    return h.digest()
 
 
 @dataclass(frozen=True)
@@ -61,6 +51,7 @@ class BlockAllocator:
         self.num_cached_free = 0  # blocks in free_queue that hold a hash (kept, not counted per step)
         self.num_cache_hits = 0  # blocks served from the prefix cache since start
         self.num_evictions = 0
+        self.cache_generation = 0  # bumped whenever the set of cached hashes changes
 
     # ---- queries -------------------------------------------------------------
 
@@ -114,6 +105,7 @@ class BlockAllocator:
                 self.num_cached_free -= 1
                 if self.cached.get(h) == block:
                     del self.cached[h]
+                    self.cache_generation += 1
                 self.num_evictions += 1
             self.ref_counts[block] = 1
             seq.block_table.append(block)
@@ -152,6 +144,7 @@ class BlockAllocator:
         if self.hashes[block] is None and h not in self.cached:
             self.hashes[block] = h
             self.cached[h] = block
+            self.cache_generation += 1
 
     def _hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Extend `seq.block_hashes` to cover every full block within `num_tokens`."""
@@ -159,6 +152,16 @@ class BlockAllocator:
         for i in range(len(seq.block_hashes), num_tokens // bs):
             parent = seq.block_hashes[i - 1] if i else b""
             seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt))
+
+    def cached_keys(self, limit: int) -> list[int]:
+        """Keys (omnibus.common.prefix.block_key) of at most `limit` cached blocks, the
+        most recently registered first: what load reports tell routers. O(limit)."""
+        keys = []
+        for h in reversed(self.cached):
+            if len(keys) == limit:
+                break
+            keys.append(block_key(h))
+        return keys
 
     # ---- integrity -----------------------------------------------------------
 

@@ -14,7 +14,6 @@ batches.
 from __future__ import annotations
 
 import bisect
-import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +23,7 @@ from omnibus.engine.core.block_allocator import BlockAllocator
 from omnibus.engine.core.policies import BatchingPolicy
 from omnibus.engine.core.sequence import RequestOutput, SamplerOutput, Sequence, SequenceStatus
 from omnibus.engine.core.study import StepObserver
+from omnibus.engine.core.waiting import WaitingQueue
 
 if TYPE_CHECKING:
     from omnibus.engine.lora import LoraManager
@@ -34,6 +34,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running sequences at most
     max_num_batched_tokens: int = 2048  # tokens computed per step at most
     max_model_len: int = 2048  # prompt + output tokens at most
+    waiting_order: str = "slo"  # "slo": EDF and tenant fair share within a priority; "fifo" (core/waiting.py)
 
 
 @dataclass(slots=True)
@@ -65,10 +66,11 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Sequence] = {}  # every unfinished request
         self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
-        self._waiting: list[tuple[tuple[int, int], Sequence]] = []  # heap; aborted entries skipped lazily
+        self._waiting = WaitingQueue(config.waiting_order, config.max_num_batched_tokens)
         self.num_waiting = 0
         self._aborted: list[RequestOutput] = []  # reported by the next update()
         self._step = 0
+        self._now = 0.0  # monotonic seconds of the step being planned
         self.num_preemptions = 0
         self.observer: StepObserver | None = None  # the batching study's counters, when on
         self._batch_slots = 0  # formed-batch policies: size of the batch now running
@@ -117,6 +119,7 @@ class Scheduler:
         computed from here on (the step that computes them is launched next), and each
         sampling chunk leaves one token pending until `update` reports it."""
         self._step += 1
+        self._now = time.monotonic() if now is None else now
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         decodes: list[Sequence] = []
@@ -136,8 +139,10 @@ class Scheduler:
                 out.scheduled.append(self._plan(seq, n))
                 budget -= n
         idle = not self.running
-        self._admit(out, budget, time.monotonic() if now is None else now)
+        self._admit(out, budget, self._now)
         out.num_batched_tokens = sum(item.num_tokens for item in out.scheduled)
+        for item in out.scheduled:
+            self._waiting.charge(item.seq, item.num_tokens)
         if self.adapters is not None:
             # Decodes grouped by adapter slot: one LoRA segment per adapter, not per sequence.
             out.scheduled.sort(key=lambda it: (it.num_tokens > 1, -1 if it.seq.lora_slot is None
@@ -174,10 +179,11 @@ class Scheduler:
         return True
 
     def _preemption_victim(self) -> Sequence:
-        for seq in reversed(self.running):  # sorted, so the tail is lowest priority, latest
-            if seq.scheduled_step != self._step:
-                return seq
-        raise RuntimeError("no sequence left to preempt")  # unreachable: the caller is unscheduled
+        """By the waiting order's rule (core/waiting.py), among the unscheduled."""
+        victim = self._waiting.victim((s for s in self.running if s.scheduled_step != self._step), self._now)
+        if victim is None:
+            raise RuntimeError("no sequence left to preempt")  # unreachable: the caller is unscheduled
+        return victim
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the KV (prefix-cached blocks stay reusable)."""
@@ -199,8 +205,13 @@ class Scheduler:
             if seq is None:
                 break
             if seq.num_pending:  # preempted with a token in flight: it rejoins once that reports
-                heapq.heappop(self._waiting)
+                self._waiting.pop(seq)
                 deferred.append(seq)
+                continue
+            if seq.deadline is not None and now >= seq.deadline:
+                self._waiting.pop(seq)
+                self._end_waiting(seq, "deadline", f"the request's deadline passed {now - seq.deadline:.3f} s "
+                                  "before the engine could prefill it")
                 continue
             if room <= 0:  # no seat: only a strictly lower-priority running sequence gives one up
                 refund = None if self.policy.forms_batches else self._preempt_for(seq, out)
@@ -210,7 +221,7 @@ class Scheduler:
                 continue
             gate = self._adapter_gate(seq)
             if gate != "ok":
-                heapq.heappop(self._waiting)
+                self._waiting.pop(seq)
                 if gate == "wait":
                     deferred.append(seq)
                 continue
@@ -230,10 +241,10 @@ class Scheduler:
             self._leave_running(seq)
             break  # strict priority order: the head waits for blocks
         for seq in deferred:
-            heapq.heappush(self._waiting, (seq.sort_key(), seq))
+            self._waiting.push(seq, lift=False)
 
     def _start_running(self, seq: Sequence, cached: int, n: int, out: SchedulerOutput) -> None:
-        heapq.heappop(self._waiting)
+        self._waiting.pop(seq)
         self.num_waiting -= 1
         seq.num_computed_tokens = cached
         if not seq.first_scheduled:
@@ -244,12 +255,13 @@ class Scheduler:
             out.scheduled.append(self._plan(seq, n))
 
     def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> int | None:
-        """Preempt the lowest-priority, latest running sequence if its priority is strictly
-        below `seq`'s (equal priorities never preempt each other: no thrashing). A victim
+        """Preempt the running sequence the waiting order picks (core/waiting.py) if its
+        priority is strictly below `seq`'s, or (slo) equal with a far more served tenant;
+        equal priorities of one tenant never preempt each other: no thrashing. A victim
         already planned for this step leaves the plan; returns the tokens that frees from
         the step's budget, or None when there is no such victim."""
-        victim = self.running[-1] if self.running else None  # sorted: lowest, latest last
-        if victim is None or victim.priority >= seq.priority:
+        victim = self._waiting.victim(self.running, self._now)
+        if victim is None or not self._waiting.may_preempt(seq, victim):
             return None
         refund = sum(item.num_tokens for item in out.scheduled if item.seq is victim)
         if refund:
@@ -275,24 +287,27 @@ class Scheduler:
         seq.lora_slot = gate.slot
         return "wait" if seq.lora_slot is None else "ok"
 
+    def _end_waiting(self, seq: Sequence, reason: str, error: str) -> None:
+        """Finish a waiting request the engine itself ends; `error` says why."""
+        del self.requests[seq.request_id]
+        self.num_waiting -= 1
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        out = self._output(seq, [], [])
+        out.error = error
+        self._aborted.append(out)
+
     def _push_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        heapq.heappush(self._waiting, (seq.sort_key(), seq))
+        self._waiting.push(seq)
         self.num_waiting += 1
 
     def _peek_waiting(self) -> Sequence | None:
-        while self._waiting:
-            seq = self._waiting[0][1]
-            if seq.status is SequenceStatus.WAITING:
-                return seq
-            heapq.heappop(self._waiting)  # aborted while waiting
-        return None
+        return self._waiting.peek()
 
     def _oldest_arrival(self) -> float | None:
         """Arrival time of the longest-waiting request (O(waiting); only the batch-forming
         policies ask, and only while nothing runs)."""
-        return min((s.arrival_time for _, s in self._waiting if s.status is SequenceStatus.WAITING),
-                   default=None)
+        return min((s.arrival_time for s in self._waiting), default=None)
 
     # ---- bookkeeping ---------------------------------------------------------
 

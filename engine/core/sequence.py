@@ -54,6 +54,9 @@ class Sequence:
     priority: int = 0
     adapter: str | None = None  # LoRA adapter name; None = base model
     cache_salt: str | None = None  # prefix-cache salt: the adapter's identity (name + file version)
+    tenant: str = ""  # whose request (fair share between tenants); "" = one shared tenant
+    weight: float = 1.0  # the tenant's share (its virtual token counter grows by tokens / weight)
+    deadline: float | None = None  # monotonic seconds by which it should finish; None: none
     arrival_time: float = field(default_factory=time.monotonic)
     # Ties in priority are broken by this strictly increasing counter (FIFO).
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))

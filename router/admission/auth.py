@@ -3,14 +3,17 @@
 The keys file is JSON:
 
     {"tenants": {"acme": {"keys": ["sk-acme-1"], "max_concurrent": 8,
-                          "tokens_per_minute": 60000, "adapters": ["support-bot"]},
+                          "tokens_per_minute": 60000, "adapters": ["support-bot"],
+                          "weight": 2.0},
                  "ops":  {"keys": ["sk-ops-1"], "admin": true}}}
 
 Only `keys` is required; missing limits take the router's --tenant-* defaults.
 `adapters` lists the LoRA adapters the tenant may select with x-adapter-id: absent
 or ["*"] means any adapter the engines have, [] the base model only. `admin: true`
 makes the tenant's keys admin keys too (the omnibus.v1.Admin service), as is the
-key in the router's --admin-key-file. Keys are kept only as SHA-256 digests in memory.
+key in the router's --admin-key-file. `weight` (> 0, default 1) is the tenant's share
+under fair queueing (--queue-policy vtc): a weight-2 tenant is served twice the tokens
+of a weight-1 tenant when both are backlogged. Keys are kept only as SHA-256 digests in memory.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from omnibus.router.service.errors import RequestError
 
 DEFAULT_TENANT = "default"
 ANY_ADAPTER = "*"
-_TENANT_FIELDS = {"keys", "max_concurrent", "tokens_per_minute", "adapters", "admin"}
+_TENANT_FIELDS = {"keys", "max_concurrent", "tokens_per_minute", "adapters", "admin", "weight"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Tenant:
     limits: TenantLimits = field(default_factory=TenantLimits)
     adapters: tuple[str, ...] | None = None  # the adapters it may use; None: any
     admin: bool = False  # its keys may call the admin API
+    weight: float = 1.0  # its share under fair queueing (virtual token counters grow by tokens / weight)
 
     def may_use(self, adapter: str) -> bool:
         return self.adapters is None or adapter in self.adapters
@@ -202,7 +206,10 @@ def _parse_tenant(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from exc
     adapters = _parse_adapters(where, entry.get("adapters"))
-    return Tenant(name, limits, adapters, admin), [k.strip() for k in keys]
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < 1e6:
+        raise ValueError(f"{where}: 'weight' must be a number in (0, 1e6), got {weight!r}")
+    return Tenant(name, limits, adapters, admin, float(weight)), [k.strip() for k in keys]
 
 
 def _parse_adapters(where: str, adapters: object) -> tuple[str, ...] | None:

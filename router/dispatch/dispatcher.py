@@ -6,8 +6,19 @@ changes (a request arrives, a request finishes, an engine reports) and hands eac
 request, best-ranked first, the engine with the most room. A request for a LoRA
 adapter goes only to engines that have the adapter, preferring the one where it is
 most ready (adapter affinity: in a device slot, then in host memory, then on disk),
-then the most room; while no engine with its adapter has room, requests behind it
+then the best score; while no engine with its adapter has room, requests behind it
 that can run elsewhere pass it.
+
+Prefix-aware routing (as SGLang's cache-aware router weighs them): an engine's score
+is its share of room plus `prefix_weight` times the share of the prompt whose leading
+KV blocks it reports cached (omnibus.common.prefix, the engine's own hashing), so a
+request goes where its prefix is unless that engine is much busier than another.
+Adapter requests match no prefix here: their blocks are salted with the adapter
+file's fingerprint, which engines do not report.
+
+Each dispatch charges the request's prompt tokens to its tenant's virtual token
+counter (the pipeline charges output tokens as they stream), which orders the queue
+under the "vtc" policy.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from omnibus.common.prefix import leading_block_keys, matched_blocks
 from omnibus.router.dispatch.adapters import Affinity
 from omnibus.router.dispatch.engines import EngineClient
 from omnibus.router.dispatch.queue import RequestQueue
@@ -29,16 +41,37 @@ class Ticket:
     cost: int  # prompt + max_tokens, for the queued-tokens cap
     arrival: float  # monotonic seconds
     adapter: str = ""  # LoRA adapter; "" for the base model
+    tenant: str = ""  # whose request (fair share)
+    weight: float = 1.0  # the tenant's share
+    prompt_ids: Sequence[int] = ()  # for prefix-aware routing and the prompt charge
     affinity: Affinity | None = None  # set on dispatch when there is an adapter
+    _keys: dict[int, list[int]] = field(default_factory=dict)  # block size -> leading block keys
     future: asyncio.Future[EngineClient] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
+    def prefix_share(self, engine: EngineClient) -> float:
+        """Share of the prompt in `engine`'s reported prefix cache (0 for adapters)."""
+        report = engine.report
+        if self.adapter or not self.prompt_ids or report is None or not report.block_size:
+            return 0.0
+        bs = report.block_size
+        keys = self._keys.get(bs)
+        if keys is None:
+            keys = self._keys[bs] = leading_block_keys(self.prompt_ids, bs, None, MAX_PREFIX_BLOCKS)
+        return matched_blocks(keys, engine.prefix_keys) * bs / len(self.prompt_ids)
+
+
+MAX_PREFIX_BLOCKS = 256  # leading blocks hashed per request at most
+
 
 class Dispatcher:
-    def __init__(self, engines: Sequence[EngineClient], queue: RequestQueue[Ticket]) -> None:
+    def __init__(
+        self, engines: Sequence[EngineClient], queue: RequestQueue[Ticket], prefix_weight: float = 1.0
+    ) -> None:
         self._engines = engines
         self.queue = queue
+        self._prefix_weight = prefix_weight
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -55,7 +88,7 @@ class Dispatcher:
         self._wake.set()
 
     def submit(self, ticket: Ticket) -> None:
-        self.queue.push(ticket, ticket.priority, ticket.cost, ticket.arrival)
+        self.queue.push(ticket, ticket.priority, ticket.cost, ticket.arrival, ticket.tenant)
         self.notify()
 
     def withdraw(self, ticket: Ticket) -> None:
@@ -80,31 +113,37 @@ class Dispatcher:
                 ticket = self.queue.pop()
                 if ticket.future.done():  # its waiter gave up and has yet to withdraw it
                     continue
-                engine = self._best_engine(ticket.adapter)
+                engine = self.best_engine(ticket)
                 if engine is None:
                     passed.append(ticket)
                     continue
                 if ticket.adapter:
                     ticket.affinity = engine.affinity(ticket.adapter)
                 engine.acquire(ticket.adapter)
+                self.queue.charge(ticket.tenant, len(ticket.prompt_ids), ticket.weight)
                 ticket.future.set_result(engine)
         finally:
             for ticket in passed:  # same priority and arrival: the same place in line
-                self.queue.push(ticket, ticket.priority, ticket.cost, ticket.arrival)
+                self.queue.push(
+                    ticket, ticket.priority, ticket.cost, ticket.arrival, ticket.tenant, lift=False
+                )
 
-    def _best_engine(self, adapter: str) -> EngineClient | None:
-        """Among engines with room (and the adapter, if any): the best adapter affinity,
-        then the largest share of room, then the most free KV blocks."""
+    def best_engine(self, ticket: Ticket) -> EngineClient | None:
+        """Among engines with room (and the ticket's adapter, if any): the best adapter
+        affinity, then the best score (room share + prefix_weight * prefix share), then
+        the most free KV blocks."""
+        adapter = ticket.adapter
         open_ = [
             e for e in self._engines if e.room() > 0 and (not adapter or e.has_adapter(adapter))
         ]
         if not open_:
             return None
+        weight = self._prefix_weight
         return max(
             open_,
             key=lambda e: (
                 e.affinity(adapter) if adapter else 0,
-                e.room() / e.capacity,
+                e.room() / e.capacity + (weight * ticket.prefix_share(e) if weight else 0.0),
                 e.free_block_share(),
             ),
         )

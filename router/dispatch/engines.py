@@ -67,6 +67,10 @@ class EngineClient:
         self.adapters_resident: frozenset[str] = frozenset()
         self.adapters_cached: frozenset[str] = frozenset()
         self.adapters_available: frozenset[str] = frozenset()
+        # Keys of the engine's cached prefix blocks (omnibus.common.prefix), for
+        # prefix-aware routing; reports carry them only when they change.
+        self.prefix_keys: frozenset[int] = frozenset()
+        self._prefix_generation: int | None = None
         self._retry_delay = config.engine_retry_initial_seconds
         self._task: asyncio.Task[None] | None = None
 
@@ -180,6 +184,7 @@ class EngineClient:
         call = self.stub.WatchLoad(
             engine_pb2.WatchLoadRequest(interval_ms=self._config.engine_report_interval_ms)
         )
+        self._prefix_generation = None  # a new stream's first report carries the keys
         try:
             while True:
                 async with asyncio.timeout(self._config.engine_stale_seconds):
@@ -199,6 +204,9 @@ class EngineClient:
         self.adapters_resident = frozenset(report.resident_adapters)
         self.adapters_cached = frozenset(report.cached_adapters)
         self.adapters_available = frozenset(report.available_adapters)
+        if report.prefix_generation != self._prefix_generation:
+            self.prefix_keys = frozenset(report.prefix_block_keys)
+            self._prefix_generation = report.prefix_generation
         self._retry_delay = self._config.engine_retry_initial_seconds
         self._set_healthy(True, "load report received")
 

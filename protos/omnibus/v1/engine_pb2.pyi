@@ -36,18 +36,24 @@ class EngineSamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class EngineGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter", "tenant", "tenant_weight", "deadline_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: EngineSamplingParams
     priority: int
     adapter: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
+    tenant: str
+    tenant_weight: float
+    deadline_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class EngineGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
@@ -72,7 +78,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "max_num_seqs", "block_size", "max_model_len", "resident_adapters", "draining", "cached_adapters", "available_adapters")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "max_num_seqs", "block_size", "max_model_len", "resident_adapters", "draining", "cached_adapters", "available_adapters", "prefix_generation", "prefix_block_keys")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +90,8 @@ class LoadReport(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     CACHED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -95,7 +103,9 @@ class LoadReport(_message.Message):
     draining: bool
     cached_adapters: _containers.RepeatedScalarFieldContainer[str]
     available_adapters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., cached_adapters: _Optional[_Iterable[str]] = ..., available_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefix_generation: int
+    prefix_block_keys: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., cached_adapters: _Optional[_Iterable[str]] = ..., available_adapters: _Optional[_Iterable[str]] = ..., prefix_generation: _Optional[int] = ..., prefix_block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

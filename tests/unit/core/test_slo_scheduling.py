@@ -1,0 +1,187 @@
+"""SLO-aware scheduling without a model: EDF admission, deadline expiry, slack- and
+fairness-ordered preemption, tenant fair share (virtual token counters) in the engine's
+waiting queue, and the prefix hash the router shares with the allocator."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from omnibus.common.fairness import VirtualTokenCounters
+from omnibus.common.prefix import block_key, leading_block_keys, matched_blocks
+from omnibus.engine.core.block_allocator import BlockAllocator
+from omnibus.engine.core.policies import make_policy
+from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
+from omnibus.engine.core.sequence import Sequence
+from omnibus.engine.core.waiting import WaitingQueue
+from omnibus.engine.worker.sampling import SamplerOutput, SamplingParams
+
+NOW = 1000.0
+
+
+def make_scheduler(order="slo", num_blocks=64, block_size=4, max_seqs=8, budget=32) -> Scheduler:
+    alloc = BlockAllocator(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(max_seqs, budget, 512, order), alloc, make_policy("continuous"), (2,))
+
+
+def seq(rid, n_prompt, max_tokens=4, priority=0, tenant="", deadline=None, weight=1.0, start=10):
+    return Sequence(rid, list(range(start, start + n_prompt)),
+                    SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+                    priority=priority, tenant=tenant, deadline=deadline, weight=weight)
+
+
+def step(s: Scheduler, now: float = NOW):
+    plan = s.schedule(now)
+    n = sum(item.samples for item in plan.scheduled)
+    outs = s.take_aborted() + s.update(plan, SamplerOutput([7] * n, [None] * n))
+    s.allocator.check_integrity(s.block_tables())
+    return plan, outs
+
+
+def planned(plan) -> list[tuple[str, int]]:
+    return [(i.seq.request_id, i.num_tokens) for i in plan.scheduled]
+
+
+# ---- deadlines ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order, expected", [
+    ("slo", [("soon", 8), ("late", 2)]),  # EDF; "none" (no deadline) waits
+    ("fifo", [("none", 8), ("late", 2)]),  # arrival, whatever the deadlines
+])
+def test_prefills_are_admitted_earliest_deadline_first_within_the_budget(order, expected):
+    s = make_scheduler(order=order, budget=10)
+    s.add(seq("none", 8))
+    s.add(seq("late", 8, deadline=NOW + 9))
+    s.add(seq("soon", 8, deadline=NOW + 1))
+    plan, _ = step(s)
+    assert planned(plan) == expected
+
+
+def test_a_request_whose_deadline_passed_is_never_prefilled():
+    s = make_scheduler()
+    s.add(seq("missed", 8, deadline=NOW - 0.5))
+    s.add(seq("ok", 8, deadline=NOW + 5))
+    plan, outs = step(s)
+    assert planned(plan) == [("ok", 8)]
+    missed = next(o for o in outs if o.request_id == "missed")
+    assert (missed.finished, missed.finish_reason, missed.new_token_ids) == (True, "deadline", [])
+    assert missed.error == "the request's deadline passed 0.500 s before the engine could prefill it"
+    assert "missed" not in s.requests and s.num_waiting == 0
+
+
+def test_blocks_running_out_preempt_the_request_with_the_most_slack():
+    # 6 usable blocks of 4 tokens: three 8-token prompts take all of them.
+    s = make_scheduler(num_blocks=7, max_seqs=3)
+    s.add(seq("tight", 8, max_tokens=8, deadline=NOW + 1))
+    s.add(seq("none", 8, max_tokens=8))
+    s.add(seq("loose", 8, max_tokens=8, deadline=NOW + 60))
+    step(s)
+    plan, _ = step(s)  # each decode needs a fifth token's block: someone must go
+    assert [v.request_id for v in plan.preempted] == ["none"]  # no deadline: infinite slack
+    assert sorted(r for r, _ in planned(plan)) == ["loose", "tight"]
+
+
+def test_slack_ranks_below_priority_in_the_victim_choice():
+    q = WaitingQueue("slo")
+    low = seq("low", 4, priority=0, deadline=NOW + 1)
+    high = seq("high", 4, priority=1)
+    assert q.victim([high, low], NOW) is low
+    later = seq("later", 4, priority=0, deadline=NOW + 1)
+    assert q.victim([later, low], NOW) is later  # equal slack: the latest arrival
+
+
+# ---- fair share in the engine -----------------------------------------------------
+
+
+def test_waiting_requests_of_the_least_served_tenant_go_first():
+    s = make_scheduler(budget=8, max_seqs=4)
+    s.add(seq("a1", 8, tenant="a", max_tokens=1))
+    plan, _ = step(s)
+    assert planned(plan) == [("a1", 8)]  # a has now been served 8 tokens
+    s.add(seq("b1", 8, tenant="b", start=100))  # nobody backlogged: lifted to the last leaver's 0
+    s.add(seq("a2", 8, tenant="a", start=200))  # lifted to b's 0 at most: a keeps its 8
+    plan, _ = step(s)
+    assert planned(plan) == [("b1", 8)]
+    assert s._waiting.counters.snapshot() == {"a": 8.0, "b": 8.0}  # noqa: SLF001
+
+
+def test_a_tenant_arriving_behind_a_backlog_is_lifted_to_its_counter():
+    s = make_scheduler(budget=8, max_seqs=4)
+    s.add(seq("a1", 8, tenant="a", max_tokens=1))
+    step(s)
+    s.add(seq("a2", 8, tenant="a", start=200))  # a is backlogged at 8
+    s.add(seq("b1", 8, tenant="b", start=100))  # lifted from 0 to 8: equal counters, arrival decides
+    plan, _ = step(s)
+    assert planned(plan) == [("a2", 8)]
+    assert s._waiting.counters.snapshot() == {"a": 16.0, "b": 8.0}  # noqa: SLF001
+    plan, _ = step(s)
+    assert planned(plan) == [("a2", 1), ("b1", 7)]  # a2's decode first, then b1 in the budget left
+
+
+def test_a_far_less_served_tenant_preempts_the_most_served_one_for_a_seat():
+    s = make_scheduler(budget=64, max_seqs=2)
+    s._waiting.fair_preemption_tokens = 10  # noqa: SLF001 - a small margin for a short test
+    s.add(seq("a1", 12, tenant="a", max_tokens=50))
+    s.add(seq("a2", 12, tenant="a", max_tokens=50))
+    step(s)  # a: 24 tokens served
+    s.add(seq("a3", 4, tenant="a"))
+    plan, _ = step(s)
+    assert plan.preempted == []  # one tenant never preempts itself
+    s.add(seq("b1", 4, tenant="b"))  # lifted to a's 26 while a waits: no credit banked
+    plan, _ = step(s)
+    assert plan.preempted == []  # b's counter is not 10 below a's
+    assert s._waiting.counters["b"] == s._waiting.counters["a"] - 2  # noqa: SLF001
+
+
+def test_fair_preemption_takes_the_latest_request_of_the_most_served_tenant():
+    s = make_scheduler(budget=64, max_seqs=2)
+    s._waiting.fair_preemption_tokens = 10  # noqa: SLF001
+    s.add(seq("a1", 12, tenant="a", max_tokens=50))
+    s.add(seq("a2", 12, tenant="a", max_tokens=50))
+    step(s)  # a: 24 served, nobody else backlogged
+    s.add(seq("b1", 4, tenant="b"))  # nothing else waiting: lifted to the last leaver's 0
+    plan, _ = step(s)
+    assert [v.request_id for v in plan.preempted] == ["a2"]
+    assert planned(plan) == [("a1", 1), ("b1", 4)]
+
+
+def test_equal_tenants_never_preempt_under_the_fifo_order():
+    s = make_scheduler(order="fifo", budget=64, max_seqs=2)
+    s.add(seq("a1", 12, tenant="a", max_tokens=50))
+    s.add(seq("a2", 12, tenant="a", max_tokens=50))
+    step(s)
+    s.add(seq("b1", 4, tenant="b"))
+    plan, _ = step(s)
+    assert plan.preempted == [] and planned(plan) == [("a1", 1), ("a2", 1)]
+
+
+# ---- the shared rules -------------------------------------------------------------
+
+
+def test_counters_grow_by_tokens_over_weight_and_lift_to_the_backlogged_minimum():
+    c = VirtualTokenCounters()
+    c.charge("a", 100, weight=2.0)
+    c.charge("b", 30)
+    c.lift("new", ["a", "b"])
+    assert c.snapshot() == {"a": 50.0, "b": 30.0, "new": 30.0}
+    c.lift("a", ["b"])  # never lowered
+    assert c["a"] == 50.0
+    c.left("b")
+    c.lift("idle", [])  # nobody backlogged: the last leaver's counter
+    assert c["idle"] == 30.0 and math.isclose(c["missing"], 0.0)
+
+
+def test_router_block_keys_are_the_allocators_hashes():
+    alloc = BlockAllocator(16, 4)
+    s = seq("p", 14)
+    alloc.allocate_prefix(s)
+    alloc.allocate_slots(s, 14)
+    s.num_computed_tokens = 14
+    alloc.cache_blocks(s)
+    keys = leading_block_keys(s.token_ids, 4, None, 64)
+    assert keys == [block_key(h) for h in s.block_hashes[:3]]  # 3 full blocks before the last token
+    assert set(alloc.cached_keys(10)) == set(keys) and alloc.cached_keys(2) == keys[::-1][:2]
+    assert matched_blocks(keys, set(keys[:2])) == 2 and matched_blocks(keys, {keys[1]}) == 0
+    assert leading_block_keys(s.token_ids, 4, "adapter-x", 64)[0] != keys[0]  # salted

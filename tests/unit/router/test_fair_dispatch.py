@@ -1,0 +1,126 @@
+"""The router's fair-share queue (virtual token counters within priority classes, the
+lift of an idle tenant, aging, FIFO as the alternative) and the dispatcher's choice of
+engine (prefix hits weighed against room)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from omnibus.common.prefix import leading_block_keys
+from omnibus.router.dispatch.dispatcher import Dispatcher, Ticket
+from omnibus.router.dispatch.queue import RequestQueue
+
+
+def drain(q: RequestQueue[str], now: float = 0.0) -> list[str]:
+    return [q.pop(now) for _ in range(len(q))]
+
+
+@pytest.mark.parametrize("policy, expected", [
+    ("vtc", ["b1", "a1", "a2"]),  # b (0) before a (100), though a arrived first
+    ("fifo", ["a1", "a2", "b1"]),  # arrival only
+])
+def test_the_backlogged_tenant_with_the_smallest_counter_goes_next(policy, expected):
+    q: RequestQueue[str] = RequestQueue(aging_seconds=0, policy=policy)
+    q.push("a1", 0, 1, 0.0, "a")
+    q.push("a2", 0, 1, 1.0, "a")
+    q.push("b1", 0, 1, 2.0, "b")
+    q.charge("a", 100)
+    assert q.pop() == expected[0]
+    q.charge("b", 150)  # a (100) before b (150) from here
+    assert drain(q) == expected[1:]
+
+
+def test_priority_classes_come_before_counters():
+    q: RequestQueue[str] = RequestQueue(aging_seconds=0)
+    q.push("a-low", 0, 1, 0.0, "a")
+    q.push("b-high", 1, 1, 1.0, "b")
+    q.charge("b", 1000)
+    assert drain(q) == ["b-high", "a-low"]
+
+
+def test_weights_divide_the_charge():
+    q: RequestQueue[str] = RequestQueue(aging_seconds=0)
+    q.push("a1", 0, 1, 0.0, "a")
+    q.push("b1", 0, 1, 1.0, "b")
+    q.charge("a", 300, weight=3.0)  # a: 100
+    q.charge("b", 150)  # b: 150
+    assert q.pop() == "a1"
+    assert q.counters.snapshot() == {"a": 100.0, "b": 150.0}
+
+
+def test_a_tenant_back_from_idling_is_lifted_to_the_smallest_active_counter():
+    q: RequestQueue[str] = RequestQueue(aging_seconds=0)
+    q.push("a1", 0, 1, 0.0, "a")
+    q.push("b1", 0, 1, 0.0, "b")
+    q.charge("a", 500)
+    q.charge("b", 700)
+    q.push("c1", 0, 1, 1.0, "c")  # idle until now: lifted to min(500, 700)
+    assert q.counters["c"] == 500.0
+    assert drain(q) == ["a1", "c1", "b1"]  # a and c tie at 500: a's request is older
+
+
+def test_aging_lifts_a_request_into_the_top_class_where_counters_decide():
+    q: RequestQueue[str] = RequestQueue(aging_seconds=10.0)
+    q.push("a-high", 1, 1, 20.0, "a")
+    q.push("b-low", 0, 1, 0.0, "b")  # waited 20 s at pop time: class 0 + 2 = 2
+    q.charge("b", 10_000)
+    assert q.pop(now=20.0) == "b-low"  # class 2 beats class 1 whatever b's counter
+    q.push("b-low2", 0, 1, 15.0, "b")  # waited 5 s at 20.0: class 0
+    assert q.pop(now=20.0) == "a-high"
+
+
+class _Engine:
+    """What the dispatcher reads of an EngineClient."""
+
+    def __init__(self, name: str, room: int, capacity: int = 8, keys: frozenset[int] = frozenset()):
+        self.address, self._room, self.capacity, self.prefix_keys = name, room, capacity, keys
+        self.report = SimpleNamespace(block_size=4)
+        self.acquired = 0
+
+    def room(self) -> int:
+        return self._room - self.acquired
+
+    def free_block_share(self) -> float:
+        return 0.5
+
+    def acquire(self, adapter: str = "") -> None:
+        self.acquired += 1
+
+
+PROMPT = list(range(100, 117))  # 17 tokens: 4 reusable blocks of 4
+
+
+def test_prefix_hits_are_weighed_against_room():
+    async def main():
+        keys = frozenset(leading_block_keys(PROMPT, 4, None, 64))
+        busy_hit = _Engine("hit", room=2, keys=keys)  # 2/8 room + 1.0 * 16/17 of the prompt
+        idle = _Engine("idle", room=8)  # 8/8 room, no hit
+        d = Dispatcher([idle, busy_hit], RequestQueue(0), prefix_weight=1.0)
+        ticket = Ticket(0, 1, 0.0, prompt_ids=PROMPT)
+        assert d.best_engine(ticket) is busy_hit
+        load_only = Dispatcher([idle, busy_hit], RequestQueue(0), prefix_weight=0.0)
+        assert load_only.best_engine(ticket) is idle
+        half = frozenset(leading_block_keys(PROMPT, 4, None, 2))  # 8/17 of the prompt
+        d2 = Dispatcher([idle, _Engine("half", room=1, keys=half)], RequestQueue(0), 1.0)
+        assert d2.best_engine(ticket) is idle  # 1/8 + 8/17 < 1
+
+    asyncio.run(main())
+
+
+def test_dispatch_charges_the_prompt_to_the_tenant():
+    async def main():
+        engine = _Engine("e", room=1)
+        q: RequestQueue[Ticket] = RequestQueue(0)
+        d = Dispatcher([engine], q)
+        first = Ticket(0, 1, 0.0, tenant="a", weight=2.0, prompt_ids=PROMPT)
+        second = Ticket(0, 1, 1.0, tenant="b", prompt_ids=PROMPT[:5])
+        d.submit(first)
+        d.submit(second)
+        d._match()  # noqa: SLF001 - one matching round, no task
+        assert first.future.result() is engine and not second.future.done()
+        assert q.counters.snapshot() == {"a": 8.5, "b": 0.0}
+
+    asyncio.run(main())
