@@ -3,6 +3,9 @@
     run = await run_workload(requests, RunConfig(target="127.0.0.1:50051", rate=4.0))
     summary = stats.summarize(run.results, run.duration, slo)
 
+`run_tenants` runs several such workloads at once, each with its own API key (a
+tenant mix: a flooding tenant beside a steady one).
+
 Three arrival modes: Poisson arrivals at `rate` requests/s, a fixed number of
 requests in flight (`concurrency`), or everything at once (neither set). Each request
 streams through `Generate` with token-id prompts, temperature 0 and ignore_eos, and
@@ -136,6 +139,16 @@ async def run_workload(
     return RunOutput(results, duration, started_wall, engine)
 
 
+async def run_tenants(
+    mixes: dict[str, tuple[list[BenchRequest], RunConfig]]
+) -> dict[str, RunOutput]:
+    """Runs every tenant's workload at the same time (each RunConfig carries that
+    tenant's api_key); returns each tenant's RunOutput, timed from a common start."""
+    names = list(mixes)
+    outputs = await asyncio.gather(*(run_workload(*mixes[n]) for n in names))
+    return dict(zip(names, outputs))
+
+
 class _Sender:
     """Starts one task per request on the chosen schedule; owns the time limit."""
 
@@ -214,7 +227,8 @@ class _Sender:
             (("x-adapter-id", req.adapter),) if req.adapter else ()
         )
         res.sent = self.now()
-        call = self.stub.Generate(message, metadata=metadata or None, timeout=self.config.timeout_s)
+        res.deadline_s = req.deadline_s if req.deadline_s is not None else self.config.timeout_s
+        call = self.stub.Generate(message, metadata=metadata or None, timeout=res.deadline_s)
         try:
             async for resp in call:
                 t = self.now()
@@ -223,6 +237,7 @@ class _Sender:
                     res.token_counts.append(len(resp.token_ids))
                 if resp.finish_reason:
                     res.finish_reason = inference_pb2.FinishReason.Name(resp.finish_reason)
+                    res.cached_tokens = resp.usage.cached_prompt_tokens
             res.end = self.now()
         except grpc.aio.AioRpcError as exc:
             res.code, res.error, res.end = exc.code().name, exc.details() or "", self.now()

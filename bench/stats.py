@@ -44,6 +44,8 @@ class RequestResult:
     code: str = "OK"  # gRPC status name; "OK" when the stream ended normally
     error: str = ""
     finish_reason: str = ""
+    cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache (usage)
+    deadline_s: float | None = None  # the deadline it was sent with
 
     @property
     def ok(self) -> bool:

@@ -46,6 +46,7 @@ class BenchRequest:
     max_tokens: int  # exact output length (ignore_eos)
     adapter: str = ""  # x-adapter-id; "" is the base model
     priority: int = 0
+    deadline_s: float | None = None  # the request's gRPC deadline; None: RunConfig.timeout_s
 
 
 @dataclass(frozen=True)
