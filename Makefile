@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
 
 .PHONY: setup proto test test-gpu gpu-env gpu-wheels run bench-offline bench-strategies \
-	bench-lora bench-gpu test-kernels-triton36 bench-fairness clean
+	bench-lora bench-gpu test-kernels-triton36 clean
 
 setup: $(STAMP)
 
@@ -53,13 +53,11 @@ gpu-wheels: setup
 # `make run`: one engine worker and the router on localhost, serving MODEL (by default
 # the demo checkpoint, built on first use without any download; delete models/demo to
 # rebuild it). Ctrl-C stops both.
-# Then, in another shell: .venv/bin/omnibus-client "Once upon a time", or the OpenAI API on
-# http://localhost:$(HTTP_PORT)/v1 (HTTP_PORT=0 turns it off).
+# Then, in another shell: .venv/bin/omnibus-client "Once upon a time"
 DEMO_MODEL := models/demo
 MODEL ?= $(DEMO_MODEL)
 ENGINE_PORT ?= 50061
 ROUTER_PORT ?= 50051
-HTTP_PORT ?= 8000
 ENGINE_FLAGS ?=
 ROUTER_FLAGS ?=
 
@@ -69,7 +67,7 @@ $(DEMO_MODEL)/config.json: | setup
 run: setup $(MODEL)/config.json
 	@trap 'kill $$engine 2>/dev/null; wait $$engine 2>/dev/null' EXIT; \
 	$(BIN)/omnibus-engine serve --port $(ENGINE_PORT) --model $(MODEL) $(ENGINE_FLAGS) & engine=$$!; \
-	$(BIN)/omnibus-router serve --port $(ROUTER_PORT) --http-port $(HTTP_PORT) --engine localhost:$(ENGINE_PORT) --model $(MODEL) $(ROUTER_FLAGS)
+	$(BIN)/omnibus-router serve --port $(ROUTER_PORT) --engine localhost:$(ENGINE_PORT) --model $(MODEL) $(ROUTER_FLAGS)
 
 bench-offline: setup
 	$(PY) -m omnibus.bench.offline --out docs/benchmarks/offline.md
@@ -81,11 +79,6 @@ bench-strategies: setup
 # On a CUDA host: Llama-3-8B-shaped roofline, throughput vs transformers, multi-LoRA.
 bench-gpu: gpu-env
 	$(GPU_VENV)/bin/python -m omnibus.bench.gpu --out docs/benchmarks/gpu.md
-
-# Fair share (FIFO vs VTC), deadlines (EDF vs FIFO) and prefix-aware routing (2 and 4
-# engines), real processes on this machine (~12 min on 2 cores).
-bench-fairness: setup
-	$(PY) -m omnibus.bench.fairness --out docs/benchmarks/fairness.md
 
 # Multi-LoRA throughput: 1, 8, 32 and 128 adapters against the base model, in one run.
 bench-lora: setup
