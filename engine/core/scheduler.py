@@ -35,6 +35,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens computed per step at most
     max_model_len: int = 2048  # prompt + output tokens at most
     waiting_order: str = "slo"  # "slo": EDF and tenant fair share within a priority; "fifo" (core/waiting.py)
+    # slo: a waiting request preempts another tenant's equal-priority one when its tenant's
+    # counter is this many tokens below (a margin against two heavy tenants trading seats).
+    fair_preemption_tokens: int = 16
 
 
 @dataclass(slots=True)
@@ -66,7 +69,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Sequence] = {}  # every unfinished request
         self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
-        self._waiting = WaitingQueue(config.waiting_order, config.max_num_batched_tokens)
+        self._waiting = WaitingQueue(config.waiting_order, config.fair_preemption_tokens)
         self.num_waiting = 0
         self._aborted: list[RequestOutput] = []  # reported by the next update()
         self._step = 0

@@ -30,7 +30,7 @@ _Key = tuple[int, float, int]
 
 
 class WaitingQueue:
-    def __init__(self, order: str = "slo", fair_preemption_tokens: int = 2048) -> None:
+    def __init__(self, order: str = "slo", fair_preemption_tokens: int = 16) -> None:
         if order not in WAITING_ORDERS:
             raise ValueError(f"waiting order must be one of {WAITING_ORDERS}, got {order!r}")
         self.order = order
