@@ -3,14 +3,18 @@ tokenizer for the benchmark checkpoint, and the report written from results."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-
-from omnibus.bench import strategies
+from omnibus.bench import strategies, strategies_report
+from omnibus.bench.__main__ import main as bench_main
 from omnibus.bench.stats import RequestResult, summarize
 from omnibus.bench.strategies import Point, StudyConfig
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+COMMITTED, COMMITTED_RESULTS = DOCS / "strategies.md", DOCS / "strategies" / "results.json"
 
 
 def test_scaled_settings():
@@ -29,15 +33,28 @@ def test_settings_that_would_hang_static_are_refused():
         StudyConfig(out=Path("x.md"), policies=("greedy",))
 
 
-def test_engine_command_passes_batching_flags_only_where_they_apply():
+def test_engine_flags_pass_batching_flags_only_where_they_apply():
     cfg = StudyConfig(out=Path("x.md"), window_ms=20)
-    dyn = strategies.engine_command(cfg, "dynamic", 5000)
+    dyn = strategies.engine_flags(cfg, "dynamic")
     assert dyn[dyn.index("--batching") + 1] == "dynamic"
     assert dyn[dyn.index("--batch-window-ms") + 1] == "20"
     assert dyn[dyn.index("--max-batch-size") + 1] == "16"
-    cont = strategies.engine_command(cfg, "continuous", 5000)
+    cont = strategies.engine_flags(cfg, "continuous")
     assert "--max-batch-size" not in cont and "--batch-window-ms" not in cont
     assert cont[cont.index("--num-kv-blocks") + 1] == str(cfg.kv_blocks)
+
+
+def test_results_record_the_commands_as_the_report_shows_them():
+    commands = strategies.shown_commands(StudyConfig(out=Path("x.md")))
+    assert commands["engine"].startswith(
+        "python -m omnibus.engine serve --port PORT --model MODEL --dtype float32 "
+        "--batching POLICY --max-num-seqs 16 "
+    )
+    assert commands["router"] == (
+        "python -m omnibus.router serve --port PORT --model MODEL --engine 127.0.0.1:PORT "
+        "--max-inflight-per-engine 32 --max-queue-seconds 600.0 --log-level warning "
+        "--drain-seconds 1"
+    )
 
 
 def test_tokenizer_covers_the_vocabulary(tmp_path):
@@ -117,11 +134,12 @@ def test_report_from_results(tmp_path):
         "rates": [1.0, 2.0],
         "latency_cap": 64,
         "points": [asdict(p) for p in points],
+        "commands": strategies.shown_commands(cfg),
         "started": 0.0,
         "elapsed_s": 60.0,
         "machine": {"cpu": "x86_64", "cores": 2, "torch": "2", "load_average_at_end": None},
     }
-    strategies.write_doc(cfg, data)
+    strategies_report.write_report(data, cfg.out)
     doc = (tmp_path / "strategies.md").read_text()
     # continuous produced twice the tokens of static at every cap in the same time
     assert "| 192 (1536) |" in doc and "2.00×" in doc
@@ -136,3 +154,20 @@ def test_report_from_results(tmp_path):
         "latency_vs_throughput.png",
     ):
         assert (tmp_path / "strategies" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_committed_results_render_the_committed_report():
+    """docs/benchmarks/strategies.md is exactly what its results.json renders to."""
+    data = json.loads(COMMITTED_RESULTS.read_text())
+    assert strategies_report.render(data) == COMMITTED.read_text()
+
+
+def test_report_only_runs_nothing_and_writes_the_report_and_plots(tmp_path):
+    out = tmp_path / "strategies.md"
+    assert (
+        bench_main(["strategies", "--report-only", str(COMMITTED_RESULTS), "--out", str(out)]) == 0
+    )
+    assert out.read_text() == COMMITTED.read_text()
+    assert sorted(f.name for f in (tmp_path / "strategies").iterdir()) == sorted(
+        strategies_report.PLOTS.values()
+    )
