@@ -53,11 +53,13 @@ gpu-wheels: setup
 # `make run`: one engine worker and the router on localhost, serving MODEL (by default
 # the demo checkpoint, built on first use without any download; delete models/demo to
 # rebuild it). Ctrl-C stops both.
-# Then, in another shell: .venv/bin/omnibus-client "Once upon a time"
+# Then, in another shell: .venv/bin/omnibus-client "Once upon a time", or the OpenAI API on
+# http://localhost:$(HTTP_PORT)/v1 (HTTP_PORT=0 turns it off).
 DEMO_MODEL := models/demo
 MODEL ?= $(DEMO_MODEL)
 ENGINE_PORT ?= 50061
 ROUTER_PORT ?= 50051
+HTTP_PORT ?= 8000
 ENGINE_FLAGS ?=
 ROUTER_FLAGS ?=
 
@@ -67,7 +69,7 @@ $(DEMO_MODEL)/config.json: | setup
 run: setup $(MODEL)/config.json
 	@trap 'kill $$engine 2>/dev/null; wait $$engine 2>/dev/null' EXIT; \
 	$(BIN)/omnibus-engine serve --port $(ENGINE_PORT) --model $(MODEL) $(ENGINE_FLAGS) & engine=$$!; \
-	$(BIN)/omnibus-router serve --port $(ROUTER_PORT) --engine localhost:$(ENGINE_PORT) --model $(MODEL) $(ROUTER_FLAGS)
+	$(BIN)/omnibus-router serve --port $(ROUTER_PORT) --http-port $(HTTP_PORT) --engine localhost:$(ENGINE_PORT) --model $(MODEL) $(ROUTER_FLAGS)
 
 bench-offline: setup
 	$(PY) -m omnibus.bench.offline --out docs/benchmarks/offline.md

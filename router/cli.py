@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="Prometheus /metrics port; 0: off",
     )
     p.add_argument(
+        "--http-port",
+        type=int,
+        default=_DEFAULTS["http_port"],
+        help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, "
+        "/v1/embeddings, /v1/models) on --host; 0: off",
+    )
+    p.add_argument(
         "--log-level", default=_DEFAULTS["log_level"], choices=["debug", "info", "warning", "error"]
     )
     _auth_flags(p)
@@ -123,6 +130,8 @@ def _validation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-bytes", type=int, default=_DEFAULTS["max_request_bytes"])
     g.add_argument("--max-embed-inputs", type=int, default=_DEFAULTS["max_embed_inputs"],
                    help="inputs of one Embed request at most")
+    g.add_argument("--max-n", type=int, default=_DEFAULTS["max_n"],
+                   help="most choices (n) of one HTTP completion; each is its own engine request")
     g.add_argument(
         "--max-abs-priority",
         type=int,

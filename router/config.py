@@ -85,6 +85,7 @@ class RouterConfig:
     model_name: str = ""  # public model id; "" = the model directory's name
     max_model_len: int | None = None  # context cap below the model's own
     metrics_port: int = 0  # Prometheus /metrics; 0 = off
+    http_port: int = 0  # OpenAI-compatible HTTP API (omnibus.router.http); 0 = off
     keys_file: str | None = None  # JSON tenants file; None = everyone is tenant "default"
     admin_key_file: str | None = None  # file holding an admin key (omnibus.v1.Admin)
     tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # tenants without their own
@@ -96,6 +97,7 @@ class RouterConfig:
     max_request_bytes: int = 1 << 20  # serialized GenerateRequest
     max_abs_priority: int = 100  # priorities outside [-N, N] are refused
     max_embed_inputs: int = 64  # inputs of one Embed request at most
+    max_n: int = 8  # choices (`n`) of one OpenAI-style completion at most
     # Admission control and queueing.
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20  # prompt + max_tokens of every queued request
@@ -136,6 +138,7 @@ class RouterConfig:
         )
         _check(0 <= self.port < 65536, "port", "in [0, 65535]", self.port)
         _check(0 <= self.metrics_port < 65536, "metrics_port", "in [0, 65535]", self.metrics_port)
+        _check(0 <= self.http_port < 65536, "http_port", "in [0, 65535]", self.http_port)
         _check(
             self.max_model_len is None or self.max_model_len >= 2,
             "max_model_len",
@@ -153,6 +156,7 @@ class RouterConfig:
             "max_stop_string_chars": self.max_stop_string_chars,
             "max_request_bytes": self.max_request_bytes,
             "max_embed_inputs": self.max_embed_inputs,
+            "max_n": self.max_n,
             "max_queued_requests": self.max_queued_requests,
             "max_queued_tokens": self.max_queued_tokens,
             "max_queue_seconds": self.max_queue_seconds,

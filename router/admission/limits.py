@@ -195,8 +195,9 @@ def budget_refusal(tenant: Tenant, cost: int, wait: float, level: float) -> Requ
         f"(this request needs {cost}, {int(level)} are left); "
         f"retry in {math.ceil(wait)} s",
         "tenant_budget",
+        retry_after_s=wait,
     )
 
 
-def _exhausted(message: str, reason: str) -> RequestError:
-    return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, reason)
+def _exhausted(message: str, reason: str, retry_after_s: float | None = None) -> RequestError:
+    return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, reason, retry_after_s)

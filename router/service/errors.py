@@ -8,14 +8,19 @@ import grpc
 class RequestError(Exception):
     """A request ends with this gRPC status and message.
 
-    `reason` is a short, fixed label for metrics and logs (never user text).
+    `reason` is a short, fixed label for metrics and logs (never user text);
+    `retry_after_s`, when known, how long a RESOURCE_EXHAUSTED caller should wait
+    (HTTP's Retry-After).
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str, reason: str, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 def invalid(message: str) -> RequestError:

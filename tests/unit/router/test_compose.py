@@ -65,6 +65,22 @@ def test_healthcheck_asks_the_grpc_health_protocol_on_the_service_port(name):
     assert target == f"localhost:{service_args(name).port}"
 
 
+def test_router_publishes_its_grpc_metrics_and_http_ports():
+    args = service_args("router")
+    assert args.http_port, "the router's OpenAI-compatible HTTP API is off"
+    published = {int(p.split(":")[1]) for p in SERVICES["router"]["ports"]}
+    assert published == {args.port, args.http_port, args.metrics_port}
+
+
+def test_make_run_serves_the_http_api_on_a_port_the_cli_accepts():
+    makefile = (ROOT / "Makefile").read_text()
+    (port,) = re.findall(r"^HTTP_PORT \?= (\d+)$", makefile, re.M)
+    (line,) = [l for l in makefile.splitlines() if "omnibus-router serve" in l]
+    assert "--http-port $(HTTP_PORT)" in line
+    assert parse(router_parser(), ["serve", "--engine", "e:1", "--model", "m",
+                                   "--http-port", port]).http_port == int(port)
+
+
 def test_router_reaches_whichever_engine_variant_runs():
     (address,) = service_args("router").engines
     host, port = address.split(":")

@@ -1,0 +1,423 @@
+"""The OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions,
+/v1/embeddings and /v1/models on aiohttp, in the router's own event loop.
+
+Each endpoint turns the body into omnibus.v1 requests (openai_schema.py) and calls the
+router's Pipeline, the one the gRPC service calls: the same authentication (the
+`Authorization: Bearer` header), adapter permission, validation, admission, queues,
+engine routing, detokenization and stop strings. A RequestError becomes the HTTP status
+of its gRPC status, in OpenAI's error JSON. A stream's headers go out only once every
+choice has its first tokens, so a refusal in the queue (429, 503, 504) is still a status;
+later errors arrive as an SSE `data: {"error": ...}` event. The server cancels a handler
+whose client disconnects, which closes the pipeline's streams and so the engine calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import sys
+import time
+import uuid
+from array import array
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+from aiohttp import web
+from omnibus.v1 import inference_pb2 as pb
+
+from omnibus.common.adapters import is_adapter_name
+from omnibus.router.config import RouterConfig
+from omnibus.router.dispatch.adapters import ADAPTER_HEADER
+from omnibus.router.http import openai_schema as oa
+from omnibus.router.http.chat_template import ChatTemplate
+from omnibus.router.service.errors import RequestError, invalid
+from omnibus.router.service.pipeline import Caller, Pipeline
+
+log = structlog.get_logger("router.http")
+
+PRIORITY_HEADER = "x-priority"
+REQUEST_ID_HEADER = "x-request-id"
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# gRPC status → HTTP status and OpenAI error type.
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+_HTTP_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error"}
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Prepared = tuple[pb.GenerateRequest, "oa.CompletionShape | oa.ChatShape"]  # prompt, shape
+
+
+def http_status(code: grpc.StatusCode) -> tuple[int, str]:
+    return _HTTP_STATUS.get(code, (500, "server_error"))
+
+
+def error_body(message: str, kind: str, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def error_response(err: RequestError) -> web.Response:
+    status, kind = http_status(err.code)
+    headers = {}
+    if status == 429:  # whole seconds, at least one
+        headers["Retry-After"] = str(max(1, int(-(-(err.retry_after_s or 1) // 1))))
+    return web.json_response(error_body(err.message, kind, err.reason), status=status, headers=headers)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """aiohttp's own refusals (unknown path, wrong method, body too large) as OpenAI JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = _HTTP_ERROR_TYPES.get(exc.status, "invalid_request_error")
+        message = f"{exc.reason}: {request.method} {request.path}"
+        if exc.status == 413:
+            message = f"the request body is over the {request.app['max_body']} byte limit"
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        return web.json_response(error_body(message, kind, None), status=exc.status, headers=headers)
+
+
+async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+    """(index, item) from several streams as items arrive. The first error ends it
+    (and every stream); closing it closes every stream."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async with aclosing(stream) as items:
+                async for item in items:
+                    queue.put_nowait((index, item))
+            queue.put_nowait((index, done))
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class OpenAIFront:
+    """The HTTP endpoints over one Pipeline."""
+
+    def __init__(self, pipeline: Pipeline, config: RouterConfig, chat: ChatTemplate | None) -> None:
+        self._pipeline = pipeline
+        self._config = config
+        self._chat = chat
+        self._created = int(time.time())
+        self._runner: web.AppRunner | None = None
+
+    def app(self) -> web.Application:
+        max_body = 2 * self._config.max_request_bytes + 4096  # ours is the clearer refusal
+        app = web.Application(middlewares=[_json_errors], client_max_size=max_body)
+        app["max_body"] = max_body
+        app.add_routes([
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/embeddings", self.embeddings),
+            web.get("/v1/models", self.models),
+        ])  # fmt: skip
+        return app
+
+    async def start(self) -> None:
+        # handler_cancellation: a client that disconnects cancels its handler.
+        self._runner = web.AppRunner(
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self._config.drain_seconds,
+        )
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self._config.host, self._config.http_port).start()
+
+    async def stop(self) -> None:
+        """Stops listening, then lets running requests finish for --drain-seconds."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ---- endpoints -----------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            tenant = self._pipeline.authenticate(_metadata(request))
+        except RequestError as err:
+            return error_response(err)
+        listing = self._pipeline.list_models(tenant)
+        base = listing.base_model
+        entry = {"object": "model", "created": self._created, "owned_by": "omnibus"}
+        data = [{**entry, "id": base.id, "root": base.id, "parent": None,
+                 "max_model_len": base.max_context_length}]  # fmt: skip
+        data += [{**entry, "id": a.id, "root": a.id, "parent": base.id,
+                  "max_model_len": base.max_context_length} for a in listing.adapters]  # fmt: skip
+        return web.json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, oa.CompletionBody, self._completion_request)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, oa.ChatBody, self._chat_request)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        request_id = _request_id(request)
+        try:
+            caller, body = await self._start(request, oa.EmbeddingBody, request_id)
+            embed = oa.embed_request(body, request_id, self._priority(request, body.priority))
+        except RequestError as err:
+            return error_response(self._pipeline.refused(err, request_id))
+        try:
+            reply = await self._pipeline.embed(embed, caller)
+        except RequestError as err:
+            return error_response(err)
+        data = [
+            {"object": "embedding", "index": i,
+             "embedding": _encode(list(e.values), body.encoding_format)}
+            for i, e in enumerate(reply.embeddings)
+        ]  # fmt: skip
+        return web.json_response({
+            "object": "list", "data": data, "model": body.model,
+            "usage": {"prompt_tokens": reply.total_tokens, "total_tokens": reply.total_tokens},
+        })  # fmt: skip
+
+    # ---- request → pipeline --------------------------------------------------
+
+    async def _start(self, request: web.Request, kind: type, request_id: str) -> tuple[Caller, Any]:
+        """Authenticates (first, as on gRPC), then parses the body and resolves `model`."""
+        tenant = self._pipeline.authenticate(_metadata(request))
+        body = oa.parse(kind, await request.read())
+        return Caller(tenant, self._adapter(body.model, request.headers.get(ADAPTER_HEADER))), body
+
+    def _adapter(self, model: str, header: str | None) -> str:
+        """`model` names the base model or an adapter (the vLLM / LoRAX convention); the
+        x-adapter-id header works as on gRPC. Either goes through the tenant's list."""
+        base = self._pipeline.limits.model_id
+        if model == base:
+            return header or ""
+        if header and header != model:
+            raise invalid(
+                f"model {model!r} and {ADAPTER_HEADER} {header!r} name different adapters; "
+                f"set one of them (model {base!r} with the header)"
+            )
+        if not is_adapter_name(model):
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {model!r} does not exist: this server serves {base!r} and the adapters "
+                "GET /v1/models lists",
+                "unknown_model",
+            )
+        return model
+
+    def _priority(self, request: web.Request, body_priority: int | None) -> int:
+        header = request.headers.get(PRIORITY_HEADER)
+        if header is None:
+            return body_priority or 0
+        try:
+            priority = int(header)
+        except ValueError:
+            raise invalid(f"{PRIORITY_HEADER} must be an integer, got {header!r}") from None
+        if body_priority is not None and body_priority != priority:
+            raise invalid(
+                f"{PRIORITY_HEADER} {priority} and the body's priority {body_priority} differ; "
+                "set one of them"
+            )
+        return priority
+
+    async def _generation(
+        self, request: web.Request, kind: type, prepare: Callable[[Any], Awaitable[Prepared]]
+    ) -> web.StreamResponse:
+        """A completion or chat request: parse, build one GenerateRequest per choice, serve."""
+        request_id = _request_id(request)
+        try:
+            caller, body = await self._start(request, kind, request_id)
+            prompt, shape = await prepare(body)
+            priority = self._priority(request, body.priority)
+            requests = oa.fan_out(body, prompt, self._config.max_n, request_id, priority)
+        except RequestError as err:
+            return error_response(self._pipeline.refused(err, request_id))
+        return await self._generate(request, shape, body, requests, caller, request_id)
+
+    async def _completion_request(self, body: oa.CompletionBody) -> Prepared:
+        prompt = oa.completion_prompt(body.prompt)
+        prompt.sampling.CopyFrom(oa.sampling(body, body.max_tokens, body.logprobs))
+        return prompt, oa.CompletionShape(body.logprobs, body.return_token_ids, self._token_text)
+
+    async def _chat_request(self, body: oa.ChatBody) -> Prepared:
+        ids = await self._chat_prompt(body)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:  # as the OpenAI API: up to the context
+            limits = self._pipeline.limits
+            max_tokens = max(1, min(limits.max_tokens, limits.context - len(ids)))
+        logprobs = body.logprob_count
+        prompt = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
+        prompt.sampling.CopyFrom(oa.sampling(body, max_tokens, logprobs))
+        return prompt, oa.ChatShape(logprobs, body.return_token_ids, self._token_text)
+
+    async def _chat_prompt(self, body: oa.ChatBody) -> list[int]:
+        if self._chat is None:
+            raise invalid(
+                f"model {self._pipeline.limits.model_id!r} has no chat template (no "
+                "chat_template in its tokenizer_config.json, no chat_template.jinja): use "
+                "/v1/completions with a prompt instead"
+            )
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        tokenizer = self._pipeline.tokenizer
+
+        def render() -> list[int]:  # off the event loop, as the Validator tokenizes
+            text = self._chat.render(messages)
+            return tokenizer.encode(text, add_special_tokens=False).ids
+
+        return await asyncio.to_thread(render)
+
+    def _token_text(self, token_id: int) -> str:
+        return self._pipeline.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- pipeline → response -------------------------------------------------
+
+    async def _generate(
+        self,
+        request: web.Request,
+        shape: oa.CompletionShape | oa.ChatShape,
+        body: Any,
+        requests: list[pb.GenerateRequest],
+        caller: Caller,
+        request_id: str,
+    ) -> web.StreamResponse:
+        choices = [oa.Choice(i) for i in range(len(requests))]
+        head = {"id": shape.id_prefix + request_id, "created": int(time.time()), "model": body.model}
+        merged = merge([self._pipeline.generate(r, caller) for r in requests])
+        async with aclosing(merged):
+            if not body.stream:
+                try:
+                    async for index, response in merged:
+                        choices[index].add(response)
+                except RequestError as err:
+                    return error_response(err)
+                return web.json_response({
+                    **head, "object": shape.object, "choices": [shape.choice(c) for c in choices],
+                    "usage": oa.total_usage(choices),
+                }, headers={REQUEST_ID_HEADER: request_id})  # fmt: skip
+            try:
+                first = await _first_of_each(merged, len(requests))
+            except RequestError as err:
+                return error_response(err)
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = _sse_events(shape, head, choices, first, merged, include_usage)
+            return await _send_sse(request, events, request_id)
+
+
+async def _first_of_each(
+    merged: AsyncIterator[tuple[int, pb.GenerateResponse]], n: int
+) -> list[tuple[int, pb.GenerateResponse]]:
+    """Reads until every choice has sent a message (each ends with a finish message, so
+    this never runs out first)."""
+    items, seen = [], set()
+    while len(seen) < n:
+        index, response = await anext(merged)
+        items.append((index, response))
+        seen.add(index)
+    return items
+
+
+async def _sse_events(
+    shape: oa.CompletionShape | oa.ChatShape,
+    head: dict[str, Any],
+    choices: list[oa.Choice],
+    first: list[tuple[int, pb.GenerateResponse]],
+    merged: AsyncIterator[tuple[int, pb.GenerateResponse]],
+    include_usage: bool,
+) -> AsyncGenerator[dict[str, Any], None]:
+    """The stream's chunks, as the OpenAI API sends them: one per engine step and choice,
+    the last with finish_reason; with include_usage, `usage: null` on each and a last
+    chunk with no choices and the usage."""
+    started: set[int] = set()
+
+    async def rest() -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+        for item in first:
+            yield item
+        async for item in merged:
+            yield item
+
+    chunk = {**head, "object": shape.chunk_object}
+    async for index, response in rest():
+        choice = choices[index]
+        choice.add(response)
+        parts = shape.chunk_choices(choice, response, index not in started)
+        started.add(index)
+        for part in parts:
+            yield {**chunk, "choices": [part], **({"usage": None} if include_usage else {})}
+    if include_usage:
+        yield {**chunk, "choices": [], "usage": oa.total_usage(choices)}
+
+
+async def _send_sse(
+    request: web.Request, events: AsyncGenerator[dict[str, Any], None], request_id: str
+) -> web.StreamResponse:
+    response = web.StreamResponse(headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id})
+    await response.prepare(request)
+    try:
+        async with aclosing(events):
+            try:
+                async for event in events:
+                    await response.write(_sse(event))
+            except RequestError as err:  # after the headers: an error event ends the stream
+                status, kind = http_status(err.code)
+                await response.write(_sse(error_body(err.message, kind, err.reason)))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # the client left; closing `events` cancelled the work
+        log.info("http_client_gone", request_id=request_id)
+    return response
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _metadata(request: web.Request) -> list[tuple[str, str]]:
+    return [(k.lower(), v) for k, v in request.headers.items()]
+
+
+def _request_id(request: web.Request) -> str:
+    return request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+
+def _encode(values: list[float], encoding: str) -> list[float] | str:
+    """OpenAI's base64 encoding: little-endian float32."""
+    if encoding == "float":
+        return values
+    packed = array("f", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return base64.b64encode(packed.tobytes()).decode()

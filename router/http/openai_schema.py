@@ -1,0 +1,445 @@
+"""OpenAI request bodies in, omnibus.v1 requests out; omnibus.v1 responses in, OpenAI
+JSON out. Only the shape changes here: every limit and range is checked by the one
+Validator the gRPC API goes through (a sampling value out of range gets the same
+message either way)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, Literal
+
+from omnibus.v1 import inference_pb2 as pb
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omnibus.router.service.errors import invalid
+
+MAX_SEED = 2**64 - 1  # SamplingParams.seed is a uint64
+FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORTED: "abort"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Body(BaseModel):
+    """Fields every generation body shares. Unknown fields are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: Any = None  # a string or a list of strings (checked by stop_strings)
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # only empty: no biasing here
+    user: str | None = None  # accepted and ignored, as the OpenAI API only logs it
+    # Extensions (vLLM's names): sampling the OpenAI API lacks, and scheduling.
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    priority: int | None = None  # or the x-priority header
+    return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server cannot do, as a message."""
+        if self.logit_bias:
+            return "logit_bias is not supported; remove it"
+        if self.stream_options is not None and not self.stream:
+            return "stream_options is only allowed with stream: true"
+        return None
+
+
+class CompletionBody(_Body):
+    prompt: Any  # a string or token ids (checked by completion_prompt)
+    logprobs: int | None = None  # alternatives per token, 0..20; None: no logprobs
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo is not supported; the prompt is not repeated in the completion"
+        if self.suffix:
+            return "suffix (insertion) is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of is not supported; use n for several completions"
+        return super().unsupported()
+
+
+class ChatMessage(BaseModel):
+    """One message; fields beyond role and content (name, tool_call_id...) reach the
+    template as they are."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Any = None  # a string, a list of text parts, or null
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        return {**(self.model_extra or {}), "role": self.role, "content": _content(self.content, index)}
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        if self.tools or self.tool_choice not in (None, "none"):
+            return "tools and tool_choice are not supported"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format is not supported; only {\"type\": \"text\"}"
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                return "max_tokens and max_completion_tokens differ; set one of them"
+        if not self.messages:
+            return "messages must not be empty"
+        return super().unsupported()
+
+    @property
+    def logprob_count(self) -> int | None:
+        """Alternatives per token asked for; None: no logprobs."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise invalid("top_logprobs needs logprobs: true")
+            return None
+        return self.top_logprobs or 0
+
+
+class EmbeddingBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    input: Any  # a string, strings, token ids or lists of token ids
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    # Extensions: how token states become one vector. OpenAI's embeddings are unit length.
+    pooling: Literal["mean", "last"] = "mean"
+    normalize: bool = True
+    priority: int | None = None
+
+
+_Bodies = CompletionBody | ChatBody | EmbeddingBody
+
+
+def parse(kind: type[_Bodies], raw: bytes) -> Any:
+    """The body as `kind`. Raises RequestError(INVALID_ARGUMENT) naming the bad field."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(f"the request body must be a JSON object: {exc}") from None
+    if not isinstance(data, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        body = kind.model_validate(data)
+    except ValidationError as exc:
+        raise invalid(_describe(exc)) from None
+    problem = body.unsupported() if hasattr(body, "unsupported") else None
+    if problem:
+        raise invalid(problem)
+    return body
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors(include_url=False)[:4]:
+        where = ".".join(str(p) for p in error["loc"]) or "body"
+        if error["type"] == "extra_forbidden":
+            parts.append(f"unknown field {where!r}")
+        elif error["type"] == "missing":
+            parts.append(f"{where} is required")
+        else:
+            parts.append(f"{where}: {error['msg']}")
+    return "; ".join(parts)
+
+
+# ---- bodies → omnibus.v1 ------------------------------------------------------------
+
+
+def _is_ids(value: object) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value)
+
+
+def completion_prompt(prompt: object) -> pb.GenerateRequest:
+    """A GenerateRequest holding the body's one prompt (text or token ids)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(text=prompt)
+    if _is_ids(prompt) and prompt:
+        return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid(
+            f"prompt holds {len(prompt)} prompts; send one prompt per request (use n for "
+            "several completions of one prompt)"
+        )
+    raise invalid("prompt must be a non-empty string or a non-empty list of token ids")
+
+
+def stop_strings(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise invalid("stop must be a string or a list of strings")
+
+
+def _content(content: object, index: int) -> str:
+    """A message's text: a string, or the text parts of a list joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                part.get("text"), str
+            ):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise invalid(
+                    f"messages.{index}.content: only text parts are supported "
+                    f"({{\"type\": \"text\", \"text\": ...}}), got {kind!r}"
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"messages.{index}.content must be a string, a list of text parts or null")
+
+
+def sampling(body: _Body, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
+    """The body's sampling parameters as omnibus.v1's; unset stays unset (the
+    Validator's defaults). `logprobs` 0 asks for the chosen token only: the engine is
+    asked for one alternative, which the response leaves out."""
+    params = pb.SamplingParams(
+        top_k=body.top_k,
+        min_p=body.min_p,
+        stop=stop_strings(body.stop),
+        stop_token_ids=body.stop_token_ids,
+        ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        logprobs=0 if logprobs is None else max(logprobs, 1),
+    )
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", body.temperature),
+        ("top_p", body.top_p),
+        ("repetition_penalty", body.repetition_penalty),
+    ):
+        if value is not None:
+            setattr(params, name, value)
+    return params
+
+
+def fan_out(
+    body: _Body, request: pb.GenerateRequest, max_n: int, request_id: str, priority: int
+) -> list[pb.GenerateRequest]:
+    """One GenerateRequest per choice. Choice i of a seeded request gets seed + i, so
+    the choices differ and each is reproducible on its own."""
+    if not 1 <= body.n <= max_n:
+        raise invalid(f"n must be in [1, {max_n}], got {body.n}")
+    if body.seed is not None and not 0 <= body.seed <= MAX_SEED - (body.n - 1):
+        raise invalid(f"seed must be in [0, {MAX_SEED - (body.n - 1)}], got {body.seed}")
+    requests = []
+    for i in range(body.n):
+        one = pb.GenerateRequest()
+        one.CopyFrom(request)
+        one.priority = priority
+        one.request_id = request_id if body.n == 1 else f"{request_id}-{i}"
+        if body.seed is not None:
+            one.sampling.seed = body.seed + i
+        requests.append(one)
+    return requests
+
+
+def embed_request(body: EmbeddingBody, request_id: str, priority: int) -> pb.EmbedRequest:
+    if body.dimensions is not None:
+        raise invalid("dimensions is not supported: embeddings have the model's hidden size")
+    items = body.input
+    if isinstance(items, str) or _is_ids(items):
+        items = [items]
+    if not isinstance(items, list) or not items:
+        raise invalid("input must be a string, a list of strings, token ids or lists of token ids")
+    inputs = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            inputs.append(pb.EmbedInput(text=item))
+        elif _is_ids(item):
+            inputs.append(pb.EmbedInput(token_ids=pb.TokenIds(ids=item)))
+        else:
+            raise invalid(f"input {i} must be a string or a list of token ids")
+    return pb.EmbedRequest(
+        inputs=inputs,
+        pooling=pb.LAST if body.pooling == "last" else pb.MEAN,
+        normalize=body.normalize,
+        priority=priority,
+        request_id=request_id,
+    )
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+# ---- omnibus.v1 → OpenAI JSON -------------------------------------------------------
+
+
+class Choice:
+    """What one choice has produced so far."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[pb.TokenLogprob] = []
+        self.finish: str | None = None
+        self.usage: pb.Usage | None = None
+        self.offset = 0  # characters sent so far (text_offset of completion logprobs)
+
+    def add(self, response: pb.GenerateResponse) -> None:
+        self.text.append(response.text)
+        self.token_ids.extend(response.token_ids)
+        self.logprobs.extend(response.logprobs)
+        if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.finish = FINISH_REASONS[response.finish_reason]
+            self.usage = response.usage
+
+
+def total_usage(choices: list[Choice]) -> dict[str, Any]:
+    """The prompt counted once (every choice has the same one), completions summed."""
+    done = [c.usage for c in choices if c.usage is not None]
+    if not done:
+        return usage(0, 0, 0)
+    return usage(
+        done[0].prompt_tokens,
+        sum(u.completion_tokens for u in done),
+        min(u.cached_prompt_tokens for u in done),
+    )
+
+
+TokenText = Callable[[int], str]
+
+
+class _Shape:
+    """How an endpoint shapes choices: with logprobs (`logprobs` alternatives per token;
+    None: none) and token ids or not; `token_text` names a token."""
+
+    def __init__(self, logprobs: int | None, token_ids: bool, token_text: TokenText) -> None:
+        self._logprobs = logprobs
+        self._token_ids = token_ids
+        self._token_text = token_text
+
+
+class CompletionShape(_Shape):
+    """/v1/completions: `text_completion` objects and chunks."""
+
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def choice(self, c: Choice) -> dict[str, Any]:
+        return self._choice(c.index, "".join(c.text), c.token_ids, c.logprobs, c.finish, c)
+
+    def chunk_choices(self, c: Choice, r: pb.GenerateResponse, first: bool) -> list[dict[str, Any]]:
+        if not (r.text or r.logprobs or c.finish or self._token_ids and r.token_ids):
+            return []  # text held back (a partial character or stop string): nothing new
+        return [self._choice(c.index, r.text, r.token_ids, r.logprobs, c.finish, c)]
+
+    def _choice(self, index, text, ids, logprobs, finish, c: Choice) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        if self._logprobs is not None:
+            out["logprobs"] = self._format(logprobs, c)
+        if self._token_ids:
+            out["token_ids"] = list(ids)
+        return out
+
+    def _format(self, logprobs, c: Choice) -> dict[str, Any]:
+        tokens = [self._token_text(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(c.offset)
+            c.offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [
+                {self._token_text(t.token_id): t.logprob for t in lp.top[: self._logprobs]}
+                for lp in logprobs
+            ],
+            "text_offset": offsets,
+        }
+
+
+class ChatShape(_Shape):
+    """/v1/chat/completions: `chat.completion` objects and `chat.completion.chunk`s (a
+    first chunk with the role, content chunks, a last chunk with the finish reason)."""
+
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def choice(self, c: Choice) -> dict[str, Any]:
+        out = {
+            "index": c.index,
+            "message": {"role": "assistant", "content": "".join(c.text), "refusal": None},
+            "logprobs": self._format(c.logprobs),
+            "finish_reason": c.finish,
+        }
+        if self._token_ids:
+            out["token_ids"] = c.token_ids
+        return out
+
+    def chunk_choices(self, c: Choice, r: pb.GenerateResponse, first: bool) -> list[dict[str, Any]]:
+        chunks = []
+        if first:
+            chunks.append(self._delta(c.index, {"role": "assistant", "content": ""}, None))
+        if r.text or r.logprobs or self._token_ids and r.token_ids:
+            chunk = self._delta(c.index, {"content": r.text}, None)
+            chunk["logprobs"] = self._format(r.logprobs)
+            if self._token_ids:
+                chunk["token_ids"] = list(r.token_ids)
+            chunks.append(chunk)
+        if c.finish is not None:
+            chunks.append(self._delta(c.index, {}, c.finish))
+        return chunks
+
+    @staticmethod
+    def _delta(index: int, delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def _format(self, logprobs) -> dict[str, Any] | None:
+        if self._logprobs is None:
+            return None
+        return {
+            "content": [
+                {
+                    **self._token(lp.token_id, lp.logprob),
+                    "top_logprobs": [self._token(t.token_id, t.logprob) for t in lp.top[: self._logprobs]],
+                }
+                for lp in logprobs
+            ],
+            "refusal": None,
+        }
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

@@ -1,0 +1,457 @@
+"""The router's OpenAI-compatible HTTP front over real processes, driven by the official
+`openai` client (and httpx for the raw SSE bytes and headers): token-exact with the gRPC
+API on the same router (one pipeline), chat prompts as transformers renders the
+template, adapters by `model` and by header equal to PEFT, every error status, client
+disconnects freeing every KV block, and 100 concurrent streams.
+
+Three routers share one engine: `main` (keys file, chat template, adapters), `plain`
+(the checkpoint as is: no chat template; one request in flight and a 0.5 s queue limit,
+for 504) and `orphan` (its engine address has nothing listening, for 503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import struct
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+import transformers
+from omnibus.v1 import inference_pb2 as pb
+from omnibus.v1 import inference_pb2_grpc
+from tokenizers import Tokenizer
+
+from tests.checkpoints import hf_greedy
+from tests.grpc_helpers import (
+    ServerProcess,
+    engine_process,
+    engine_stats,
+    free_port,
+    router_process,
+    tiny_checkpoint,
+    wait_until,
+)
+from tests.oracle.test_lora import ADAPTERS, make_adapter
+
+MODEL = "tiny-llama"
+NUM_KV_BLOCKS = 256
+ENGINE_FLAGS = ("--block-size", "8", "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", "16",
+                "--max-loras", "2")  # fmt: skip
+TENANTS = {
+    "acme": {"keys": ["key-acme"], "adapters": ["a-r2"]},
+    "initech": {"keys": ["key-initech"]},  # any adapter
+    "tight": {"keys": ["key-tight"], "tokens_per_minute": 60, "max_concurrent": 1},
+}
+# A ChatML-like template, with the special tokens and raise_exception HF templates use.
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'assistant' %}"
+    "{{ raise_exception('a conversation must not start with the assistant') }}{% endif %}"
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PROMPT = "Once upon a time"
+PROMPT_IDS = [5, 6, 7, 8, 9, 10]
+MESSAGES = [
+    {"role": "system", "content": "You are a fox."},
+    {"role": "user", "content": [{"type": "text", "text": "Every day the fox "}, {"type": "text", "text": "ran"}]},
+]  # fmt: skip
+
+
+@dataclass
+class Cluster:
+    model: Path
+    chat_model: Path
+    engine: ServerProcess
+    main: ServerProcess
+    plain: ServerProcess
+    orphan: ServerProcess
+    http: dict[str, int]  # router name -> HTTP port
+    peft: dict[str, object]  # adapter -> PEFT model
+
+    def url(self, router: str = "main") -> str:
+        return f"http://127.0.0.1:{self.http[router]}/v1"
+
+    def client(self, key: str = "key-initech", router: str = "main", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url(router), api_key=key, max_retries=0, **kw)
+
+    def grpc(self, request: pb.GenerateRequest, key: str = "key-initech", adapter: str = ""):
+        stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(self.main.address))
+        metadata = [("authorization", f"Bearer {key}"), ("x-adapter-id", adapter)]
+        return list(stub.Generate(request, metadata=metadata, timeout=60))
+
+
+def serving_http(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    model = tiny_checkpoint(tmp_path_factory)
+    root = tmp_path_factory.mktemp("openai-http")
+    chat_model = root / MODEL  # what the router reads, plus a chat template
+    chat_model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        os.symlink(model / name, chat_model / name)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (chat_model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    peft = {name: make_adapter(model, root / "adapters" / name, *ADAPTERS[name], seed=i)
+            for i, name in enumerate(("a-r2", "b-r8"))}  # fmt: skip
+    keys = root / "keys.json"
+    keys.write_text(json.dumps({"tenants": TENANTS}))
+    logs = tmp_path_factory.mktemp("logs")
+    engine = engine_process(model, logs, "engine", *ENGINE_FLAGS, "--adapter-dir", str(root / "adapters"))
+    http = {name: free_port() for name in ("main", "plain", "orphan")}
+    name_flag = f"--model-name={MODEL}"
+    main = router_process(chat_model, [engine.address], logs, "router-main", name_flag,
+                          f"--keys-file={keys}", f"--http-port={http['main']}", "--max-n=4")
+    plain = router_process(model, [engine.address], logs, "router-plain", name_flag,
+                           f"--http-port={http['plain']}", "--max-inflight-per-engine=1",
+                           "--max-queue-seconds=0.5")
+    orphan = router_process(model, [f"127.0.0.1:{free_port()}"], logs, "router-orphan",
+                            name_flag, f"--http-port={http['orphan']}")  # fmt: skip
+    procs = [engine, main, plain, orphan]
+    try:
+        for proc in (engine, main, plain):
+            proc.wait_serving()
+        wait_until(lambda: serving_http(http["orphan"]), 60, "the orphan router's HTTP port")
+        yield Cluster(model, chat_model, engine, main, plain, orphan, http, peft)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def greedy_grpc(prompt: str | list[int], max_tokens: int, **sampling) -> pb.GenerateRequest:
+    params = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+    if isinstance(prompt, str):
+        return pb.GenerateRequest(text=prompt, sampling=params)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params)
+
+
+def grpc_result(responses: list[pb.GenerateResponse]) -> tuple[str, list[int], str]:
+    finish = pb.FinishReason.Name(responses[-1].finish_reason).lower()
+    return "".join(r.text for r in responses), [t for r in responses for t in r.token_ids], finish
+
+
+def chat_prompt_ids(cluster: Cluster) -> list[int]:
+    """The chat prompt as transformers renders and tokenizes it (the reference)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(cluster.chat_model)
+    flat = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+             else "".join(p["text"] for p in m["content"])} for m in MESSAGES]  # fmt: skip
+    ids = tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    return list(ids)
+
+
+def is_idle(address: str) -> bool:
+    s = engine_stats(address)
+    return s.num_active_streams == 0 and s.load.num_running == 0 and s.load.num_waiting == 0
+
+
+def wait_all_blocks_free(cluster: Cluster) -> None:
+    wait_until(lambda: is_idle(cluster.engine.address), 30, "the engine to be idle")
+    load = engine_stats(cluster.engine.address).load
+    assert (load.num_free_blocks, load.num_total_blocks) == (NUM_KV_BLOCKS - 1, NUM_KV_BLOCKS - 1)
+
+
+# ---- completions and chat, token-exact with gRPC -------------------------------------
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, PROMPT_IDS], ids=["text", "token-ids"])
+def test_completion_equals_grpc_streamed_and_not(cluster, prompt):
+    text, ids, finish = grpc_result(cluster.grpc(greedy_grpc(prompt, 12)))
+    client = cluster.client()
+    extra = {"return_token_ids": True}
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body=extra)  # fmt: skip
+    (choice,) = reply.choices
+    assert (choice.text, choice.token_ids, choice.finish_reason) == (text, ids, finish)
+    assert reply.object == "text_completion" and reply.model == MODEL
+    assert reply.usage.completion_tokens == len(ids) and reply.usage.total_tokens == (
+        reply.usage.prompt_tokens + len(ids))
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                            temperature=0, stream=True, extra_body=extra))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert [t for c in chunks for t in c.choices[0].token_ids] == ids
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + [finish]
+
+
+def test_chat_uses_the_models_template_and_equals_grpc(cluster):
+    expected = grpc_result(cluster.grpc(greedy_grpc(chat_prompt_ids(cluster), 10)))
+    client = cluster.client()
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+              extra_body={"return_token_ids": True})  # fmt: skip
+    reply = client.chat.completions.create(**kw)
+    (choice,) = reply.choices
+    assert (choice.message.content, choice.token_ids, choice.finish_reason) == expected
+    assert choice.message.role == "assistant" and reply.object == "chat.completion"
+    assert reply.usage.prompt_tokens == len(chat_prompt_ids(cluster))
+    chunks = list(client.chat.completions.create(**kw, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected[1])
+    assert chunks[-2].choices[0].finish_reason == expected[2]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == expected[0]
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_raw_sse_is_what_the_openai_api_sends(cluster):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", cluster.url() + "/completions", json=body, timeout=30,
+                      headers={"Authorization": "Bearer key-initech"}) as reply:  # fmt: skip
+        assert reply.status_code == 200
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        raw = reply.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_n_choices_are_seeded_seed_plus_i(cluster):
+    def grpc_text(seed: int) -> str:
+        request = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(
+            max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True))
+        return grpc_result(cluster.grpc(request))[0]
+
+    reply = cluster.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=40, n=3,
+        extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert [c.text for c in reply.choices] == [grpc_text(40), grpc_text(41), grpc_text(42)]
+    assert reply.usage.completion_tokens == 24
+
+
+def test_completion_logprobs_equal_grpc(cluster):
+    responses = cluster.grpc(greedy_grpc(PROMPT, 4, logprobs=2, ignore_eos=True))
+    expected = [lp for r in responses for lp in r.logprobs]
+    reply = cluster.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True})  # fmt: skip
+    logprobs = reply.choices[0].logprobs
+    assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected])
+    tokenizer = Tokenizer.from_file(str(cluster.model / "tokenizer.json"))
+    for got, want in zip(logprobs.top_logprobs, expected, strict=True):
+        tops = {tokenizer.decode([t.token_id], skip_special_tokens=False): t.logprob for t in want.top}
+        assert got == pytest.approx(tops) and len(want.top) == 2
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(4)]
+
+
+# ---- LoRA adapters --------------------------------------------------------------------
+
+
+def test_adapter_by_model_and_by_header_equals_peft(cluster):
+    client = cluster.client("key-acme")
+    kw = dict(prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    by_model = client.completions.create(model="a-r2", **kw).choices[0].token_ids
+    by_header = client.completions.create(model=MODEL, extra_headers={"x-adapter-id": "a-r2"},
+                                          **kw).choices[0].token_ids  # fmt: skip
+    base = client.completions.create(model=MODEL, **kw).choices[0].token_ids
+    assert by_model == by_header == hf_greedy(cluster.peft["a-r2"], PROMPT_IDS, 6)
+    assert by_model != base
+
+
+def test_models_lists_the_base_model_and_the_tenants_adapters(cluster):
+    def ids(key: str) -> list[str]:
+        return [m.id for m in cluster.client(key).models.list()]
+
+    assert ids("key-acme") == [MODEL, "a-r2"]
+    assert ids("key-initech") == [MODEL, "a-r2", "b-r8"]
+    (adapter,) = [m for m in cluster.client("key-acme").models.list().data if m.id == "a-r2"]
+    assert adapter.parent == MODEL
+
+
+# ---- embeddings -----------------------------------------------------------------------
+
+
+def test_embeddings_equal_grpc_embed_in_both_encodings(cluster):
+    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(cluster.main.address))
+    request = pb.EmbedRequest(inputs=[pb.EmbedInput(text=PROMPT), pb.EmbedInput(text="fox")],
+                              normalize=True)  # fmt: skip
+    expected = stub.Embed(request, metadata=[("authorization", "Bearer key-initech")], timeout=30)
+    client = cluster.client()
+    reply = client.embeddings.create(model=MODEL, input=[PROMPT, "fox"])  # base64 on the wire
+    for got, want in zip(reply.data, expected.embeddings, strict=True):
+        assert got.embedding == pytest.approx(list(want.values), abs=1e-6)
+    assert reply.usage.prompt_tokens == expected.total_tokens
+    raw = httpx.post(cluster.url() + "/embeddings", timeout=30, headers={"Authorization": "Bearer key-acme"},
+                     json={"model": MODEL, "input": "fox", "encoding_format": "base64"}).json()  # fmt: skip
+    packed = base64.b64decode(raw["data"][0]["embedding"])
+    values = struct.unpack(f"<{len(packed) // 4}f", packed)
+    assert values == pytest.approx(list(expected.embeddings[1].values), abs=1e-6)
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+
+def status_of(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as err:
+        call()
+    return err.value
+
+
+ERRORS = {
+    "malformed-key": ("main", "", {}, 401, "authentication_error",
+                      "authorization metadata must be 'Bearer <key>'"),
+    "bad-key": ("main", "key-nobody", {}, 401, "authentication_error", "invalid API key"),
+    "adapter-outside-list": ("main", "key-acme", {"model": "b-r8"}, 403, "permission_error",
+                             "tenant 'acme' may not use adapter 'b-r8'"),
+    "unknown-adapter": ("main", "key-initech", {"model": "pirate"}, 404, "not_found_error",
+                        "adapter 'pirate' not found on any engine"),
+    "unknown-model": ("main", "key-initech", {"model": "org/other-model"}, 404, "not_found_error",
+                      "model 'org/other-model' does not exist: this server serves 'tiny-llama'"),
+    "temperature": ("main", "key-initech", {"temperature": -1}, 400, "invalid_request_error",
+                    "temperature must be"),
+    "n-over-flag": ("main", "key-initech", {"n": 5}, 400, "invalid_request_error",
+                    "n must be in [1, 4], got 5"),
+    "unknown-field": ("main", "key-initech", {"extra_body": {"best_guess": 1}}, 400,
+                      "invalid_request_error", "unknown field 'best_guess'"),
+    "two-prompts": ("main", "key-initech", {"prompt": ["a", "b"]}, 400, "invalid_request_error",
+                    "prompt holds 2 prompts; send one prompt per request"),
+    "context": ("main", "key-initech", {"max_tokens": 1020}, 400, "invalid_request_error",
+                "the model's context"),
+    "over-budget": ("main", "key-tight", {"max_tokens": 200}, 429, "rate_limit_error",
+                    "this request needs"),
+    "no-engine": ("orphan", "any", {}, 503, "service_unavailable_error",
+                  "no engine worker is available; retry later"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ERRORS)
+def test_errors_have_the_http_status_of_their_grpc_status(cluster, name):
+    router, key, overrides, status, kind, message = ERRORS[name]
+    client = cluster.client(key or "unused", router)
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **overrides}
+    headers = {"Authorization": ""} if key == "" else {}
+    err = status_of(lambda: client.completions.create(**kw, extra_headers=headers))
+    assert err.status_code == status
+    assert err.body["type"] == kind, err.body
+    assert message in err.body["message"], err.body
+
+
+def test_429_carries_retry_after_and_the_budget_refills(cluster):
+    body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 40}  # 46 of 60 tokens a minute
+    headers = {"Authorization": "Bearer key-tight"}
+    first = httpx.post(cluster.url() + "/completions", json=body, headers=headers, timeout=30)
+    assert first.status_code == 200
+    second = httpx.post(cluster.url() + "/completions", json=body, headers=headers, timeout=30)
+    error = second.json()["error"]
+    assert (second.status_code, error["code"]) == (429, "tenant_budget")
+    wait = int(second.headers["Retry-After"])  # what the message says, in whole seconds
+    assert wait >= 1 and error["message"].endswith(f"retry in {wait} s")
+
+
+def test_chat_errors(cluster):
+    plain = cluster.client(router="plain")
+    err = status_of(lambda: plain.chat.completions.create(model=MODEL, messages=MESSAGES))
+    assert err.status_code == 400
+    assert "has no chat template" in err.body["message"] and "/v1/completions" in err.body["message"]
+    main = cluster.client()
+    err = status_of(lambda: main.chat.completions.create(
+        model=MODEL, messages=[{"role": "assistant", "content": "hi"}]))
+    assert (err.status_code, err.body["message"]) == (
+        400, "the model's chat template refused the messages: a conversation must not start "
+        "with the assistant")  # fmt: skip
+    err = status_of(lambda: main.chat.completions.create(model=MODEL, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]))
+    assert err.status_code == 400 and "only text parts are supported" in err.body["message"]
+
+
+def test_raw_http_errors_are_openai_json(cluster):
+    url, auth = cluster.url(), {"Authorization": "Bearer key-initech"}
+    no_key = httpx.post(url + "/completions", json={"model": MODEL, "prompt": PROMPT})
+    assert (no_key.status_code, no_key.json()["error"]["message"]) == (
+        401, "missing 'authorization: Bearer <key>' metadata")
+    bad_json = httpx.post(url + "/completions", content=b"{nope", headers=auth)
+    assert bad_json.status_code == 400
+    assert bad_json.json()["error"]["message"].startswith("the request body must be a JSON object")
+    priority = httpx.post(url + "/completions", headers={**auth, "x-priority": "high"},
+                          json={"model": MODEL, "prompt": PROMPT})  # fmt: skip
+    assert priority.json()["error"]["message"] == "x-priority must be an integer, got 'high'"
+    missing = httpx.get(url + "/nothing-here", headers=auth)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    wrong_method = httpx.get(url + "/completions", headers=auth)
+    assert wrong_method.status_code == 405 and wrong_method.headers["Allow"] == "POST"
+
+
+def test_queue_timeout_is_504(cluster):
+    """`plain` keeps one request on the engine: a second one waits in its queue past 0.5 s."""
+    client = cluster.client(router="plain")
+    with client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=600, stream=True,
+                                   extra_body={"ignore_eos": True}) as hog:  # fmt: skip
+        next(iter(hog))  # on the engine now
+        err = status_of(lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2))
+    assert err.status_code == 504 and err.body["type"] == "timeout_error"
+    assert "waited" in err.body["message"] and "never scheduled" in err.body["message"]
+    wait_all_blocks_free(cluster)
+
+
+# ---- disconnects and load ---------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_every_kv_block(cluster):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "stream": True, "ignore_eos": True}
+    before = engine_stats(cluster.engine.address).num_requests
+    with httpx.stream("POST", cluster.url() + "/completions", json=body, timeout=30,
+                      headers={"Authorization": "Bearer key-initech"}) as reply:  # fmt: skip
+        events = (line for line in reply.iter_lines() if line)
+        first = [next(events) for _ in range(3)]
+        assert all(e.startswith('data: {"id"') for e in first), first
+    # the connection is closed: the router cancels the engine call within a step
+    wait_all_blocks_free(cluster)
+    stats = engine_stats(cluster.engine.address)
+    assert stats.num_requests == before + 1
+
+
+def test_disconnect_while_waiting_for_a_whole_completion_frees_every_kv_block(cluster):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(cluster.url() + "/completions", json=body, timeout=1.0,
+                   headers={"Authorization": "Bearer key-initech"})  # fmt: skip
+    wait_all_blocks_free(cluster)
+
+
+async def test_100_concurrent_streams(cluster):
+    client = openai.AsyncOpenAI(base_url=cluster.url(), api_key="key-initech", max_retries=0,
+                                http_client=openai.DefaultAsyncHttpxClient(
+                                    limits=httpx.Limits(max_connections=200)))  # fmt: skip
+
+    async def one(i: int) -> tuple[str, str | None, int]:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+        text, finish, tokens = "", None, 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            else:
+                tokens = chunk.usage.completion_tokens
+        return text, finish, tokens
+
+    start = time.monotonic()
+    results = await asyncio.gather(*(one(i) for i in range(100)))
+    seconds = time.monotonic() - start
+    await client.close()
+    assert [(finish, tokens) for _, finish, tokens in results] == [("length", 8)] * 100
+    print(f"100 concurrent streams of 8 tokens: {seconds:.2f} s")
+    wait_all_blocks_free(cluster)
