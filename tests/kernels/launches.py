@@ -75,8 +75,8 @@ def sm90_ptx(kernels: list[tuple[str, str, Launch]]) -> list[str]:
                        else "fp32" if isinstance(v, float) else "i32" for v in launch.args]}
             for module, name, launch in kernels]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the same triton as here
-    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(jobs)], env=env,
+    path = json.dumps([p for p in sys.path if p])  # the child imports the same triton as here
+    done = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(jobs), path], env=env,
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"compiling for sm_90 failed:\n{done.stderr[-3000:]}")
@@ -85,6 +85,7 @@ def sm90_ptx(kernels: list[tuple[str, str, Launch]]) -> list[str]:
 
 _COMPILE = """
 import importlib, json, sys
+sys.path[:0] = json.loads(sys.argv[2])
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
