@@ -1,4 +1,6 @@
-"""Embed over real processes: router + engine, checked against transformers' hidden states."""
+"""Embed over real processes: router + engine, checked against transformers' hidden states.
+The router and engine are the session's shared ones (tests/e2e/conftest.py: EMBED_FLAGS,
+--max-embed-inputs 5)."""
 
 from __future__ import annotations
 
@@ -12,21 +14,12 @@ from omnibus.v1 import inference_pb2_grpc
 from tokenizers import Tokenizer
 
 from tests.checkpoints import load_hf
-from tests.grpc_helpers import engine_process, router_process, tiny_checkpoint
+from tests.grpc_helpers import engine_process, router_process
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = tiny_checkpoint(tmp_path_factory)
-    logs = tmp_path_factory.mktemp("embed-logs")
-    # A long queue delay with preferred size 4: batches of 4 leave at once, the rest wait.
-    engine = engine_process(model, logs, "engine", "--num-kv-blocks", "64", "--embed-max-batch-size", "8",
-                            "--embed-preferred-batch-sizes", "4", "--embed-max-queue-delay-ms", "200",
-                            "--embed-max-queue-size", "6").wait_serving()
-    router = router_process(model, [engine.address], logs, "router", "--max-embed-inputs", "5").wait_serving()
-    yield model, router
-    router.stop()
-    engine.stop()
+def cluster(tiny_model, shared_router):
+    return tiny_model, shared_router.process
 
 
 def embed(router, request, metadata=()):

@@ -1,5 +1,6 @@
 """End to end over real processes on loopback: routers in front of engine workers
-serving a tiny random Llama checkpoint, checked against Hugging Face transformers."""
+serving a tiny random Llama checkpoint, checked against Hugging Face transformers.
+Engine A and the solo router are the session's shared ones (tests/e2e/conftest.py)."""
 
 from __future__ import annotations
 
@@ -19,31 +20,17 @@ from omnibus.v1 import inference_pb2 as pb
 from tokenizers import Tokenizer
 
 from tests.checkpoints import hf_greedy, load_hf
+from tests.e2e.conftest import ENGINE_FLAGS, NUM_KV_BLOCKS
 from tests.grpc_helpers import (
     ServerProcess,
     engine_process,
     engine_request,
     engine_stats,
-    free_port,
     metric,
     router_process,
     scrape,
-    tiny_checkpoint,
     wait_until,
 )
-
-BLOCK_SIZE = 8
-NUM_KV_BLOCKS = 128  # 127 usable: block 0 is the null block
-ENGINE_FLAGS = (
-    "--block-size",
-    str(BLOCK_SIZE),
-    "--num-kv-blocks",
-    str(NUM_KV_BLOCKS),
-    "--max-num-seqs",
-    "2",
-    "--max-num-batched-tokens",
-    "32",
-)  # small steps: long prompts prefill over several
 
 
 @dataclass
@@ -59,26 +46,30 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model = tiny_checkpoint(tmp_path_factory)
+def cluster(tiny_model, tmp_path_factory, request):
     logs = tmp_path_factory.mktemp("logs")
-    a_metrics, solo_metrics = free_port(), free_port()
-    engine_a = engine_process(model, logs, "engine-a", *ENGINE_FLAGS, f"--metrics-port={a_metrics}")
-    engine_b = engine_process(model, logs, "engine-b", *ENGINE_FLAGS)
-    procs = [engine_a, engine_b]
+    engine_b = engine_process(tiny_model, logs, "engine-b", *ENGINE_FLAGS)  # A's twin
+    procs = [engine_b]
     try:
-        for proc in procs:
-            proc.wait_serving()
-        solo = router_process(
-            model, [engine_a.address], logs, "router-solo", f"--metrics-port={solo_metrics}"
+        # Asked for only now, so that engine A (if no module started it yet) boots while B does.
+        shared_engine = request.getfixturevalue("shared_engine")
+        shared_router = request.getfixturevalue("shared_router")
+        engine_b.wait_serving()
+        both = [shared_engine.address, engine_b.address]
+        pair = router_process(tiny_model, both, logs, "router-pair", "--max-queued-requests=500")
+        procs.append(pair)
+        pair.wait_serving()
+        tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+        yield Cluster(
+            tiny_model,
+            tokenizer,
+            shared_engine.process,
+            engine_b,
+            shared_engine.metrics_port,
+            shared_router.process,
+            shared_router.metrics_port,
+            pair,
         )
-        both = [engine_a.address, engine_b.address]
-        pair = router_process(model, both, logs, "router-pair", "--max-queued-requests=500")
-        procs += [solo, pair]
-        for proc in (solo, pair):
-            proc.wait_serving()
-        tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-        yield Cluster(model, tokenizer, engine_a, engine_b, a_metrics, solo, solo_metrics, pair)
     finally:
         for proc in reversed(procs):
             proc.stop()
