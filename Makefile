@@ -92,7 +92,8 @@ bench-lora: setup
 TRITON36 := $(VENV)/triton36
 test-kernels-triton36: setup
 	test -d $(TRITON36)/triton || $(PY) -m pip install -q --no-deps --target $(TRITON36) triton==3.6.0 numpy==2.3.5
-	TRITON_INTERPRET=1 PYTHONPATH=$(TRITON36) $(PY) -m pytest -q -p no:cacheprovider tests/kernels
+	TRITON_INTERPRET=1 $(PY) -c "import sys; sys.path.insert(0, '$(TRITON36)'); import pytest; \
+	  sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/kernels']))"
 
 clean:
 	rm -rf .pytest_cache $(GPU_VENV)
