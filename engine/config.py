@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+LOAD_FORMATS = ("safetensors", "dummy", "null")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BATCHING_POLICIES = ("continuous", "dynamic", "static", "none")
 
@@ -165,7 +166,9 @@ class EngineConfig:
     max_cpu_loras: int = 16  # adapters kept in host memory (LRU)
     max_lora_rank: int = 16  # adapters of a higher rank are refused
     preload_adapters: tuple[str, ...] = ()  # loaded into host memory at start-up
-    load_format: str = "safetensors"  # "dummy": random weights from config.json alone (benchmarks)
+    # "dummy": random weights from config.json alone (benchmarks); "null": no weights and a
+    # near-free forward picking a fixed token pattern (model/null.py: host-path measurements)
+    load_format: str = "safetensors"
     decode_graphs: bool | None = None  # pad decode steps to bucket sizes (CUDA graphs); None: on for CUDA
     # Plan and launch step N+1 before reading step N's tokens back, so the GPU need not wait
     # on Python. Outputs then arrive one step later; on a CPU (no separate device to keep
@@ -184,7 +187,7 @@ class EngineConfig:
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
         _check(self.batching in BATCHING_POLICIES, "batching", " | ".join(BATCHING_POLICIES), self.batching)
         _check(self.max_batch_size >= 1, "max_batch_size", ">= 1", self.max_batch_size)
-        _check(self.load_format in ("safetensors", "dummy"), "load_format", "safetensors or dummy", self.load_format)
+        _check(self.load_format in LOAD_FORMATS, "load_format", " | ".join(LOAD_FORMATS), self.load_format)
         _check(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
         _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras ({self.max_loras})", self.max_cpu_loras)
         _check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "in [1, 512]", self.max_lora_rank)

@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="Hugging Face model directory (safetensors)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--load-format", default="safetensors", choices=["safetensors", "dummy", "null"],
+        help="dummy: random weights from config.json; null: no weights and a near-free forward "
+        "that picks a fixed token pattern (measures the host path: server, scheduler, KV "
+        "allocator, sampler)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
         "--kv-cache-memory",
@@ -168,6 +174,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        load_format=args.load_format,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from omnibus.common.sampling import SamplingParams
 from omnibus.engine.config import DTYPES, EngineConfig, ModelConfig
 from omnibus.engine.model.loader import load_model, random_model
+from omnibus.engine.model.null import NullModel
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
 from omnibus.engine.lora import LoraManager
 from omnibus.engine.model.llama import ForwardBatch
@@ -59,7 +60,9 @@ class ModelRunner:
         bind_device(self.device)
         self.adapters = adapters  # None when the engine serves no adapters
         self.sampler = Sampler(seed=config.seed)  # before sizing: the warm-up samples
-        if config.load_format == "dummy":
+        if config.load_format == "null":
+            self.model = NullModel(model_config, self.device)
+        elif config.load_format == "dummy":
             self.model = random_model(model_config, self.dtype, self.device, model_config.max_model_len, config.seed)
         else:
             self.model = load_model(model_config, config.model, self.dtype, self.device, model_config.max_model_len)
@@ -107,6 +110,8 @@ class ModelRunner:
     @property
     def graphs_wanted(self) -> bool:
         cfg = self.config
+        if cfg.load_format == "null":
+            return False  # nothing to capture: the null forward launches no kernels worth it
         return cfg.decode_graphs if cfg.decode_graphs is not None else self.device.type == "cuda"
 
     def _cuda_kv_budget(self) -> int:
