@@ -3,31 +3,30 @@
 Decoding token by token is wrong in two ways: a character split over several byte
 tokens decodes to U+FFFD until its last byte arrives, and decoders that strip or merge
 at token boundaries (SentencePiece's leading space) decode a lone token differently
-than in context. So each step decodes a short window twice, with and without the new
-tokens, and emits the difference (the approach of TGI and vLLM):
+than in context. The tokenizers library's `DecodeStream` (Rust) handles both the way
+TGI and vLLM do: it decodes a short window of recent ids with and without the new ones
+and emits the difference, holding text back while it ends in U+FFFD, and keeping the
+window where it is while new tokens add nothing (a stripped leading space, a skipped
+special token), so those tokens keep their context for later ones.
 
-    ids:  ... | prefix ... | new ...
-                ^ prefix     ^ read
-    delta = decode(ids[prefix:])[len(decode(ids[prefix:read])):]
-
-Text is held back while it ends in U+FFFD (an incomplete character) and while the last
-token is a byte-fallback token (<0xNN>): the ByteFallback decoder turns a whole run of
-byte tokens into U+FFFDs if any byte in it is invalid, so a run is final only once a
-non-byte token follows (skipped special tokens do not count: they vanish before the
-decoder sees the run). `flush()` releases whatever is held when the request ends.
+One case it does not handle is held here: the ByteFallback decoder turns a whole run of
+<0xNN> byte tokens into U+FFFDs if any byte in it is invalid, so a run is final only once
+a non-byte token follows (skipped special tokens do not count: they vanish before the
+decoder sees the run). Byte-run ids are kept back and handed to the stream together with
+the token that closes the run. `flush()` releases whatever is held when the request ends.
 Concatenating every delta and the flush equals `tokenizer.decode(all_ids)`.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
+from os.path import commonprefix
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-_REPLACEMENT = "\ufffd"
 
 
 def byte_fallback_ids(tokenizer: Tokenizer) -> frozenset[int]:
@@ -60,46 +59,54 @@ class IncrementalDetokenizer:
             self._skipped_ids: frozenset[int] = frozenset()
         else:
             self._skipped_ids = special_ids(tokenizer) if skipped_ids is None else skipped_ids
-        self._ids: list[int] = []
-        self._prefix = 0  # start of the decode window: a point where the text was final
-        self._read = 0  # end of the text already emitted
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []  # every id pushed, for flush()
+        self._byte_run: list[int] = []  # ids of an open byte run, not yet given to the stream
+        self._in_byte_run = False  # the last id that is not skipped is a byte token
+        self._deltas: list[str] = []  # everything emitted
+        self._pending = False  # ids pushed since the last delta
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Adds new tokens; returns the text they complete (possibly "")."""
+        if not token_ids:
+            return ""
         self._ids.extend(token_ids)
-        if len(self._ids) == self._read or self._ends_in_byte_run():
+        self._pending = True
+        if self._byte_ids and self._opens_byte_run(token_ids):
+            self._byte_run.extend(token_ids)
             return ""
-        prefix_text, full_text = self._window()
-        if full_text.endswith(_REPLACEMENT) or not full_text.startswith(prefix_text):
+        ids = [*self._byte_run, *token_ids] if self._byte_run else list(token_ids)
+        self._byte_run = []
+        try:
+            delta = self._stream.step(self._tokenizer, ids)
+        except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception)
+            # "Invalid prefix": the new tokens rewrote text already emitted. Hold
+            # everything from here; flush() settles it against decode(all).
             return ""
-        delta = full_text[len(prefix_text) :]
         if not delta:
-            # Nothing new (e.g. a stripped leading space, a skipped special token): keep
-            # the window where it is, so those tokens keep their context for later ones.
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
+        self._deltas.append(delta)
+        self._pending = False
         return delta
 
     def flush(self) -> str:
         """Everything not emitted yet, complete or not. Call once, at the end."""
-        if len(self._ids) == self._read:
+        if not self._pending:
             return ""
-        prefix_text, full_text = self._window()
-        self._prefix = self._read = len(self._ids)
-        # Were the window's start rewritten by the new tokens (push() then held back),
-        # the common prefix keeps the result as close to decode(all) as a stream can.
-        return full_text[len(os.path.commonprefix([prefix_text, full_text])) :]
+        self._pending = False
+        full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special)
+        emitted = "".join(self._deltas)
+        self._deltas = [full]
+        if full.startswith(emitted):
+            return full[len(emitted) :]
+        # Text already emitted was rewritten (a byte run turned invalid after a decoded
+        # prefix): the common prefix keeps the result as close to decode(all) as a stream can.
+        return full[len(commonprefix([emitted, full])) :]
 
-    def _ends_in_byte_run(self) -> bool:
-        for i in reversed(self._ids):
+    def _opens_byte_run(self, token_ids: Sequence[int]) -> bool:
+        """Whether, after `token_ids`, the last id that is not skipped is a byte token."""
+        for i in reversed(token_ids):
             if i not in self._skipped_ids:
-                return i in self._byte_ids
-        return False
-
-    def _window(self) -> tuple[str, str]:
-        decode = self._tokenizer.decode
-        prefix_text = decode(
-            self._ids[self._prefix : self._read], skip_special_tokens=self._skip_special
-        )
-        full_text = decode(self._ids[self._prefix :], skip_special_tokens=self._skip_special)
-        return prefix_text, full_text
+                self._in_byte_run = i in self._byte_ids
+                break
+        return self._in_byte_run

@@ -124,3 +124,43 @@ def test_tokens_that_decode_to_nothing_keep_their_context():
     ids = [259, 0, 259]
     assert SENTENCEPIECE.decode(ids) == " "
     assert "".join(stream(SENTENCEPIECE, ids, [1])) == " "
+
+
+BYTE_LEVEL = {"bpe_384": BPE, "bpe_1024": build_tokenizer(1024)}
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+@pytest.mark.parametrize("skip_special", [True, False])
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), chunks=st.lists(st.integers(1, 4), min_size=1, max_size=5))
+def test_long_random_id_streams_equal_decode_of_all(name, skip_special, data, chunks):
+    """Byte-level BPE (the test and benchmark checkpoints' kind), random ids: split
+    characters, special tokens anywhere. Every partial output is a prefix of the final
+    text (nothing emitted is ever taken back) and the whole equals decode(all)."""
+    tokenizer = BYTE_LEVEL[name]
+    ids = data.draw(st.lists(st.integers(0, tokenizer.get_vocab_size() - 1), max_size=300))
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special)
+    full = tokenizer.decode(ids, skip_special_tokens=skip_special)
+    out, i, c = "", 0, 0
+    while i < len(ids):
+        size = chunks[c % len(chunks)]
+        out += detok.push(ids[i : i + size])
+        assert full.startswith(out)
+        i, c = i + size, c + 1
+    assert out + detok.flush() == full
+    assert detok.flush() == ""
+
+
+def test_special_tokens_are_kept_when_not_skipped():
+    ids = BPE.encode("the fox").ids
+    detok = IncrementalDetokenizer(BPE, skip_special_tokens=False)
+    text = "".join(detok.push([i]) for i in [1, *ids, 2]) + detok.flush()
+    assert text == "<s>the fox</s>" == BPE.decode([1, *ids, 2], skip_special_tokens=False)
+
+
+def test_a_byte_run_turned_invalid_is_settled_by_flush():
+    # The emoji's four bytes then a stray continuation byte: decode(all) turns the whole
+    # run into U+FFFDs, so nothing of it may be emitted before the run is closed.
+    tok = SENTENCEPIECE
+    ids = tok.encode("a 😀").ids + [tok.token_to_id("<0x80>")] + tok.encode("b").ids
+    assert "".join(stream(tok, ids, [1])) == tok.decode(ids)

@@ -73,3 +73,39 @@ def test_output_is_text_up_to_the_first_stop_however_it_is_split(text, stop, cut
     hit = text.find(stop)
     expected = (text, False) if hit < 0 else (text[:hit], True)
     assert run([stop], deltas) == expected
+
+
+def reference(text: str, stops: list[str]) -> tuple[str, bool]:
+    """The whole text at once: the stop that ends first wins; at a tie, the longest."""
+    hits = [(i + len(s), -len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    return (text[: min(hits)[2]], True) if hits else (text, False)
+
+
+@pytest.mark.parametrize("splits", [["abcd"], ["abc", "d"], ["a", "b", "c", "d"], ["ab", "cd"]])
+def test_the_stop_completed_first_wins_however_the_text_is_split(splits):
+    # "c" completes before "abcd" does, so "ab" is emitted whatever the deltas.
+    assert run(["abcd", "c"], splits) == ("ab", True)
+    # Both end at the same character: the longer one starts first and wins.
+    assert run(["cd", "bcd"], splits) == ("a", True)
+
+
+def test_a_stop_string_spanning_many_deltas_after_a_long_output():
+    deltas = ["x" * 1000, "ab"] + list("cdab") + ["cde", "tail"]
+    assert run(["abcde"], deltas) == ("x" * 1000 + "abcd", True)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    text=st.text(alphabet="ab c", max_size=40),
+    stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=5), min_size=1, max_size=4),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+)
+def test_several_overlapping_stops_match_the_whole_text_reference(text, stops, cuts):
+    bounds = sorted(set(cuts) | {0, len(text)})
+    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    assert run(stops, deltas) == reference(text, stops)
+
+
+def test_no_stop_strings_passes_text_through():
+    matcher = StopStringMatcher([])
+    assert matcher.feed("abc") == "abc" and matcher.flush() == "" and not matcher.stopped
