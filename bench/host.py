@@ -92,8 +92,12 @@ def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int) 
     tokens = sum(r.output_tokens for r in ok)
     itls = [x for r in ok for x in r.itls]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
+    errors: dict[str, int] = {}
+    for r in out.results:
+        if not r.ok:
+            errors[r.code] = errors.get(r.code, 0) + 1
     return {
-        "streams": n, "ok": len(ok), "tokens": tokens, "duration_s": out.duration,
+        "streams": n, "ok": len(ok), "errors": errors, "tokens": tokens, "duration_s": out.duration,
         "tokens_per_s": tokens / out.duration,
         "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
         "itl_p99_ms": percentile(itls, 99) * 1e3,
@@ -152,8 +156,8 @@ def spread(values: list[float], fmt: str = "{:,.0f}") -> str:
 
 def table(result: dict) -> list[str]:
     lines = ["| streams | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | router µs/tok | "
-             "engine µs/tok | client µs/tok | router-core tok/s | engine-process tok/s |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "engine µs/tok | client µs/tok | router-core tok/s | engine-process tok/s | failed |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n in sorted({r["streams"] for r in result["runs"]}):
         runs = [r for r in result["runs"] if r["streams"] == n]
         cpu = {k: [r["cpu_us_per_token"][k] for r in runs] for k in ("router", "engine", "client")}
@@ -165,6 +169,7 @@ def table(result: dict) -> list[str]:
             spread(cpu["client"], "{:.1f}"),
             spread([1e6 / x for x in cpu["router"]]), spread([1e6 / x for x in cpu["engine"]]),
         ]
+        cols.append(f"{sum(n - r['ok'] for r in runs)} of {n * len(runs)}")
         lines.append(f"| {n} | " + " | ".join(cols) + " |")
     ip = result.get("in_process")
     if ip:
