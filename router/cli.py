@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default=_DEFAULTS["log_level"], choices=["debug", "info", "warning", "error"]
     )
     _auth_flags(p)
+    _tls_flags(p)
     _validation_flags(p)
     _queue_flags(p)
     _engine_flags(p)
@@ -112,6 +113,21 @@ def _auth_flags(p: argparse.ArgumentParser) -> None:
         default=_DEFAULTS["limits_store_lease_seconds"],
         help="a router renews its requests' leases; a crashed router's stop counting after this",
     )
+
+
+def _tls_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS and engine authentication")
+    g.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve the public gRPC port over TLS with this certificate")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="the key of --tls-cert")
+    g.add_argument("--engine-tls-ca", default=None, metavar="PEM",
+                   help="reach engines over TLS, verifying them against this CA")
+    g.add_argument("--engine-tls-cert", default=None, metavar="PEM",
+                   help="mutual TLS: the client certificate shown to engines (their --tls-client-ca)")
+    g.add_argument("--engine-tls-key", default=None, metavar="PEM",
+                   help="the key of --engine-tls-cert")
+    g.add_argument("--engine-token-file", default=None, metavar="FILE",
+                   help="send the token in FILE on every engine call (the engines' --token-file)")
 
 
 def _validation_flags(p: argparse.ArgumentParser) -> None:
@@ -215,7 +231,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tokens_per_minute=values.pop("tenant_tokens_per_minute"),
     )
     values["engines"] = tuple(values["engines"])
-    return RouterConfig(tenant_limits=limits, **values)
+    config = RouterConfig(tenant_limits=limits, **values)
+    config.public_security()  # unreadable or unpaired TLS and token files: exit 2 now
+    config.engine_security()
+    return config
 
 
 def main(argv: Sequence[str] | None = None) -> int:

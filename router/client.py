@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import grpc
 from omnibus.v1 import inference_pb2, inference_pb2_grpc
 
+from omnibus.common.security import add_client_tls_flags, client_security_from_args
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="API key (default: $OMNIBUS_API_KEY)",
     )
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_client_tls_flags(p)
     return p
 
 
@@ -60,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metadata.append(("authorization", f"Bearer {args.key}"))
     if args.adapter:
         metadata.append(("x-adapter-id", args.adapter))
-    with grpc.insecure_channel(args.target) as channel:
+    security = client_security_from_args(args)
+    with security.channel(args.target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
             for response in stub.Generate(

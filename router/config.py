@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from omnibus.common.security import ClientSecurity, ServerSecurity
+
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
@@ -118,7 +120,25 @@ class RouterConfig:
     limits_store_failure: str = "open"  # store unreachable: "open" = this router's own
     # in-memory limits, "closed" = refuse requests (UNAVAILABLE)
     limits_store_lease_seconds: float = 15.0  # a crashed router's requests stop counting after
+    # Security (omnibus.common.security): TLS on the public gRPC port; TLS or mutual TLS
+    # and a shared token towards the engines. Paths of PEM files and of the token file.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    engine_tls_ca: str | None = None  # verify engines against this CA (TLS to engines)
+    engine_tls_cert: str | None = None  # present this client certificate (mutual TLS)
+    engine_tls_key: str | None = None
+    engine_token_file: str | None = None  # send "authorization: Bearer <token>" to engines
     log_level: str = "info"
+
+    def public_security(self) -> ServerSecurity:
+        """The public port's TLS, read from the files now; ValueError names a bad file."""
+        return ServerSecurity.from_files(self.tls_cert, self.tls_key)
+
+    def engine_security(self) -> ClientSecurity:
+        """How to reach engines, read from the files now; ValueError names a bad file."""
+        return ClientSecurity.from_files(
+            self.engine_tls_ca, self.engine_tls_cert, self.engine_tls_key, self.engine_token_file
+        )
 
     def __post_init__(self) -> None:
         _check(bool(self.engines), "engines", "at least one host:port", self.engines)

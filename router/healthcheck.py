@@ -10,18 +10,22 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnibus.common.security import add_client_tls_flags, client_security_from_args
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omnibus-healthcheck", description=__doc__)
     p.add_argument("target", help="HOST:PORT of a router or engine")
     p.add_argument("--service", default="", help="service name; empty: the whole server")
     p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    add_client_tls_flags(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    with grpc.insecure_channel(args.target) as channel:
+    security = client_security_from_args(args)
+    with security.channel(args.target) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout

@@ -20,6 +20,7 @@ from typing import TypeVar
 import structlog
 
 from omnibus.engine.serving.batcher import BatcherConfig, DynamicBatcher
+from omnibus.engine.serving.watchdog import Heartbeat
 from omnibus.engine.engine import Engine, EngineStats
 from omnibus.engine.lora import AdapterInventory, AdapterLoadError, AdapterStateError, UnknownAdapterError
 from omnibus.engine.worker.sampling import SamplingParams
@@ -114,6 +115,7 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
         self._stopped = threading.Event()
         self.error: BaseException | None = None  # set if the step loop died
+        self.heartbeat = Heartbeat()  # beaten around each step, read by the watchdog
 
     def start(self) -> None:
         self._thread.start()
@@ -225,10 +227,13 @@ class AsyncEngine:
                 if idle and not self._loads:
                     self.engine.check_integrity()  # cheap proof, run whenever the engine goes idle
                 self._drain_commands(block=idle and not self._loads)
+                self.heartbeat.begin()
                 if self._embeds:  # one embedding batch between two generation steps
                     self._run_embed(self._embeds.popleft())
                 steps = self.engine.num_steps
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                self.heartbeat.end()
+                for out in outputs:
                     sink = self._sinks.get(out.request_id)
                     if sink is not None:
                         sink.put(out)
@@ -242,6 +247,7 @@ class AsyncEngine:
                     self._drain_commands(block=True, timeout=_IDLE_POLL_S)
         except BaseException as exc:  # the loop must report, not vanish
             self.error = exc
+            self.heartbeat.end()  # crashed, not stalled: requests get INTERNAL
             log.exception("engine_step_loop_crashed")
             for sink in self._sinks.values():
                 sink.put(RuntimeError(f"engine step loop crashed: {exc!r}"))

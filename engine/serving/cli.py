@@ -103,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queued Embed requests at most (more: RESOURCE_EXHAUSTED)")
     g.add_argument("--embed-queue-timeout-ms", type=float, default=None,
                    help="default queue timeout of an Embed request (DEADLINE_EXCEEDED after)")
+    _security_flags(p)
+    g = p.add_argument_group("watchdog (a stalled step: NOT_SERVING, then the process exits)")
+    g.add_argument("--watchdog-step-seconds", type=float, default=120.0,
+                   help="a step running longer turns health NOT_SERVING and load reports "
+                   "UNAVAILABLE, so routers stop sending; 0: no watchdog")
+    g.add_argument("--watchdog-first-step-seconds", type=float, default=900.0,
+                   help="the limit of the first served step (kernel compiles, CUDA-graph capture)")
+    g.add_argument("--watchdog-exit-seconds", type=float, default=60.0,
+                   help="still stalled this long past the limit: the process exits (code 70) "
+                   "so the orchestrator restarts it")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0: off")
     p.add_argument(
         "--drain-seconds",
@@ -112,6 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def _security_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("authentication: TLS, mutual TLS, a shared token")
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="the key of --tls-cert")
+    g.add_argument(
+        "--tls-client-ca", default=None, metavar="PEM",
+        help="mutual TLS: require a client certificate signed by this CA (the router's "
+        "--engine-tls-cert)",
+    )
+    g.add_argument(
+        "--token-file", default=None, metavar="FILE",
+        help="every call but health must carry 'authorization: Bearer <the token in FILE>' "
+        "(the router's --engine-token-file); UNAUTHENTICATED otherwise",
+    )
 
 
 def _adapter_flags(p: argparse.ArgumentParser) -> None:
@@ -150,7 +176,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     """The engine's and the server's configs for parsed `serve` flags; ValueError if invalid."""
     from omnibus.engine.serving.batcher import BatcherConfig
     from omnibus.engine.config import EngineConfig
+    from omnibus.common.security import ServerSecurity
     from omnibus.engine.serving.server import ServerConfig
+    from omnibus.engine.serving.watchdog import WatchdogConfig
 
     try:
         preferred = tuple(int(x) for x in args.embed_preferred_batch_sizes.split(",") if x.strip())
@@ -168,6 +196,14 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             preferred_batch_sizes=preferred,
             max_queue_size=args.embed_max_queue_size,
             default_timeout_ms=args.embed_queue_timeout_ms,
+        ),
+        security=ServerSecurity.from_files(
+            args.tls_cert, args.tls_key, args.tls_client_ca, args.token_file
+        ),
+        watchdog=WatchdogConfig(
+            stall_seconds=args.watchdog_step_seconds,
+            first_step_seconds=args.watchdog_first_step_seconds,
+            exit_seconds=args.watchdog_exit_seconds,
         ),
     )
     engine = EngineConfig(

@@ -36,8 +36,10 @@ from prometheus_client.registry import Collector
 
 from omnibus.common.grpc_server import Service, build_server, set_health, wait_for_signal
 from omnibus.common.metrics import RequestLatency
+from omnibus.common.security import ServerSecurity
 from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine
 from omnibus.engine.serving.batcher import BatcherConfig, QueueFullError, QueueTimeoutError
+from omnibus.engine.serving.watchdog import Watchdog, WatchdogConfig, exit_process
 from omnibus.engine.engine import Engine, EngineStats, UnknownAdapterError
 from omnibus.engine.lora import AdapterLoadError, LoraManager
 from omnibus.engine.worker.sampling import SamplingParams
@@ -53,6 +55,7 @@ ABORT_WAIT_S = 2.0  # after the drain grace, how long aborted streams get to rep
 ADAPTER_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 CATALOG_REFRESH_S = 2.0  # how often the adapter root is re-listed for load reports
 PRELOAD_TIMEOUT_S = 600.0
+STALLED = "the engine's step loop is stalled (watchdog); send the request to another engine"
 UNSET = inference_pb2.FINISH_REASON_UNSPECIFIED  # still streaming
 _FINISH = {
     "stop": inference_pb2.STOP,
@@ -70,6 +73,8 @@ class ServerConfig:
     metrics_port: int = 0  # 0: no /metrics endpoint
     drain_seconds: float = 30.0  # SIGTERM: time in-flight streams get to finish
     embed_batching: BatcherConfig = field(default_factory=BatcherConfig)  # the Embed RPC's batcher
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, client certs, token
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # step-time limits
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -235,6 +240,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._active: set[str] = set()  # request ids streaming now
         self._num_requests = 0
         self.draining = False
+        self.stalled = False  # the watchdog saw a step run past its limit
 
     @property
     def num_active(self) -> int:
@@ -305,6 +311,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "the engine is shutting down; send the request to another engine")
+        if self.stalled:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STALLED)
         pooling = "last" if request.pooling == inference_pb2.LAST else "mean"
         try:
             vectors = await self._aengine.embed(
@@ -324,6 +332,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 "the engine is shutting down; send the request to another engine",
             )
+        if self.stalled:
+            return grpc.StatusCode.UNAVAILABLE, STALLED
         if not request.request_id:
             return grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty"
         if request.request_id in self._active:
@@ -345,13 +355,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             request.interval_ms / 1000 or DEFAULT_REPORT_INTERVAL_S, MIN_REPORT_INTERVAL_S
         )
         last, last_sent = None, 0.0
-        while self._aengine.error is None:
+        while self._aengine.error is None and not self.stalled:
             report = self.load_report()
             now = time.monotonic()
             if report != last or now - last_sent >= HEARTBEAT_S:
                 yield report
                 last, last_sent = report, now
             await asyncio.sleep(interval)
+        if self._aengine.error is None:  # stalled: routers mark the engine unhealthy
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STALLED)
         await context.abort(
             grpc.StatusCode.INTERNAL, f"the engine step loop has crashed: {self._aengine.error!r}"
         )
@@ -532,8 +544,11 @@ class RunningServer:
         self.aengine.shutdown()
 
 
-async def start(engine: Engine, config: ServerConfig) -> RunningServer:
-    """Starts serving `engine` (already loaded and warmed up) on the running event loop."""
+async def start(
+    engine: Engine, config: ServerConfig, watchdog_exit: Callable[[str], None] = exit_process
+) -> RunningServer:
+    """Starts serving `engine` (already loaded and warmed up) on the running event loop.
+    `watchdog_exit` ends the process when a step stays stalled (tests record it instead)."""
     aengine = AsyncEngine(engine, config.embed_batching)
     aengine.start()
     metrics = EngineMetrics(aengine)
@@ -541,9 +556,19 @@ async def start(engine: Engine, config: ServerConfig) -> RunningServer:
     service = EngineService(aengine, metrics, catalog)
     health_servicer = health.aio.HealthServicer()
     engine_service = Service(service, engine_pb2_grpc.add_EngineServicer_to_server, SERVICE_NAME)
-    server = build_server(config.host, config.port, [engine_service], health_servicer)
+    server = build_server(config.host, config.port, [engine_service], health_servicer,
+                          security=config.security)
     await server.start()
     tasks = [asyncio.create_task(catalog.run(), name="adapter-catalog")]
+
+    async def stalled(stalled: bool) -> None:
+        service.stalled = stalled
+        if not service.draining:
+            status = health_pb2.HealthCheckResponse
+            await _set_health(health_servicer, status.NOT_SERVING if stalled else status.SERVING)
+
+    watchdog = Watchdog(aengine.heartbeat, config.watchdog, stalled, watchdog_exit)
+    tasks.append(asyncio.create_task(watchdog.run(), name="watchdog"))
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     if config.metrics_port:
         start_http_server(config.metrics_port, registry=metrics.registry)
@@ -551,6 +576,7 @@ async def start(engine: Engine, config: ServerConfig) -> RunningServer:
     log.info(
         "engine_serving",
         port=config.port,
+        **config.security.describe(),
         model=engine.config.model,
         kv_blocks=stats.num_total_blocks,
         max_num_seqs=engine.config.max_num_seqs,

@@ -15,6 +15,7 @@ this module adds to it or removes from it, on the event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import socket
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnibus.common.security import ClientSecurity
 from omnibus.router.config import EngineTarget, RouterConfig
 from omnibus.router.dispatch.engines import EngineClient
 
@@ -59,9 +61,9 @@ def _join(ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int) -> str:
     return f"{ip}:{port}" if ip.version == 4 else f"[{ip}]:{port}"
 
 
-async def probe(address: str) -> bool:
+async def probe(address: str, security: ClientSecurity = ClientSecurity()) -> bool:
     """True when the engine's overall gRPC health is SERVING (model loaded, not draining)."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with security.aio_channel(address) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S
@@ -80,13 +82,13 @@ class EngineDiscovery:
         engines: list[EngineClient],
         on_change: Callable[[], None],
         resolver: Resolve = resolve,
-        prober: Probe = probe,
+        prober: Probe | None = None,
     ) -> None:
         self._config = config
         self._engines = engines
         self._on_change = on_change
         self._resolve = resolver
-        self._probe = prober
+        self._probe = prober or functools.partial(probe, security=config.engine_security())
         targets = [EngineTarget.parse(t) for t in config.engines]
         self._dns = [t for t in targets if t.dns]
         self._wake = {t: asyncio.Event() for t in self._dns}

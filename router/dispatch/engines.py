@@ -57,7 +57,8 @@ class EngineClient:
         self._on_failure = on_failure  # called when the engine stops answering
         self.retiring = False  # gone from discovery: finishes its requests, takes no new ones
         self._idle = asyncio.Event()  # set while retiring with nothing in flight
-        self._channel = grpc.aio.insecure_channel(address, options=_channel_options(config))
+        # TLS / mutual TLS and the engine token, as configured (omnibus.common.security).
+        self._channel = config.engine_security().aio_channel(address, _channel_options(config))
         self.stub = engine_pb2_grpc.EngineStub(self._channel)
         self.report: engine_pb2.LoadReport | None = None
         self.healthy = False

@@ -183,4 +183,5 @@ def _grpc_server(
     # gRPC's own cap sits above ours so that an oversized request gets our clear
     # INVALID_ARGUMENT rather than a bare RESOURCE_EXHAUSTED.
     options = [("grpc.max_receive_message_length", 2 * config.max_request_bytes + 4096)]
-    return build_server(config.host, config.port, services, health_servicer, options)
+    return build_server(config.host, config.port, services, health_servicer, options,
+                        config.public_security())

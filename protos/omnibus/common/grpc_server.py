@@ -1,5 +1,6 @@
 """The gRPC server bootstrap both processes use: one aio server with the standard health
-and reflection services, listening on one address, and the signal that starts a drain."""
+and reflection services, listening on one address (plaintext, TLS or mutual TLS, with or
+without a token: omnibus.common.security), and the signal that starts a drain."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from omnibus.common.security import ServerSecurity
 
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
@@ -33,17 +36,25 @@ def build_server(
     services: Sequence[Service],
     health_servicer: health.aio.HealthServicer,
     options: Sequence[tuple[str, Any]] = (),
+    security: ServerSecurity = ServerSecurity(),
 ) -> grpc.aio.Server:
-    """A server (not started) with `services`, health and reflection, bound to host:port.
+    """A server (not started) with `services`, health and reflection, bound to host:port:
+    TLS, client certificates and a token as `security` demands (omnibus.common.security).
     Raises OSError when the address cannot be bound."""
-    server = grpc.aio.server(options=list(options), interceptors=[_DecodeErrorsAreInvalid()])
+    # The token check comes first: a caller without it learns nothing, not even whether
+    # its bytes parse.
+    interceptors = [*security.interceptors(), _DecodeErrorsAreInvalid()]
+    server = grpc.aio.server(options=list(options), interceptors=interceptors)
     for s in services:
         s.add(s.servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*(s.name for s in services), HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
+    credentials = security.credentials()
+    bound = (server.add_insecure_port(address) if credentials is None
+             else server.add_secure_port(address, credentials))
+    if bound == 0:
         raise OSError(f"cannot listen on {address}")
     return server
 

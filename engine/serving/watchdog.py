@@ -1,0 +1,120 @@
+"""The step loop's watchdog: a step that runs far longer than any normal step (a hung
+kernel, a deadlocked collective, a driver fault) takes the engine out of service, and
+the process exits if it does not come back, so the orchestrator restarts it.
+
+The step thread beats a `Heartbeat` around each step; an asyncio task (`Watchdog`) on
+the server's loop reads it. Past `stall_seconds` the server turns health NOT_SERVING and
+ends load reports UNAVAILABLE (routers stop sending); a step that ends puts it back;
+`exit_seconds` more of the same stall and the process exits with one clear log line.
+The first step after start gets `first_step_seconds`: it may compile kernels or capture
+CUDA graphs. Torch-free: it only reads clocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+
+log = structlog.get_logger("engine.watchdog")
+
+EXIT_CODE = 70  # EX_SOFTWARE: the orchestrator restarts the worker
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """Step-time limits. stall_seconds = 0 turns the watchdog off."""
+
+    stall_seconds: float = 120.0  # a step this long: NOT_SERVING (normal steps: milliseconds)
+    first_step_seconds: float = 900.0  # the limit of the first step (compiles, graph capture)
+    exit_seconds: float = 60.0  # still stalled this long after the limit: the process exits
+
+    def __post_init__(self) -> None:
+        for name in ("stall_seconds", "first_step_seconds", "exit_seconds"):
+            value = getattr(self, name)
+            if not value >= 0:  # NaN too
+                raise ValueError(f"watchdog {name} must be >= 0, got {value}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.stall_seconds > 0
+
+    def limit(self, steps_done: int) -> float:
+        return max(self.first_step_seconds, self.stall_seconds) if steps_done == 0 else self.stall_seconds
+
+
+class Heartbeat:
+    """Written by the step thread only: when the running step began (None between steps)
+    and how many steps have ended. Both in one tuple, so a reader sees a consistent pair."""
+
+    def __init__(self) -> None:
+        self._state: tuple[float | None, int] = (None, 0)
+
+    def begin(self) -> None:
+        self._state = (time.monotonic(), self._state[1])
+
+    def end(self) -> None:
+        self._state = (None, self._state[1] + 1)
+
+    def running_for(self, now: float) -> tuple[float, int]:
+        """(seconds the current step has run, 0 between steps; steps ended so far)."""
+        started, done = self._state
+        return (0.0 if started is None else now - started), done
+
+
+def exit_process(message: str) -> None:
+    """Leaves now: the step thread cannot be stopped, and a clean shutdown would wait on it."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(EXIT_CODE)
+
+
+class Watchdog:
+    """Watches `heartbeat` every `poll` seconds; `on_change(stalled)` is awaited when the
+    step loop stalls or recovers; `exit` is called (with the log line's message) when the
+    stall outlasts the exit limit."""
+
+    def __init__(
+        self,
+        heartbeat: Heartbeat,
+        config: WatchdogConfig,
+        on_change: Callable[[bool], Awaitable[None]],
+        exit: Callable[[str], None] = exit_process,
+    ) -> None:
+        self._heartbeat = heartbeat
+        self._config = config
+        self._on_change = on_change
+        self._exit = exit
+        self.stalled = False
+        self.poll = min(1.0, config.stall_seconds / 4) if config.enabled else 1.0
+
+    async def run(self) -> None:
+        if not self._config.enabled:
+            return
+        exited = False
+        while True:
+            await asyncio.sleep(self.poll)
+            age, done = self._heartbeat.running_for(time.monotonic())
+            limit = self._config.limit(done)
+            stalled = age > limit
+            if stalled != self.stalled:
+                self.stalled = stalled
+                if stalled:
+                    log.error("engine_step_stalled", step_seconds=round(age, 3), limit_seconds=limit,
+                              steps_done=done)
+                else:
+                    log.warning("engine_step_recovered", steps_done=done)
+                    exited = False
+                await self._on_change(stalled)
+            if stalled and not exited and age > limit + self._config.exit_seconds:
+                message = (f"engine step loop stalled for {age:.1f} s (limit {limit:.1f} s + "
+                           f"{self._config.exit_seconds:.1f} s); exiting so the worker is restarted")
+                log.critical("engine_watchdog_exit", step_seconds=round(age, 3), limit_seconds=limit,
+                             exit_code=EXIT_CODE, message=message)
+                exited = True
+                self._exit(message)

@@ -1,0 +1,147 @@
+"""omnibus.common.security through build_server, in process: the token interceptor (health
+passes, everything else needs the token, unknown methods too), TLS and mutual TLS
+credentials, and the file checks. The engine and router processes: tests/e2e/test_security.py."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from omnibus.common.grpc_server import build_server
+from omnibus.common.security import ClientSecurity, ServerSecurity, read_token
+from tests.certs import Pki, make_pki
+from tests.grpc_helpers import free_port
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+async def _serve(security: ServerSecurity) -> tuple[grpc.aio.Server, str]:
+    servicer = health.aio.HealthServicer()
+    port = free_port()
+    server = build_server("127.0.0.1", port, [], servicer, security=security)
+    await server.start()
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+async def token_server(pki: Pki) -> AsyncIterator[str]:
+    server, address = await _serve(ServerSecurity.from_files(token_file=str(pki.token)))
+    yield address
+    await server.stop(0)
+
+
+async def _health(channel: grpc.aio.Channel) -> int:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return reply.status
+
+
+async def _reflect(channel: grpc.aio.Channel) -> reflection_pb2.ServerReflectionResponse:
+    """One stream-stream call (reflection): needs the token like every other method."""
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                     timeout=5)
+    async for reply in call:
+        return reply
+    raise AssertionError("no reflection reply")
+
+
+async def test_token_guards_every_method_but_health(token_server: str, pki: Pki) -> None:
+    async with grpc.aio.insecure_channel(token_server) as channel:
+        assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _reflect(channel)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "token" in err.value.details()
+        # An unknown method is refused the same way: no token, no map of the API.
+        unknown = channel.unary_unary("/omnibus.v1.Engine/Nope")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await unknown(b"\xff\x00garbage", timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    wrong = ClientSecurity.from_files(token_file=str(pki.wrong_token))
+    async with wrong.aio_channel(token_server) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _reflect(channel)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    right = ClientSecurity.from_files(token_file=str(pki.token))
+    async with right.aio_channel(token_server) as channel:
+        reply = await _reflect(channel)
+        names = {s.name for s in reply.list_services_response.service}
+        assert "grpc.health.v1.Health" in names
+        # With the token, an unknown method is what it is.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await channel.unary_unary("/omnibus.v1.Engine/Nope")(b"", timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_token_in_other_forms_is_refused(token_server: str) -> None:
+    async with grpc.aio.insecure_channel(token_server) as channel:
+        for metadata in [
+            (("authorization", "s3cret-engine-token"),),  # no "Bearer "
+            (("authorization", "Bearer s3cret-engine-token "),),
+            (("authorization", "bearer s3cret-engine-token"),),
+            (("x-engine-token", "s3cret-engine-token"),),
+            (("authorization-bin", b"Bearer s3cret-engine-token"),),
+        ]:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            call = stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                metadata=metadata, timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in call:
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+
+
+async def test_mutual_tls(pki: Pki) -> None:
+    security = ServerSecurity.from_files(str(pki.server.cert), str(pki.server.key), str(pki.ca))
+    server, address = await _serve(security)
+    try:
+        good = ClientSecurity.from_files(str(pki.ca), str(pki.client.cert), str(pki.client.key))
+        async with good.aio_channel(address) as channel:
+            assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        refused = {
+            "plaintext": ClientSecurity(),
+            "no client certificate": ClientSecurity.from_files(str(pki.ca)),
+            "expired client certificate": ClientSecurity.from_files(
+                str(pki.ca), str(pki.expired_client.cert), str(pki.expired_client.key)),
+            "client certificate of another CA": ClientSecurity.from_files(
+                str(pki.ca), str(pki.wrong_client.cert), str(pki.wrong_client.key)),
+            "server checked against another CA": ClientSecurity.from_files(
+                str(pki.wrong_ca), str(pki.client.cert), str(pki.client.key)),
+        }
+        for what, client in refused.items():
+            async with client.aio_channel(address) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _health(channel)
+                # The handshake fails: the call never reaches the server.
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, what
+    finally:
+        await server.stop(0)
+
+
+def test_files_are_checked(pki: Pki, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs its key"):
+        ServerSecurity.from_files(cert=str(pki.server.cert))
+    with pytest.raises(ValueError, match="mutual TLS"):
+        ServerSecurity.from_files(client_ca=str(pki.ca))
+    with pytest.raises(ValueError, match="cannot read TLS key"):
+        ServerSecurity.from_files(str(pki.server.cert), str(tmp_path / "missing.key"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        read_token(str(tmp_path / "empty"))
+    (tmp_path / "two").write_text("two words\n")
+    with pytest.raises(ValueError, match="one word"):
+        read_token(str(tmp_path / "two"))
+    security = ServerSecurity.from_files(token_file=str(pki.token))
+    assert "s3cret" not in repr(security)
+    assert "s3cret" not in repr(ClientSecurity.from_files(token_file=str(pki.token)))
+    assert security.describe() == {"tls": False, "client_certs": False, "token": True}
