@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # editable install of omnibus with its engine, test and bench extras).
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
 
-.PHONY: setup proto test test-gpu gpu-env gpu-wheels run bench-offline bench-strategies \
+.PHONY: setup proto test test-gpu gpu-env gpu-wheels run bench-offline bench-host bench-strategies \
 	bench-lora bench-gpu test-kernels-triton36 clean
 
 setup: $(STAMP)
@@ -73,6 +73,11 @@ run: setup $(MODEL)/config.json
 
 bench-offline: setup
 	$(PY) -m omnibus.bench.offline --out docs/benchmarks/offline.md
+
+# Router + null-model engine at 64/256/1024 streams: tok/s, TTFT, CPU us/token per
+# process (~4 min on 2 cores), beside the committed before-run of #11.
+bench-host: setup
+	$(PY) -m omnibus.bench.host --out docs/benchmarks/host.md --baseline docs/benchmarks/host-before.json
 
 # The four batching policies on one CPU model and workload (~6 min on 2 cores).
 bench-strategies: setup

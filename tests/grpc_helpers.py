@@ -80,11 +80,16 @@ def scrape(port: int) -> str:
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text format (0.0 when absent)."""
+    """The value of one sample in Prometheus text format (0.0 when absent). The sample's
+    labels must be exactly `labels`, except model_name (on every series), which is
+    compared only when given."""
     want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
     pattern = re.compile(rf"^{re.escape(name)}(\{{(?P<labels>[^}}]*)\}})? (?P<value>\S+)$", re.M)
     for m in pattern.finditer(text):
-        got = ",".join(sorted((m.group("labels") or "").split(","))) if m.group("labels") else ""
+        pairs = (m.group("labels") or "").split(",") if m.group("labels") else []
+        if "model_name" not in labels:
+            pairs = [p for p in pairs if not p.startswith("model_name=")]
+        got = ",".join(sorted(pairs))
         if got == want:
             return float(m.group("value"))
     return 0.0

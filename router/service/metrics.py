@@ -8,11 +8,10 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     disable_created_metrics,
-    start_http_server,
 )
 from prometheus_client.core import GaugeMetricFamily
 
-from omnibus.common.metrics import RequestLatency, latency_histogram
+from omnibus.common.metrics import RequestLatency, latency_histogram, serve_metrics
 from prometheus_client.registry import Collector
 
 from omnibus.router.dispatch.dispatcher import Ticket
@@ -23,7 +22,10 @@ from omnibus.router.dispatch.queue import RequestQueue
 
 
 class RouterMetrics:
-    def __init__(self, queue: RequestQueue[Ticket], engines: Sequence[EngineClient]) -> None:
+    def __init__(
+        self, queue: RequestQueue[Ticket], engines: Sequence[EngineClient], model_name: str = ""
+    ) -> None:
+        self.model_name = model_name  # the model_name label of every series
         disable_created_metrics()  # the *_created series only add noise to every counter
         self.registry = CollectorRegistry()
         r = self.registry
@@ -66,7 +68,7 @@ class RouterMetrics:
 
     def serve(self, port: int) -> None:
         """Starts the /metrics HTTP endpoint on a background thread."""
-        start_http_server(port, registry=self.registry)
+        serve_metrics(self.registry, port, self.model_name)
 
 
 
@@ -76,15 +78,20 @@ class _StateCollector(Collector):
     def __init__(self, queue: RequestQueue[Ticket], engines: Sequence[EngineClient]) -> None:
         self._queue = queue
         self._engines = engines
+        # Priorities seen so far, the default one (0) from the start: each keeps its
+        # series at 0 once empty, so an autoscaler reads 0 rather than "no data".
+        self._priorities: set[int] = {0}
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         queued = GaugeMetricFamily(
             "omnibus_router_queue_length",
-            "Requests waiting for an engine, by priority",
+            "Requests waiting for an engine, by priority (0 when none wait)",
             labels=["priority"],
         )
-        for priority, n in sorted(self._queue.count_by_priority().items()):
-            queued.add_metric([str(priority)], n)
+        counts = self._queue.count_by_priority()
+        self._priorities |= counts.keys()
+        for priority in sorted(self._priorities):
+            queued.add_metric([str(priority)], counts.get(priority, 0))
         yield queued
         yield GaugeMetricFamily(
             "omnibus_router_queued_tokens",
@@ -113,7 +120,7 @@ class _StateCollector(Collector):
             "1 for each adapter in an engine's device slots, as last reported",
             labels=["engine", "adapter"],
         )
-        for e in self._engines:
+        for e in list(self._engines):  # discovery changes the list on the event loop
             labels = [e.address]
             report = e.report
             healthy.add_metric(labels, float(e.accepting))

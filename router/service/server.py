@@ -14,7 +14,13 @@ import structlog
 from grpc_health.v1 import health, health_pb2
 from omnibus.v1 import admin_pb2, admin_pb2_grpc, inference_pb2, inference_pb2_grpc
 
-from omnibus.common.grpc_server import Service, build_server, set_health, wait_for_signal
+from omnibus.common.grpc_server import (
+    LIVENESS,
+    Service,
+    build_server,
+    set_health,
+    wait_for_signal,
+)
 from omnibus.router.admission.auth import KeyStore
 from omnibus.router.admission.validation import ModelLimits, load_tokenizer
 from omnibus.router.config import RouterConfig
@@ -135,7 +141,7 @@ async def serve(config: RouterConfig) -> None:
         tracker.update()
 
     discovery = EngineDiscovery(config, engines, on_engine_change)
-    metrics = RouterMetrics(queue, engines)
+    metrics = RouterMetrics(queue, engines, limits.model_id)
     pipeline = Pipeline(config, limits, tokenizer, keys, dispatcher, engines, metrics)
     service = InferenceService(pipeline)
     admin = AdminService(keys, engines)
@@ -144,6 +150,7 @@ async def serve(config: RouterConfig) -> None:
     if http is not None:
         await http.start()
     await tracker.start()
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     await server.start()
     dispatcher.start()
     discovery.start()

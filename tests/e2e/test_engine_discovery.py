@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from omnibus.v1 import inference_pb2 as pb
 from omnibus.v1 import inference_pb2_grpc
 
@@ -180,3 +181,30 @@ def test_an_engine_leaves_and_one_joins_under_load_with_no_failed_request(setup)
     assert engine_stats(joining).num_requests - joined_at > 20  # the new engine takes its share
     assert done > 60
     print(f"{done} requests, 0 failed; 127.0.0.1 served {left_with} before leaving")
+
+
+def test_without_engines_the_router_is_not_serving_but_alive(setup, tmp_path_factory):
+    _, _, dns_server, _ = setup
+    model = tiny_checkpoint(tmp_path_factory)
+    metrics_port = free_port()
+    lonely = router_process(model, [f"dns://127.0.0.1:{dns_server.port}/nobody.test:50061"],
+                            tmp_path_factory.mktemp("lonely"), "router-lonely",
+                            "--metrics-port", str(metrics_port))
+    try:
+        def liveness() -> int | None:
+            with grpc.insecure_channel(lonely.address) as channel:
+                try:
+                    return health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service="liveness"), timeout=1).status
+                except grpc.RpcError:
+                    return None
+
+        wait_until(lambda: liveness() == health_pb2.HealthCheckResponse.SERVING, 60,
+                   "the router's liveness service")
+        assert lonely.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+        # The autoscaler's signal is there, at 0, with the model's name; process_* too.
+        text = scrape(metrics_port)
+        assert 'omnibus_router_queue_length{model_name="tiny-llama",priority="0"} 0.0' in text
+        assert "process_resident_memory_bytes" in text
+    finally:
+        lonely.stop()

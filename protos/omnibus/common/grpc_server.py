@@ -18,6 +18,9 @@ from grpc_reflection.v1alpha import reflection
 from omnibus.common.security import ServerSecurity
 
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# A health "service" that is SERVING while the process runs, whatever the overall status
+# says (a router is NOT_SERVING without engines): what a liveness probe asks.
+LIVENESS = "liveness"
 
 
 @dataclass(frozen=True)

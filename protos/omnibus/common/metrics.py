@@ -1,9 +1,15 @@
-"""Latency metrics both processes export, defined once: the histogram buckets and the
-TTFT / TPOT / end-to-end arithmetic of one finished request."""
+"""Metrics rules both processes share, defined once: the latency histogram buckets, the
+TTFT / TPOT / end-to-end arithmetic of one finished request, and the /metrics endpoint
+(every series labelled with the model's name, plus the process_* metrics)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 # Seconds: 5 ms (a decode step on a GPU) to 2 minutes (a long generation under load).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -36,3 +42,35 @@ class RequestLatency:
 
 def latency_histogram(name: str, documentation: str, registry: CollectorRegistry) -> Histogram:
     return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=registry)
+
+
+class _ModelLabel(Collector):
+    """Every metric of `registry` with model_name="..." added to each series (as vLLM's
+    metrics carry it), so one dashboard or autoscaler query can tell models apart."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self._registry = registry
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [
+                Sample(s.name, {"model_name": self._model_name, **s.labels}, s.value,
+                       s.timestamp, s.exemplar)
+                for s in family.samples
+            ]
+            yield labelled
+
+
+def exposition(registry: CollectorRegistry, model_name: str) -> CollectorRegistry:
+    """What /metrics shows: `registry`'s metrics labelled with the model, and process_*."""
+    shown = CollectorRegistry(auto_describe=False)
+    shown.register(_ModelLabel(registry, model_name))
+    ProcessCollector(registry=shown)
+    return shown
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, model_name: str) -> None:
+    """Starts the /metrics HTTP endpoint on a background thread."""
+    start_http_server(port, registry=exposition(registry, model_name))

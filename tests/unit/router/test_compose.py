@@ -16,6 +16,7 @@ from omnibus.engine.serving.cli import build_parser as engine_parser
 from omnibus.engine.serving.cli import configs_from_args
 from omnibus.router.cli import build_parser as router_parser
 from omnibus.router.cli import config_from_args
+from omnibus.router.config import EngineTarget
 from omnibus.router.healthcheck import build_parser as healthcheck_parser
 from tests.grpc_helpers import ROOT
 
@@ -83,12 +84,23 @@ def test_make_run_serves_the_http_api_on_a_port_the_cli_accepts():
 
 def test_router_reaches_whichever_engine_variant_runs():
     (address,) = service_args("router").engines
-    host, port = address.split(":")
+    target = EngineTarget.parse(address)
     for name in ENGINES:
         aliases = SERVICES[name].get("networks", {}).get("default", {}).get("aliases", [])
-        assert host == name or host in aliases, f"{name} is not reachable as {host}"
-        assert int(port) == service_args(name).port
+        assert target.host == name or target.host in aliases, f"{name} is not reachable as {target.host}"
+        assert target.port == service_args(name).port
     assert set(SERVICES["router"]["depends_on"]) == set(ENGINES)
+
+
+def test_scaled_engines_are_all_found_by_dns_and_none_pins_a_name_or_host_port():
+    # `--scale engine=N` gives N containers behind one DNS name: the router must resolve
+    # the name (each address its own engine), and no engine may claim a fixed container
+    # name or host port, which would make scaling fail.
+    (address,) = service_args("router").engines
+    target = EngineTarget.parse(address)
+    assert target.dns and target.dns_server is None  # Docker's embedded DNS
+    for name in ENGINES:
+        assert "container_name" not in SERVICES[name] and "ports" not in SERVICES[name]
 
 
 def test_gpu_engine_reserves_a_gpu_and_the_cpu_variant_does_not():
