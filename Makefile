@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
 
 .PHONY: setup proto test test-gpu gpu-env gpu-wheels run bench-offline bench-host bench-strategies \
-	bench-lora bench-gpu test-kernels-triton36 clean
+	bench-lora bench-gpu test-kernels-triton36 bench-fairness clean
 
 setup: $(STAMP)
 
@@ -86,6 +86,11 @@ bench-strategies: setup
 # On a CUDA host: Llama-3-8B-shaped roofline, throughput vs transformers, multi-LoRA.
 bench-gpu: gpu-env
 	$(GPU_VENV)/bin/python -m omnibus.bench.gpu --out docs/benchmarks/gpu.md
+
+# Fair share (FIFO vs VTC), deadlines (EDF vs FIFO) and prefix-aware routing (2 and 4
+# engines), real processes on this machine (~12 min on 2 cores).
+bench-fairness: setup
+	$(PY) -m omnibus.bench.fairness --out docs/benchmarks/fairness.md
 
 # Multi-LoRA throughput: 1, 8, 32 and 128 adapters against the base model, in one run.
 bench-lora: setup

@@ -156,12 +156,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # tokens (prefill + decode) per step
     max_model_len: int | None = None  # context limit; default and ceiling: the model's
     enable_prefix_caching: bool = True
+    waiting_order: str = "slo"  # "slo": EDF + tenant fair share within a priority; "fifo" (core/waiting.py)
+    report_prefix_blocks: int = 4096  # cached prefix-block keys per load report at most (prefix-aware routing)
     batching: str = "continuous"  # continuous | dynamic | static | none
     max_batch_size: int = 32  # static/dynamic: requests per formed batch
     batch_window_ms: float | None = None  # dynamic: run a partial batch this long after its first request (default 10); static: optional timeout
+    study_counters: bool = False  # collect the batching study's per-step counters (O(running) a step)
     seed: int = 0  # engine-level RNG for unseeded sampling
     adapter_dir: str | None = None  # root of the PEFT LoRA adapters (one directory each); None: base only
-    study_counters: bool = False  # collect the batching study's per-step counters (O(running) a step)
     max_loras: int = 4  # device adapter slots (distinct adapters in one step)
     max_cpu_loras: int = 16  # adapters kept in host memory (LRU)
     max_lora_rank: int = 16  # adapters of a higher rank are refused
@@ -185,6 +187,8 @@ class EngineConfig:
         _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes", self.kv_cache_memory)
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", ">= 2", self.num_kv_blocks)
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
+        _check(self.waiting_order in ("slo", "fifo"), "waiting_order", "slo or fifo", self.waiting_order)
+        _check(self.report_prefix_blocks >= 0, "report_prefix_blocks", ">= 0", self.report_prefix_blocks)
         _check(self.batching in BATCHING_POLICIES, "batching", " | ".join(BATCHING_POLICIES), self.batching)
         _check(self.max_batch_size >= 1, "max_batch_size", ">= 1", self.max_batch_size)
         _check(self.load_format in LOAD_FORMATS, "load_format", " | ".join(LOAD_FORMATS), self.load_format)

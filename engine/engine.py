@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from pathlib import Path
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from omnibus.engine.worker.sampling import make_generator
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
 from omnibus.engine.core.study import StudyCounters
 from omnibus.engine.core.sequence import RequestOutput, Sequence
+
+PREFIX_KEYS_INTERVAL_S = 0.05  # the cached-block keys of load reports are this fresh at most
 
 __all__ = ["AdapterError", "Engine", "EngineStats", "RequestOutput", "UnknownAdapterError"]
 
@@ -56,6 +59,8 @@ class EngineStats:
     useful_tokens: int = 0
     kv_tokens_stored: int = 0
     kv_tokens_reserved: int = 0
+    prefix_generation: int = 0  # changes with prefix_block_keys
+    prefix_block_keys: tuple[int, ...] = ()  # their keys (common/prefix.py), newest first, bounded
 
 
 class Engine:
@@ -75,27 +80,33 @@ class Engine:
         self.runner = ModelRunner(config, self.model_config, self.adapters)
         self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, config.waiting_order),
             self.allocator,
             make_policy(config.batching, config.max_batch_size, config.batch_window_ms),
             self.model_config.eos_token_ids,
             self.adapters,
         )
+        if config.study_counters:
+            self.scheduler.observer = StudyCounters()
         self.num_steps = 0
+        self._keys: tuple[int, ...] = ()  # the latest _prefix_keys
+        self._keys_generation, self._keys_time = 0, 0.0
         self._generate_ids = itertools.count()
         overlap = config.overlap_scheduling
         self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._in_flight: Step | None = None  # launched, picks not yet reported (overlap only)
-        if config.study_counters:
-            self.scheduler.observer = StudyCounters()
 
     # ---- requests ------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, adapter: str | None = None) -> None:
-        """Queue a request. Raises ValueError (bad input, AdapterError included) or
-        UnknownAdapterError. The adapter's weights load in the background."""
+                    priority: int = 0, adapter: str | None = None, tenant: str = "",
+                    weight: float = 1.0, deadline: float | None = None) -> None:
+        """Queue a request (`tenant`, `weight`: fair share; `deadline`: monotonic seconds).
+        Raises ValueError (bad input, AdapterError included) or UnknownAdapterError. The
+        adapter's weights load in the background."""
         self._validate(request_id, prompt_token_ids, params, priority)
+        if not (isinstance(weight, (int, float)) and 0 < weight < float("inf")):
+            raise ValueError(f"tenant weight must be > 0, got {weight!r}")
         salt = None
         if adapter:
             if self.adapters is None:
@@ -108,6 +119,9 @@ class Engine:
             priority=priority,
             adapter=adapter or None,
             cache_salt=salt,
+            tenant=tenant,
+            weight=float(weight),
+            deadline=deadline,
             generator=None if params.seed is None else make_generator(params.seed, self.runner.device),
         )
         self.scheduler.add(seq)
@@ -237,4 +251,15 @@ class Engine:
             useful_tokens=c.useful_tokens,
             kv_tokens_stored=c.kv_tokens_stored,
             kv_tokens_reserved=c.kv_tokens_reserved,
+            prefix_block_keys=self._prefix_keys(),
+            prefix_generation=self._keys_generation,
         )
+
+    def _prefix_keys(self) -> tuple[int, ...]:
+        """The cached blocks' keys, recomputed only when the cache changed and at most
+        every PREFIX_KEYS_INTERVAL_S (O(report_prefix_blocks))."""
+        generation, now = self.allocator.cache_generation, time.monotonic()
+        if generation != self._keys_generation and now - self._keys_time >= PREFIX_KEYS_INTERVAL_S:
+            self._keys = tuple(self.allocator.cached_keys(self.config.report_prefix_blocks))
+            self._keys_generation, self._keys_time = generation, now
+        return self._keys

@@ -177,6 +177,13 @@ def _queue_flags(p: argparse.ArgumentParser) -> None:
         default=_DEFAULTS["priority_aging_seconds"],
         help="waiting this long raises a request by one priority level; 0: no aging",
     )
+    g.add_argument(
+        "--queue-policy",
+        default=_DEFAULTS["queue_policy"],
+        choices=["vtc", "fifo"],
+        help="order within a priority: vtc = the tenant with the smallest virtual token "
+        "counter (fair share, weights in the keys file), fifo = arrival",
+    )
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -186,6 +193,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=_DEFAULTS["max_inflight_per_engine"],
         help="requests kept on one engine; 0: the engine's max_num_seqs plus an eighth",
+    )
+    g.add_argument(
+        "--prefix-weight",
+        type=float,
+        default=_DEFAULTS["prefix_weight"],
+        help="prefix-aware routing: an engine scores its share of room plus this times the "
+        "share of the prompt in its prefix cache; 0: load only",
     )
     g.add_argument(
         "--engine-report-interval-ms", type=int, default=_DEFAULTS["engine_report_interval_ms"]

@@ -105,6 +105,10 @@ class RouterConfig:
     max_queued_tokens: int = 1 << 20  # prompt + max_tokens of every queued request
     max_queue_seconds: float = 60.0  # longest wait for an engine, client deadline or not
     priority_aging_seconds: float = 10.0  # waiting this long is worth one priority level; 0 = off
+    queue_policy: str = "vtc"  # within a priority: "vtc" = tenant fair share, "fifo" = arrival
+    # Prefix-aware routing: an engine's score is its share of room plus this times the
+    # share of the prompt it holds in its prefix cache; 0 = load only.
+    prefix_weight: float = 1.0
     # Engines.
     max_inflight_per_engine: int = 0  # 0: the engine's reported max_num_seqs + 1/8 (a short engine queue)
     engine_report_interval_ms: int = 50
@@ -156,6 +160,7 @@ class RouterConfig:
             " or ".join(LIMITS_STORE_FAILURE),
             self.limits_store_failure,
         )
+        _check(self.queue_policy in ("vtc", "fifo"), "queue_policy", "vtc or fifo", self.queue_policy)
         _check(0 <= self.port < 65536, "port", "in [0, 65535]", self.port)
         _check(0 <= self.metrics_port < 65536, "metrics_port", "in [0, 65535]", self.metrics_port)
         _check(0 <= self.http_port < 65536, "http_port", "in [0, 65535]", self.http_port)
@@ -193,6 +198,7 @@ class RouterConfig:
             "max_stop_strings": self.max_stop_strings,
             "max_abs_priority": self.max_abs_priority,
             "priority_aging_seconds": self.priority_aging_seconds,
+            "prefix_weight": self.prefix_weight,
             "max_inflight_per_engine": self.max_inflight_per_engine,
             "drain_seconds": self.drain_seconds,
         }

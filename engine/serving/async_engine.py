@@ -40,6 +40,9 @@ class _Add:
     priority: int
     adapter: str | None
     sink: "_Sink"
+    tenant: str = ""
+    weight: float = 1.0
+    deadline: float | None = None  # time.monotonic() seconds
 
 
 @dataclass
@@ -139,13 +142,16 @@ class AsyncEngine:
         self._commands.put(_Abort(request_id))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs step by step. Raises ValueError / UnknownAdapterError
-        if the engine refuses it. Leaving the loop early (break, cancel) aborts it."""
+                       priority: int = 0, adapter: str | None = None, tenant: str = "",
+                       weight: float = 1.0, deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs step by step (`deadline`: time.monotonic() seconds).
+        Raises ValueError / UnknownAdapterError if the engine refuses it. Leaving the loop
+        early (break, cancel) aborts it."""
         if self.error is not None or not self._thread.is_alive():
             raise RuntimeError("the engine step loop is not running")
         sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, priority, adapter, sink))
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, priority, adapter, sink,
+                                tenant, weight, deadline))
         finished = False
         try:
             while not finished:
@@ -289,7 +295,8 @@ class AsyncEngine:
             self._apply_adapter_command(cmd)
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority, cmd.adapter)
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority, cmd.adapter,
+                                    cmd.tenant, cmd.weight, cmd.deadline)
         except (ValueError, LookupError) as exc:
             cmd.sink.put(exc)
             return

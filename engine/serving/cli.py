@@ -63,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument(
+        "--waiting-order", default="slo", choices=["slo", "fifo"],
+        help="order of waiting requests within a priority: slo = earliest deadline first, then "
+        "the least-served tenant (preemption takes the most slack, the most-served tenant); "
+        "fifo = arrival",
+    )
+    p.add_argument(
+        "--report-prefix-blocks", type=int, default=4096,
+        help="cached prefix-block keys a load report carries at most, for prefix-aware routing; 0: none",
+    )
+    p.add_argument(
         "--batching", default="continuous", choices=["continuous", "dynamic", "static", "none"],
         help="batching strategy: continuous joins and leaves every step; dynamic and static form "
         "batches that run until their last request ends; none runs one request at a time",
@@ -219,6 +229,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        waiting_order=args.waiting_order,
+        report_prefix_blocks=args.report_prefix_blocks,
         batching=args.batching,
         max_batch_size=args.max_batch_size,
         batch_window_ms=args.batch_window_ms,

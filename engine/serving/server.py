@@ -15,6 +15,7 @@ manage them at run time through the step thread (AsyncEngine).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing
@@ -143,7 +144,6 @@ class EngineMetrics:
         for name, n in (("prompt_tokens", prompt), ("prefix_cache_queries", prompt),
                         ("prefix_cache_hits", cached), ("generation_tokens", generated)):
             self.tokens[name].inc(n)
-
 
     def observe(self, arrival: float, first: float | None, tokens: int, outcome: str) -> None:
         self.requests.labels(outcome).inc()
@@ -303,7 +303,11 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         the call is cancelled; leaving early aborts the sequence."""
         params = sampling_params(request.sampling)
         remaining = context.time_remaining()
+        if request.deadline_ms:
+            remaining = min(remaining or math.inf, request.deadline_ms / 1000)
         deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        # The scheduler's clock is time.monotonic (the loop's clock, but not guaranteed to be).
+        scheduler_deadline = None if remaining is None else time.monotonic() + remaining
         # AsyncEngine.generate is an async generator function (it is annotated as an iterator).
         stream = cast(
             AsyncGenerator[RequestOutput, None],
@@ -313,6 +317,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 params,
                 request.priority,
                 request.adapter or None,
+                request.tenant,
+                request.tenant_weight or 1.0,
+                scheduler_deadline,
             ),
         )
         async with aclosing(stream):
@@ -320,6 +327,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 # The timeout wraps only the wait for the next step, never the yield.
                 async with asyncio.timeout_at(deadline):
                     out = await anext(stream)
+                if out.finish_reason == "deadline":  # the scheduler would not prefill it
+                    raise TimeoutError(out.error)
                 if out.error is not None:  # the engine ended it: its adapter failed to load
                     raise AdapterStateError(out.error)
                 yield out
@@ -377,10 +386,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         )
         last, last_sent = None, 0.0
         while self._aengine.error is None and not self.stalled:
-            report = self.load_report()
+            stats = self._aengine.stats()
+            report = self._report(stats)
             now = time.monotonic()
             if report != last or now - last_sent >= HEARTBEAT_S:
-                yield report
+                sent = report
+                if last is None or report.prefix_generation != last.prefix_generation:
+                    # The keys travel only when they changed (the router keeps the last set).
+                    sent = engine_pb2.LoadReport()
+                    sent.CopyFrom(report)
+                    sent.prefix_block_keys.extend(stats.prefix_block_keys)
+                yield sent
                 last, last_sent = report, now
             await asyncio.sleep(interval)
         if self._aengine.error is None:  # stalled: routers mark the engine unhealthy
@@ -481,6 +497,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             resident_adapters=sorted(stats.resident_adapters),
             cached_adapters=stats.cached_adapters,
             available_adapters=self.catalog.names,
+            prefix_generation=stats.prefix_generation,
         )
 
     async def drain(self, grace: float) -> None:
@@ -507,7 +524,7 @@ def _error_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, TimeoutError):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed; it was aborted"
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "the request's deadline passed; it was aborted"
     return grpc.StatusCode.INTERNAL, f"engine failure: {exc}"
 
 

@@ -64,6 +64,19 @@ class RouterMetrics:
             ["affinity"],
             registry=r,
         )
+        self.deadline_requests = Counter(
+            "omnibus_router_deadline_requests",
+            "Requests that ended and carried a deadline, by tenant",
+            ["tenant"],
+            registry=r,
+        )
+        self.deadline_misses = Counter(
+            "omnibus_router_deadline_misses",
+            "Requests with a deadline that did not complete (stop or length) by it, by tenant; "
+            "the miss rate is this over omnibus_router_deadline_requests",
+            ["tenant"],
+            registry=r,
+        )
         r.register(_StateCollector(queue, engines))
 
     def serve(self, port: int) -> None:

@@ -296,7 +296,11 @@ class Pipeline:
 
     async def _wait_for_engine(self, job: _Job) -> EngineClient:
         """Queues the request until the dispatcher assigns it an engine with room."""
-        ticket = Ticket(job.request.priority, job.request.cost, job.arrival, job.adapter)
+        tenant = job.caller.tenant
+        ticket = Ticket(
+            job.request.priority, job.request.cost, job.arrival, job.adapter,
+            tenant.name, tenant.weight, job.request.prompt_ids,
+        )
         self._dispatcher.submit(ticket)
         queue_left = job.arrival + self._config.max_queue_seconds - time.monotonic()
         client_left = job.caller.time_remaining()
@@ -341,6 +345,8 @@ class Pipeline:
                 sampling=request.sampling,
                 priority=request.priority,
                 adapter=job.adapter,
+                tenant=job.caller.tenant.name,
+                tenant_weight=job.caller.tenant.weight,
             ),
             timeout=job.caller.time_remaining(),  # the client's deadline, passed on
         )
@@ -371,6 +377,8 @@ class Pipeline:
     ) -> inference_pb2.GenerateResponse:
         if out.token_ids and job.first_token is None:
             job.first_token = time.monotonic()
+        tenant = job.caller.tenant
+        self._dispatcher.queue.charge(tenant.name, len(out.token_ids), tenant.weight)  # fair share
         job.completion_tokens = out.num_output_tokens
         job.cached_tokens = out.num_cached_tokens
         text = stop.feed(detok.push(out.token_ids))
@@ -448,6 +456,11 @@ class Pipeline:
         if job.dispatched is not None:
             m.queue_time.observe(job.dispatched - job.arrival)
         m.latency.observe(job.arrival, job.first_token, now, job.completion_tokens)
+        if job.caller.deadline is not None:
+            # A miss: it did not complete (stop or length) before its deadline.
+            missed = outcome not in ("stop", "length") and now >= job.caller.deadline
+            m.deadline_requests.labels(job.caller.tenant.name).inc()
+            m.deadline_misses.labels(job.caller.tenant.name).inc(int(missed))
         log.info(
             "request_done",
             request_id=job.request.request_id,

@@ -130,9 +130,9 @@ async def serve(config: RouterConfig) -> None:
     limits = ModelLimits.load(config)
     chat = ChatTemplate.load(config.model) if config.http_port else None
     keys = KeyStore.open(config.keys_file, config.tenant_limits, config.admin_key_file)
-    queue: RequestQueue[Ticket] = RequestQueue(config.priority_aging_seconds)
+    queue: RequestQueue[Ticket] = RequestQueue(config.priority_aging_seconds, config.queue_policy)
     engines: list[EngineClient] = []
-    dispatcher = Dispatcher(engines, queue)
+    dispatcher = Dispatcher(engines, queue, config.prefix_weight)
     health_servicer = health.aio.HealthServicer()
     tracker = _HealthTracker(health_servicer, engines)
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import kubernetes_validate
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 
 from omnibus.common.metrics import exposition
 from omnibus.engine.engine import EngineStats

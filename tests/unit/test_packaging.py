@@ -5,7 +5,6 @@ with the CUDA torch the GPU image installs."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import tomllib
