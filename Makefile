@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
 
 .PHONY: setup proto test test-gpu gpu-env gpu-wheels run bench-offline bench-host bench-strategies \
-	bench-lora bench-gpu test-kernels-triton36 bench-fairness clean
+	bench-lora bench-gpu test-kernels-triton36 bench-fairness check-install clean
 
 setup: $(STAMP)
 
@@ -104,6 +104,16 @@ test-kernels-triton36: setup
 	test -d $(TRITON36)/triton || $(PY) -m pip install -q --no-deps --target $(TRITON36) triton==3.6.0 numpy==2.3.5
 	TRITON_INTERPRET=1 $(PY) -c "import sys; sys.path.insert(0, '$(TRITON36)'); import pytest; \
 	  sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/kernels']))"
+
+# A user's install in a fresh venv (network to the package index): the base install has
+# no torch and its console scripts start; the engine extra resolves with torch 2.13.0.
+check-install:
+	rm -rf .check-venv && $(PYTHON) -m venv .check-venv
+	.check-venv/bin/pip install -q .
+	.check-venv/bin/omnibus-router --help >/dev/null && .check-venv/bin/omnibus-client --help >/dev/null
+	.check-venv/bin/python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch in the base install'"
+	.check-venv/bin/pip install -q torch==2.13.0 && .check-venv/bin/pip install -q '.[engine]'
+	.check-venv/bin/omnibus-engine serve --help >/dev/null && rm -rf .check-venv && echo "install OK"
 
 clean:
 	rm -rf .pytest_cache $(GPU_VENV)
