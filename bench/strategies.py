@@ -159,6 +159,7 @@ def engine_flags(cfg: StudyConfig, policy: str) -> list[str]:
         "--block-size",
         str(cfg.block_size),
         "--no-prefix-caching",
+        "--study-counters",
         "--log-level",
         "warning",
         "--drain-seconds",
