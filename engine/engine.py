@@ -122,7 +122,8 @@ class Engine:
             tenant=tenant,
             weight=float(weight),
             deadline=deadline,
-            generator=None if params.seed is None else make_generator(params.seed, self.runner.device),
+            generator=None if params.seed is None else make_generator(
+                params.seed, self.runner.device, params.output_offset),
         )
         self.scheduler.add(seq)
 
@@ -135,6 +136,11 @@ class Engine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         self._check_tokens(prompt, "the prompt")
         check_context(len(prompt), params.max_tokens, self.model_config.max_model_len)
+        if params.output_offset >= len(prompt):
+            raise ValueError(
+                f"output_offset ({params.output_offset}) must leave at least one prompt token "
+                f"of the {len(prompt)} sent"
+            )
         blocks = -(-(len(prompt) + params.max_tokens) // self.config.block_size)
         if blocks > self.allocator.num_usable_blocks:
             raise ValueError(

@@ -6,12 +6,8 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from omnibus.common.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    import torch
 
 _arrival_counter = itertools.count()
 
@@ -60,7 +56,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     # Ties in priority are broken by this strictly increasing counter (FIFO).
     arrival_index: int = field(default_factory=lambda: next(_arrival_counter))
-    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    # The request's noise source when params.seed is set (worker.sampling.SeededDraws;
+    # typed loosely: core never imports the worker layer).
+    generator: object | None = None
 
     token_ids: list[int] = field(init=False)  # prompt + outputs
     num_prompt_tokens: int = field(init=False)

@@ -13,10 +13,12 @@ One `Sampler` call picks one token for every row of a (B, V) logits batch. Per r
    survivors, then min-p, and draw from the softmax of what is left.
 
 Draws use the exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. per token
-picks token i with probability probs[i]. The noise is drawn per row: a seeded request
-draws one (V,) block from its own generator per token, so its tokens depend only on its
-seed and its logits, never on what else is in the batch. Unseeded rows share the
-Sampler's generator.
+picks token i with probability probs[i]. The noise is drawn per row: a seeded request's
+(V,) block for output position i comes from a generator seeded with a hash of
+(seed, i) (`SeededDraws`), so its tokens depend only on its seed, the position and its
+logits: never on what else is in the batch, and a request resumed at position k from
+its first k tokens (a continuation on another engine, `output_offset`) draws what the
+uninterrupted run would have. Unseeded rows share the Sampler's generator.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "SamplerOutput",
     "SampledBatch",
     "Sampler",
+    "SeededDraws",
     "allowed_tokens",
     "apply_penalties",
     "make_generator",
@@ -86,16 +89,47 @@ class SampledBatch:
         return SamplerOutput(tokens, logprobs)
 
 
-def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
-    """A fresh torch.Generator on `device` seeded with `seed`, for one seeded request.
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """A bijective 64-bit mix (splitmix64's finalizer): nearby inputs, unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class SeededDraws:
+    """A seeded request's noise: the (V,) Exp(1) block for output position i comes from a
+    generator seeded with a hash of (seed, i), so it depends on nothing else (not the
+    batch, not how many draws came before on this engine). `position` is the next
+    output position to draw for; each draw advances it by one."""
+
+    def __init__(self, seed: int, device: str | torch.device = "cpu", position: int = 0) -> None:
+        self.seed = check_seed(seed)
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"position must be an integer >= 0, got {position!r}")
+        self.position = position
+        self.device = torch.device(device)
+        self._gen = torch.Generator(device=self.device)
+        self._seed_hash = _splitmix64(self.seed)
+
+    def draw(self, vocab: int) -> torch.Tensor:
+        """(V,) Exp(1) noise for output position `position`, then moves to the next one."""
+        self._gen.manual_seed(_splitmix64(self._seed_hash ^ self.position))
+        self.position += 1
+        return torch.empty(vocab, device=self.device).exponential_(generator=self._gen)
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu", position: int = 0) -> SeededDraws:
+    """The noise source of one seeded request on `device`, starting at output position
+    `position` (a continuation's output_offset; 0 for a fresh request).
 
     The engine keeps it with the request and passes it to every Sampler call; the sampler
-    advances it by exactly one (V,) draw per sampled token.
+    takes exactly one draw (one output position) per sampled token.
     """
-    seed = check_seed(seed)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+    return SeededDraws(seed, device, position)
 
 
 def allowed_tokens(
@@ -206,10 +240,14 @@ def apply_penalties(
     )  # (n, 3)
     index = to_device(rows, torch.long, device)
     sub = x.index_select(0, index)  # (n, V), a copy we own
-    out_counts = _token_counts([output_ids[i] for i in rows], vocab, device)  # (n, V)
+    # A continuation's prompt ends with the output an earlier engine produced: it counts
+    # as output here, as it did there.
+    split = [_split_resumed(prompt_ids[i], output_ids[i], params[i].output_offset) for i in rows]
+    out_counts = _token_counts([out for _, out in split], vocab, device)  # (n, V)
     if any(p.repetition_penalty != 1.0 for p in sub_params):
         # Rows without a repetition penalty skip converting their (possibly long) prompts.
-        prompts = [prompt_ids[i] if params[i].repetition_penalty != 1.0 else () for i in rows]
+        prompts = [prompt if p.repetition_penalty != 1.0 else ()
+                   for (prompt, _), p in zip(split, sub_params)]
         seen = (_token_counts(prompts, vocab, device) > 0) | (out_counts > 0)  # (n, V)
         r = knobs[:, 0:1]
         sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
@@ -218,6 +256,19 @@ def apply_penalties(
     if len(rows) == batch:
         return sub
     return x.index_copy(0, index, sub)  # out of place: x may be the caller's tensor
+
+
+def _split_resumed(
+    prompt: Sequence[int], output: Sequence[int], offset: int
+) -> tuple[Sequence[int], Sequence[int]]:
+    """(prompt, output) with a continuation's last `offset` prompt tokens moved to the
+    front of the output."""
+    if not offset:
+        return prompt, output
+    if offset > len(prompt):
+        raise ValueError(f"output_offset {offset} exceeds the prompt's {len(prompt)} tokens")
+    cut = len(prompt) - offset
+    return prompt[:cut], [*prompt[cut:], *output]
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:
@@ -230,7 +281,7 @@ def _check_batch(
     params: Sequence[SamplingParams],
     prompt_ids: Sequence[Sequence[int]],
     output_ids: Sequence[Sequence[int]],
-    generators: Sequence[torch.Generator | None],
+    generators: Sequence[SeededDraws | None],
 ) -> None:
     if logits.dim() != 2 or not logits.is_floating_point() or logits.shape[1] == 0:
         raise ValueError(
@@ -280,7 +331,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
-        generators: Sequence[torch.Generator | None],
+        generators: Sequence[SeededDraws | None],
     ) -> SampledBatch:
         """Sample one token per row, leaving the result on the logits' device (no sync).
 
@@ -288,8 +339,8 @@ class Sampler:
             logits: (B, V) any float dtype; not modified.
             params: row i is sampled with params[i].
             prompt_ids, output_ids: request i's tokens so far, for penalties.
-            generators: request i's own generator (from make_generator) when it has a
-                seed, else None. Advanced by one (V,) draw when row i is sampled.
+            generators: request i's own SeededDraws (from make_generator) when it has a
+                seed, else None. Advanced by one output position when row i is sampled.
 
         Raises:
             ValueError: mismatched batch sizes, a seeded row without a generator, a
@@ -320,7 +371,7 @@ class Sampler:
         self,
         x: torch.Tensor,
         params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
+        generators: Sequence[SeededDraws | None],
     ) -> torch.Tensor:
         """(N,) token ids drawn from (N, V) penalized logits of non-greedy rows."""
         n, vocab = x.shape
@@ -348,7 +399,7 @@ class Sampler:
         return (probs / noise).argmax(dim=-1)
 
     def _noise(
-        self, generators: Sequence[torch.Generator | None], vocab: int, device: torch.device
+        self, generators: Sequence[SeededDraws | None], vocab: int, device: torch.device
     ) -> torch.Tensor:
         """(N, V) Exp(1) noise: each seeded row from its own generator, the rest shared."""
         shared_rows = [j for j, g in enumerate(generators) if g is None]
@@ -364,9 +415,9 @@ class Sampler:
             if g is None:
                 rows.append(next(shared_iter))
             else:
-                # A fresh (V,) tensor per request: its values depend only on its generator's
-                # state, never on the row's place in the batch.
-                rows.append(torch.empty(vocab, device=device).exponential_(generator=g))
+                # A fresh (V,) tensor per request: its values depend only on its seed and
+                # output position, never on the row's place in the batch.
+                rows.append(g.draw(vocab))
         # exponential_ can return exactly 0; probs / 0 would be inf (or NaN for prob 0).
         return torch.stack(rows).clamp_min_(torch.finfo(torch.float32).tiny)
 

@@ -63,6 +63,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]; OpenAI semantics over output tokens
     frequency_penalty: float = 0.0  # in [-2, 2]; OpenAI semantics over output tokens
     logprobs: int = 0  # in [0, 20]; top-n logprobs to return per generated token
+    # >= 0; a continuation: the prompt's last output_offset tokens are this request's
+    # earlier output (penalties count them as output; seeded draws start at this position)
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -86,6 +89,7 @@ class SamplingParams:
             put(name, _float_field(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2))
         lp_range = f"in [0, {MAX_LOGPROBS}]"
         put("logprobs", _int_field("logprobs", self.logprobs, lp_range, 0, MAX_LOGPROBS))
+        put("output_offset", _int_field("output_offset", self.output_offset, ">= 0", lo=0))
 
     @classmethod
     def from_proto(cls, p: engine_pb2.EngineSamplingParams) -> SamplingParams:
@@ -117,7 +121,8 @@ class SamplingParams:
 
 # Every field, as EngineSamplingParams names it too (stop_token_ids aside: a repeated field).
 _FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
-           "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs")
+           "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
+           "output_offset")
 
 
 def _stop_ids(value: object) -> tuple[int, ...]:

@@ -98,7 +98,7 @@ def test_make_generator_rejects_bad_seed():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_greedy_is_argmax(dtype):
-    logits = torch.randn(8, 1000, generator=make_generator(0)).to(dtype)
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
     out = sample_rows(Sampler(0), logits, [SamplingParams(temperature=0)] * 8)
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert out.logprobs == [None] * 8
@@ -168,7 +168,7 @@ def test_allowed_tokens_keeps_ties_at_a_cutoff():
 
 
 def test_top_k_partial_and_sorted_paths_agree():
-    logits = torch.randn(6, 5000, generator=make_generator(1))
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(1))
     k = torch.tensor([0, 1, 7, 100, 1500, 5000])  # max 5000 > _TOPK_MAX: sort path
     by_sort = allowed_tokens(logits, top_k=k)
     for row in range(6):  # single rows with small k take the topk path
@@ -182,7 +182,7 @@ def test_top_k_partial_and_sorted_paths_agree():
 
 def test_seeded_request_is_independent_of_batch_composition():
     vocab, steps = 64, 20
-    step_logits = torch.randn(steps, vocab, generator=make_generator(7)) * 2
+    step_logits = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(7)) * 2
     target = SamplingParams(seed=1234, temperature=0.9, top_k=40, top_p=0.95, frequency_penalty=0.3)
 
     def run(batched: bool, sampler_seed: int) -> list[int]:
@@ -223,24 +223,65 @@ def test_seeded_request_is_independent_of_batch_composition():
         assert run(batched=True, sampler_seed=sampler_seed) == alone
 
 
-def test_seeded_row_advances_its_generator_by_one_draw_per_token():
+def test_seeded_row_takes_one_draw_per_token_keyed_by_seed_and_position():
     vocab = 50
     gen = make_generator(99)
     sample_rows(Sampler(0), torch.randn(1, vocab), [SamplingParams(seed=99)], gens=[gen])
-    expected = make_generator(99)
-    torch.empty(vocab).exponential_(generator=expected)
-    assert torch.equal(gen.get_state(), expected.get_state())
+    assert gen.position == 1
+    # The next draw is position 1's, whatever generator object makes it.
+    assert torch.equal(gen.draw(vocab), make_generator(99, position=1).draw(vocab))
+    assert not torch.equal(make_generator(99, position=2).draw(vocab),
+                           make_generator(99, position=1).draw(vocab))
+    assert not torch.equal(make_generator(98, position=1).draw(vocab),
+                           make_generator(99, position=1).draw(vocab))
 
 
 def test_seeded_greedy_row_draws_nothing():
     gen = make_generator(5)
-    before = gen.get_state()
     sample_rows(Sampler(0), torch.randn(1, 10), [SamplingParams(seed=5, temperature=0)], gens=[gen])
-    assert torch.equal(gen.get_state(), before)
+    assert gen.position == 0
+
+
+def _history_logits(tokens: list[int], vocab: int) -> torch.Tensor:
+    """(1, V) logits that depend on the whole history, as a model's would."""
+    g = torch.Generator().manual_seed(hash(tuple(tokens)) & 0xFFFFFFFF)
+    return torch.randn(1, vocab, generator=g) * 3
+
+
+@pytest.mark.parametrize("penalties", [{}, {"repetition_penalty": 1.3, "presence_penalty": 0.5,
+                                            "frequency_penalty": 0.7}])
+def test_seeded_request_resumed_at_position_k_continues_the_same_tokens(penalties):
+    """A continuation: prompt + the first k tokens, output_offset=k, max_tokens - k left,
+    draws from position k: the same tokens as the run that was never interrupted."""
+    vocab, steps, prompt = 40, 24, [3, 1, 4, 1, 5]
+    params = SamplingParams(seed=2024, temperature=1.1, top_k=30, max_tokens=steps, **penalties)
+
+    def run(prompt_ids: list[int], p: SamplingParams, n: int) -> list[int]:
+        gen, out = make_generator(p.seed, position=p.output_offset), []
+        for _ in range(n):
+            logits = _history_logits(prompt_ids + out, vocab)
+            out += sample_rows(Sampler(7), logits, [p], [prompt_ids], [out], [gen]).token_ids
+        return out
+
+    whole = run(prompt, params, steps)
+    assert len(set(whole)) > 3  # really sampling
+    for k in (1, 9, steps - 1):
+        resumed = SamplingParams(**{**params.__dict__, "output_offset": k, "max_tokens": steps - k})
+        assert whole[:k] + run(prompt + whole[:k], resumed, steps - k) == whole
+
+
+def test_output_offset_counts_the_resumed_tokens_as_output_for_penalties():
+    logits = torch.zeros(1, 6)
+    fresh = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5)
+    resumed = SamplingParams(presence_penalty=1.0, frequency_penalty=0.5, output_offset=2)
+    a = apply_penalties(logits, [fresh], [[0, 1]], [[4, 4, 5]])
+    b = apply_penalties(logits, [resumed], [[0, 1, 4, 4]], [[5]])
+    assert torch.equal(a, b)
+    assert b[0, 4].item() == -2.0 and b[0, 0].item() == 0.0
 
 
 def test_unseeded_rows_reproducible_with_sampler_seed():
-    logits = torch.randn(16, 100, generator=make_generator(3))
+    logits = torch.randn(16, 100, generator=torch.Generator().manual_seed(3))
     params = [SamplingParams()] * 16
     a = sample_rows(Sampler(42), logits, params).token_ids
     b = sample_rows(Sampler(42), logits, params).token_ids
@@ -283,7 +324,7 @@ def test_penalty_token_ids_out_of_range_raise():
 
 
 def test_sampler_never_writes_into_caller_logits():
-    logits = torch.randn(4, 32, generator=make_generator(4))
+    logits = torch.randn(4, 32, generator=torch.Generator().manual_seed(4))
     before = logits.clone()
     params = [
         SamplingParams(seed=1, repetition_penalty=1.5, top_k=5, top_p=0.8, min_p=0.1, logprobs=3),
@@ -300,7 +341,7 @@ def test_sampler_never_writes_into_caller_logits():
 
 
 def test_logprobs_are_of_penalized_logits_before_temperature_and_filters():
-    logits = torch.randn(3, 64, generator=make_generator(11))
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(11))
     params = [
         SamplingParams(logprobs=5, temperature=0.5, top_k=3, repetition_penalty=1.7, seed=8),
         SamplingParams(),
