@@ -5,7 +5,8 @@ running sequence "generates" the next token of its own prompt, cycled (an echo),
 test knows the exact text a request produces. It keeps the real engine's limits
 (max_num_seqs running, the rest waiting) and counts KV blocks like it, so routers see
 realistic load reports. Steps are paced by --step-ms; --unavailable makes it refuse
-every request (as a draining engine does) while still reporting room.
+every request (as a draining engine does) while still reporting room. Routers reach it
+through Session, as they do a real engine; Generate serves one request per call.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class _Seq:
     params: engine_pb2.EngineSamplingParams
     out: asyncio.Queue[engine_pb2.EngineGenerateResponse] = field(default_factory=asyncio.Queue)
     generated: int = 0
+    handle: int = 0  # on a session: the router's number for it
 
 
 class FakeEngine(engine_pb2_grpc.EngineServicer):
@@ -67,6 +69,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 finish = inference_pb2.LENGTH
             seq.out.put_nowait(
                 engine_pb2.EngineGenerateResponse(
+                    handle=seq.handle,
                     token_ids=[token],
                     finish_reason=finish,
                     num_prompt_tokens=len(seq.prompt),
@@ -99,6 +102,41 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                     return
         finally:
             self._drop(seq)  # a cancelled call frees its "blocks" at once
+
+    async def Session(
+        self, requests: AsyncIterator[engine_pb2.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.SessionUpdate]:
+        out: asyncio.Queue[engine_pb2.EngineGenerateResponse] = asyncio.Queue()  # the session's
+        seqs: dict[str, _Seq] = {}
+
+        async def read() -> None:
+            async for request in requests:
+                for add in request.add:
+                    self._requests += 1
+                    if self._args.unavailable:
+                        out.put_nowait(engine_pb2.EngineGenerateResponse(
+                            handle=add.handle, status_code=grpc.StatusCode.UNAVAILABLE.value[0],
+                            status_message="fake engine refuses every request"))
+                        continue
+                    seq = _Seq(list(add.prompt_token_ids), add.sampling, out, handle=add.handle)
+                    seqs[add.request_id] = seq
+                    self._waiting.append(seq)
+                    self._wake.set()
+                for request_id in request.abort:
+                    if request_id in seqs:
+                        self._drop(seqs.pop(request_id))
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                update = engine_pb2.SessionUpdate(outputs=[await out.get()])
+                while not out.empty():  # one message for all that is ready
+                    update.outputs.append(out.get_nowait())
+                yield update
+        finally:
+            reader.cancel()
+            for seq in seqs.values():
+                self._drop(seq)  # the router is gone: its sequences end
 
     def _report(self) -> engine_pb2.LoadReport:
         return engine_pb2.LoadReport(

@@ -1,9 +1,10 @@
 """Runs the engine's step loop on its own thread and exposes it to asyncio.
 
 The asyncio side never blocks on a step: it sends commands (add, abort, adapter
-load / unload / list) through a thread-safe queue, and the step thread hands each
-request's outputs back with `loop.call_soon_threadsafe`. The step thread never waits
-on the network. The LoRA manager belongs to the step thread: adapter commands run
+load / unload / list) through a thread-safe queue, and after each step the step thread
+hands every output back in one `loop.call_soon_threadsafe` per destination (a router's
+session, or one request's sink): one wake-up per step, not one per request and token.
+The step thread never waits on the network. The LoRA manager belongs to the step thread: adapter commands run
 there, between steps, so they never race a step that uses the device slots.
 """
 
@@ -15,7 +16,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import structlog
 
@@ -32,6 +33,26 @@ log = structlog.get_logger(__name__)
 _IDLE_POLL_S = 0.001  # how often a loop with only not-yet-admissible work re-plans
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A request the engine would not admit, delivered in place of its outputs."""
+
+    request_id: str
+    error: BaseException  # ValueError / LookupError (the request's fault) or RuntimeError
+
+
+Delivery = RequestOutput | Refused
+
+
+class Destination(Protocol):
+    """Where the step thread sends outputs: `deliver` runs on `loop`, once per step with
+    every output of that step for this destination's requests, in order."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def deliver(self, items: list[Delivery]) -> None: ...
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -39,7 +60,7 @@ class _Add:
     params: SamplingParams
     priority: int
     adapter: str | None
-    sink: "_Sink"
+    dest: Destination
     tenant: str = ""
     weight: float = 1.0
     deadline: float | None = None  # time.monotonic() seconds
@@ -95,14 +116,15 @@ T = TypeVar("T")
 
 
 class _Sink:
-    """Where the step thread delivers one request's outputs (or its admission error)."""
+    """One request's destination (`AsyncEngine.generate`): its outputs, queued."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queue: asyncio.Queue[Delivery] = asyncio.Queue()
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def deliver(self, items: list[Delivery]) -> None:
+        for item in items:
+            self.queue.put_nowait(item)
 
 
 class AsyncEngine:
@@ -113,7 +135,7 @@ class AsyncEngine:
         self._embeds: collections.deque[_Embed] = collections.deque()  # step thread: one batch per step
         self._embed_config = embed_batching or BatcherConfig()
         self._batcher: DynamicBatcher | None = None
-        self._sinks: dict[str, _Sink] = {}  # owned by the step thread
+        self._dests: dict[str, Destination] = {}  # owned by the step thread: where outputs go
         self._stats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
         self._stopped = threading.Event()
@@ -141,24 +163,32 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, dest: Destination,
+            priority: int = 0, adapter: str | None = None, tenant: str = "", weight: float = 1.0,
+            deadline: float | None = None) -> None:
+        """Queues a request whose outputs (or Refused) go to `dest` step by step
+        (`deadline`: time.monotonic() seconds). Raises RuntimeError if the step loop is
+        not running."""
+        if self.error is not None or not self._thread.is_alive():
+            raise RuntimeError("the engine step loop is not running")
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, priority, adapter, dest,
+                                tenant, weight, deadline))
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, adapter: str | None = None, tenant: str = "",
                        weight: float = 1.0, deadline: float | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs step by step (`deadline`: time.monotonic() seconds).
         Raises ValueError / UnknownAdapterError if the engine refuses it. Leaving the loop
         early (break, cancel) aborts it."""
-        if self.error is not None or not self._thread.is_alive():
-            raise RuntimeError("the engine step loop is not running")
         sink = _Sink(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, priority, adapter, sink,
-                                tenant, weight, deadline))
+        self.add(request_id, prompt_token_ids, params, sink, priority, adapter, tenant, weight, deadline)
         finished = False
         try:
             while not finished:
                 item = await sink.queue.get()
-                if isinstance(item, BaseException):
+                if isinstance(item, Refused):
                     finished = True  # refused: nothing to abort
-                    raise item
+                    raise item.error
                 finished = item.finished
                 yield item
         finally:
@@ -239,12 +269,7 @@ class AsyncEngine:
                 steps = self.engine.num_steps
                 outputs = self.engine.step()
                 self.heartbeat.end()
-                for out in outputs:
-                    sink = self._sinks.get(out.request_id)
-                    if sink is not None:
-                        sink.put(out)
-                        if out.finished:
-                            del self._sinks[out.request_id]
+                self._send(outputs)
                 self._stats = self.engine.stats()
                 if self._loads:
                     self._poll_loads()
@@ -255,12 +280,34 @@ class AsyncEngine:
             self.error = exc
             self.heartbeat.end()  # crashed, not stalled: requests get INTERNAL
             log.exception("engine_step_loop_crashed")
-            for sink in self._sinks.values():
-                sink.put(RuntimeError(f"engine step loop crashed: {exc!r}"))
-            self._sinks.clear()
+            error = RuntimeError(f"engine step loop crashed: {exc!r}")
+            self._send_each([Refused(rid, error) for rid in self._dests], self._dests)
+            self._dests.clear()
             for load in self._loads:
                 _reply(load, None, RuntimeError(f"engine step loop crashed: {exc!r}"))
             self._loads.clear()
+
+    def _send(self, outputs: list[RequestOutput]) -> None:
+        """Hands one step's outputs over: one call per destination."""
+        dests = self._dests
+        self._send_each(outputs, dests)
+        for out in outputs:
+            if out.finished:
+                dests.pop(out.request_id, None)
+
+    @staticmethod
+    def _send_each(items: list[Delivery], dests: dict[str, Destination]) -> None:
+        batches: dict[Destination, list[Delivery]] = {}
+        for item in items:
+            dest = dests.get(item.request_id)
+            if dest is not None:
+                batch = batches.get(dest)
+                if batch is None:
+                    batches[dest] = [item]
+                else:
+                    batch.append(item)
+        for dest, batch in batches.items():
+            dest.loop.call_soon_threadsafe(dest.deliver, batch)
 
     def _drain_commands(self, block: bool, timeout: float | None = None) -> None:
         try:
@@ -298,13 +345,13 @@ class AsyncEngine:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority, cmd.adapter,
                                     cmd.tenant, cmd.weight, cmd.deadline)
         except (ValueError, LookupError) as exc:
-            cmd.sink.put(exc)
+            _refuse(cmd, exc)
             return
         except Exception as exc:  # e.g. an adapter file vanishing mid-read: refuse this request only
             log.exception("add_request_failed", request_id=cmd.request_id)
-            cmd.sink.put(RuntimeError(f"the engine could not admit the request: {exc!r}"))
+            _refuse(cmd, RuntimeError(f"the engine could not admit the request: {exc!r}"))
             return
-        self._sinks[cmd.request_id] = cmd.sink
+        self._dests[cmd.request_id] = cmd.dest
 
     # ---- adapters, on the step thread ------------------------------------------
 
@@ -365,6 +412,10 @@ class AsyncEngine:
             return False
         self._stats = self.engine.stats()
         return True
+
+
+def _refuse(cmd: _Add, exc: BaseException) -> None:
+    cmd.dest.loop.call_soon_threadsafe(cmd.dest.deliver, [Refused(cmd.request_id, exc)])
 
 
 def _reply(cmd: _AdapterCommand, result: object, exc: BaseException | None) -> None:

@@ -1,9 +1,13 @@
 """The engine worker's gRPC server: `omnibus.v1.Engine` over an `AsyncEngine`.
 
 The step loop runs on its own thread (AsyncEngine); this asyncio server only moves
-requests in and tokens out, so it never blocks on a step. A request's deadline is the
-gRPC deadline the router passes on: when it passes the sequence is aborted and its KV
-blocks are freed. SIGTERM drains: health goes NOT_SERVING, new requests get
+requests in and tokens out, so it never blocks on a step. Routers use Session: one
+stream per router carries its adds and aborts in, and one update per step with every new
+token of its requests out (AsyncEngine delivers each step's outputs to the session in one
+call); Generate, one stream per request, stays for tools and tests. Both paths share one
+registry of the requests being served (`EngineService._live`). A request's deadline
+(deadline_ms, or Generate's gRPC deadline) aborts the sequence when it passes, freeing
+its KV blocks. SIGTERM drains: health goes NOT_SERVING, new requests get
 UNAVAILABLE, in-flight streams get `drain_seconds` to finish and are aborted after.
 
 LoRA adapters: Generate names one (loaded in the background on first use), load
@@ -38,7 +42,7 @@ from prometheus_client.registry import Collector
 from omnibus.common.grpc_server import Service, build_server, set_health, wait_for_signal
 from omnibus.common.metrics import RequestLatency, serve_metrics
 from omnibus.common.security import ServerSecurity
-from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine
+from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine, Delivery, Refused
 from omnibus.engine.serving.batcher import BatcherConfig, QueueFullError, QueueTimeoutError
 from omnibus.engine.serving.watchdog import Watchdog, WatchdogConfig, exit_process
 from omnibus.engine.engine import Engine, EngineStats, UnknownAdapterError
@@ -92,22 +96,96 @@ def sampling_params(p: engine_pb2.EngineSamplingParams) -> SamplingParams:
 
 
 def response_proto(out: RequestOutput) -> engine_pb2.EngineGenerateResponse:
-    logprobs = [
-        inference_pb2.TokenLogprob(
-            token_id=lp.token_id,
-            logprob=lp.logprob,
-            top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-        )
-        for lp in out.new_logprobs
-    ]
-    return engine_pb2.EngineGenerateResponse(
+    return engine_pb2.EngineGenerateResponse(**_output_fields(out))
+
+
+def _output_fields(out: RequestOutput) -> dict:
+    fields = dict(
         token_ids=out.new_token_ids,
-        logprobs=logprobs,
         finish_reason=_FINISH[out.finish_reason] if out.finished and out.finish_reason else UNSET,
         num_prompt_tokens=out.num_prompt_tokens,
         num_cached_tokens=out.num_cached_tokens,
         num_output_tokens=out.num_output_tokens,
     )
+    if out.new_logprobs:
+        fields["logprobs"] = [
+            inference_pb2.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            )
+            for lp in out.new_logprobs
+        ]
+    return fields
+
+
+@dataclass(eq=False)
+class _Live:
+    """One request the engine is serving (through Generate or a session), from its
+    admission to its end: the state its metrics and the drain need."""
+
+    request_id: str
+    adapter: str
+    arrival: float  # time.monotonic()
+    session: _Session | None = None  # None: a Generate call
+    handle: int = 0  # the session's number for it
+    first: float | None = None  # when its first token went out
+    tokens: int = 0
+    prompt: int = 0
+    cached: int = 0
+    timer: asyncio.TimerHandle | None = None  # its deadline, on a session
+
+
+class _Session:
+    """One router's Session stream. `deliver` (from the step thread, once per step) turns
+    its requests' outputs into entries of the pending update; the stream's writer sends
+    whatever is pending when it can, so steps the router has not read yet are merged."""
+
+    def __init__(self, service: EngineService, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._service = service
+        self.pending = engine_pb2.SessionUpdate()
+        self.ready = asyncio.Event()  # something is pending, or the router has left
+        self.closed = False  # the router's side of the stream has ended
+
+    def deliver(self, items: list[Delivery]) -> None:
+        live_requests = self._service._live
+        outputs = self.pending.outputs
+        for item in items:
+            live = live_requests.get(item.request_id)
+            if live is None or live.session is not self:
+                continue  # ended here already (aborted, deadline): nothing more to say
+            if isinstance(item, Refused):
+                self.fail(live, *_error_status(item.error))
+                continue
+            if item.finish_reason == "deadline":  # the scheduler would not prefill it
+                self.fail(live, grpc.StatusCode.DEADLINE_EXCEEDED, item.error or "deadline passed")
+                continue
+            if item.error is not None:  # the engine ended it: its adapter failed to load
+                self.fail(live, *_error_status(AdapterStateError(item.error)))
+                continue
+            outputs.add(handle=live.handle, **_output_fields(item))
+            if item.new_token_ids and live.first is None:
+                live.first = time.monotonic()
+            live.tokens = item.num_output_tokens
+            live.prompt, live.cached = item.num_prompt_tokens, item.num_cached_tokens
+            if item.finished:
+                self._service._end(live, item.finish_reason or "stop")
+        self.ready.set()
+
+    def fail(self, live: _Live, code: grpc.StatusCode, message: str) -> None:
+        """Ends `live` with an error the router hears as its status."""
+        self.refuse(live.handle, code, message)
+        self._service._end(live, code.name.lower())
+
+    def refuse(self, handle: int, code: grpc.StatusCode, message: str) -> None:
+        self.pending.outputs.add(handle=handle, status_code=code.value[0], status_message=message)
+        self.ready.set()
+
+    def take(self) -> engine_pb2.SessionUpdate:
+        update, self.pending = self.pending, engine_pb2.SessionUpdate()
+        self.ready.clear()
+        return update
 
 
 class EngineMetrics:
@@ -255,14 +333,91 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._aengine = aengine
         self._metrics = metrics
         self.catalog = catalog or AdapterCatalog(aengine.engine.adapters)
-        self._active: set[str] = set()  # request ids streaming now
+        self._live: dict[str, _Live] = {}  # request id -> the request being served
         self._num_requests = 0
         self.draining = False
         self.stalled = False  # the watchdog saw a step run past its limit
 
     @property
     def num_active(self) -> int:
-        return len(self._active)
+        return len(self._live)
+
+    async def Session(
+        self, requests: AsyncIterator[engine_pb2.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.SessionUpdate]:
+        session = _Session(self, asyncio.get_running_loop())
+        reader = asyncio.create_task(self._read_session(session, requests))
+        try:
+            while True:
+                await session.ready.wait()
+                update = session.take()
+                if update.outputs:
+                    yield update
+                if session.closed:
+                    return
+        finally:
+            reader.cancel()
+            for live in [x for x in self._live.values() if x.session is session]:
+                self._aengine.abort(live.request_id)  # the router is gone: free the KV
+                self._end(live, "cancelled")
+
+    async def _read_session(
+        self, session: _Session, requests: AsyncIterator[engine_pb2.SessionRequest]
+    ) -> None:
+        try:
+            async for request in requests:
+                for add in request.add:
+                    self._session_add(session, add)
+                for request_id in request.abort:
+                    live = self._live.get(request_id)
+                    if live is not None and live.session is session:
+                        self._aengine.abort(request_id)
+                        self._end(live, "cancelled")
+        except grpc.aio.AioRpcError:  # the call broke: the writer's finally aborts what is left
+            pass
+        finally:
+            session.closed = True
+            session.ready.set()
+
+    def _session_add(self, session: _Session, request: engine_pb2.EngineGenerateRequest) -> None:
+        code, message = self._refusal(request)
+        if code is not None:
+            self._metrics.requests.labels(code.name.lower()).inc()
+            session.refuse(request.handle, code, message)
+            return
+        rid = request.request_id
+        live = _Live(rid, request.adapter, time.monotonic(), session, request.handle)
+        self._live[rid] = live
+        self._num_requests += 1
+        deadline = None
+        if request.deadline_ms:
+            remaining = request.deadline_ms / 1000
+            deadline = live.arrival + remaining
+            live.timer = session.loop.call_later(remaining, self._expire, live)
+        try:
+            self._aengine.add(rid, list(request.prompt_token_ids), sampling_params(request.sampling), session,
+                              request.priority, request.adapter or None, request.tenant,
+                              request.tenant_weight or 1.0, deadline)
+        except (ValueError, RuntimeError) as exc:
+            session.fail(live, *_error_status(exc))
+
+    def _expire(self, live: _Live) -> None:
+        if self._live.get(live.request_id) is live and live.session is not None:
+            self._aengine.abort(live.request_id)
+            live.session.fail(live, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              "the request's deadline passed; it was aborted")
+
+    def _end(self, live: _Live, outcome: str) -> None:
+        """`live` has ended (`outcome`: a finish reason, a status code's name, or
+        cancelled): out of the registry, into the metrics."""
+        if self._live.pop(live.request_id, None) is not live:
+            return
+        if live.timer is not None:
+            live.timer.cancel()
+        self._metrics.observe(live.arrival, live.first, live.tokens, outcome)
+        self._metrics.count_tokens(live.prompt, live.cached, live.tokens)
+        if live.adapter and outcome not in ("invalid_argument", "not_found"):
+            self._metrics.adapter_requests.labels(live.adapter).inc()
 
     async def Generate(
         self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext
@@ -275,7 +430,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             await context.abort(code, message)
             return
         rid = request.request_id
-        self._active.add(rid)
+        self._live[rid] = _Live(rid, request.adapter, arrival)
         self._num_requests += 1
         try:
             async for out in self._outputs(request, context):
@@ -290,7 +445,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             outcome = code.name.lower()
             await context.abort(code, message)
         finally:
-            self._active.discard(rid)
+            self._live.pop(rid, None)
             self._metrics.observe(arrival, first, tokens, outcome)
             self._metrics.count_tokens(prompt, cached, tokens)
             if request.adapter and outcome not in ("invalid_argument", "not_found"):
@@ -366,7 +521,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             return grpc.StatusCode.UNAVAILABLE, STALLED
         if not request.request_id:
             return grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty"
-        if request.request_id in self._active:
+        if request.request_id in self._live:
             return (
                 grpc.StatusCode.ALREADY_EXISTS,
                 f"request id {request.request_id!r} is already streaming",
@@ -414,7 +569,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             num_cached_blocks=stats.num_cached_blocks,
             num_steps=stats.num_steps,
             num_requests=self._num_requests,
-            num_active_streams=len(self._active),
+            num_active_streams=len(self._live),
             num_preemptions=stats.num_preemptions,
             num_prefix_cache_hit_blocks=stats.num_prefix_cache_hit_blocks,
             slots_stepped=stats.slots_stepped,
@@ -504,12 +659,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         """Refuses new requests, lets in-flight ones finish for `grace` seconds, then
         aborts the rest (their streams end with finish reason ABORTED)."""
         self.draining = True
-        if await _wait_until(lambda: not self._active, grace):
+        if await _wait_until(lambda: not self._live, grace):
             return
-        log.warning("drain_grace_expired", aborting=sorted(self._active))
-        for rid in list(self._active):
+        log.warning("drain_grace_expired", aborting=sorted(self._live))
+        for rid in list(self._live):
             self._aengine.abort(rid)
-        await _wait_until(lambda: not self._active, ABORT_WAIT_S)
+        await _wait_until(lambda: not self._live, ABORT_WAIT_S)
 
 
 def _error_status(exc: Exception) -> tuple[grpc.StatusCode, str]:

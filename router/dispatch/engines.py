@@ -1,6 +1,7 @@
 """The engine workers as one router sees them.
 
-Each `EngineClient` keeps a WatchLoad stream open to its engine. Reports say where
+Each `EngineClient` keeps a WatchLoad stream open to its engine, and one Session stream
+(router/dispatch/session.py) that carries every request this router runs there. Reports say where
 there is room; the stream breaking (or going silent) marks the engine unhealthy, and
 it is retried with exponential backoff. The router also counts the requests it has in
 flight on each engine itself, because reports lag behind its own dispatches.
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 
 import grpc
 import structlog
 from omnibus.v1 import engine_pb2, engine_pb2_grpc
 
 from omnibus.router.dispatch.adapters import Affinity
+from omnibus.router.dispatch.session import EngineOutput, EngineSession
 from omnibus.router.config import RouterConfig
 
 log = structlog.get_logger("router.engines")
@@ -74,6 +76,20 @@ class EngineClient:
         self._prefix_generation: int | None = None
         self._retry_delay = config.engine_retry_initial_seconds
         self._task: asyncio.Task[None] | None = None
+        self._session: EngineSession | None = None  # opened by the first request
+
+    # ---- requests ------------------------------------------------------------
+
+    def generate(
+        self, request: engine_pb2.EngineGenerateRequest, timeout: float | None = None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """Runs `request` on the engine and yields its outputs, the last with finish_reason
+        set; outputs the caller has not read yet are merged into one. `timeout`: seconds
+        left of the client's deadline. Raises grpc.aio.AioRpcError as a Generate call
+        would. Closing the generator early aborts the request (its KV freed in a step)."""
+        if self._session is None or self._session.closed:
+            self._session = EngineSession(self.stub, self.address)
+        return self._session.generate(request, timeout)
 
     # ---- capacity ------------------------------------------------------------
 
@@ -171,6 +187,8 @@ class EngineClient:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self._session is not None:  # retired engines close with nothing in flight
+            await self._session.close()
         await self._channel.close(grace)
 
     async def _watch(self) -> None:

@@ -8,8 +8,8 @@ engine has it) → validate and tokenize → admit (tenant limits, queue caps) �
 the priority queue until an engine has room (with the adapter, preferring one where it
 is resident) → stream the engine's tokens back as text (incremental detokenization,
 stop strings) → a last message with finish reason, usage and timing. Closing the
-stream early (a client cancel or disconnect) or the caller's deadline cancels the
-engine call, which makes the engine free the sequence's KV blocks.
+stream early (a client cancel or disconnect) or the caller's deadline aborts the
+request on the engine (EngineClient.generate), which frees the sequence's KV blocks.
 
 Every refusal is a RequestError carrying a gRPC status; the pipeline counts and logs it
 once, and each transport only translates it (gRPC: abort; HTTP: the matching status).
@@ -338,7 +338,7 @@ class Pipeline:
         self, job: _Job, engine: EngineClient
     ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         request = job.request
-        call = engine.stub.Generate(
+        outputs = engine.generate(
             engine_pb2.EngineGenerateRequest(
                 request_id=uuid.uuid4().hex,  # unique on the engine whatever the client sent
                 prompt_token_ids=request.prompt_ids,
@@ -353,15 +353,15 @@ class Pipeline:
         detok = IncrementalDetokenizer(self.tokenizer, self._byte_ids, self._special_ids)
         stop = StopStringMatcher(request.stop)
         try:
-            async for out in call:
+            async for out in outputs:
                 response = self._response(job, out, detok, stop)
                 yield response
                 if response.finish_reason != UNSPECIFIED:
-                    return  # a stop string may end it early: the finally cancels the engine call
+                    return  # a stop string may end it early: the finally aborts it on the engine
         except grpc.aio.AioRpcError as exc:
             raise self._engine_error(exc, engine, job) from None
         finally:
-            call.cancel()
+            await outputs.aclose()
         raise RequestError(
             grpc.StatusCode.INTERNAL,
             f"engine {engine.address} ended the stream without a finish reason",

@@ -128,6 +128,8 @@ def test_engine_refuses_calls_without_the_token(secure: tuple[SecureProcess, Sec
         calls = {
             "Generate at the top priority": lambda md: list(stub.Generate(bypass, metadata=md,
                                                                           timeout=10)),
+            "Session at the top priority": lambda md: list(stub.Session(
+                iter([engine_pb2.SessionRequest(add=[bypass])]), metadata=md, timeout=10)),
             "Stats": lambda md: stub.Stats(engine_pb2.StatsRequest(), metadata=md, timeout=10),
             "LoadAdapter": lambda md: stub.LoadAdapter(
                 engine_pb2.LoadAdapterRequest(adapter="a"), metadata=md, timeout=10),
@@ -144,5 +146,5 @@ def test_engine_refuses_calls_without_the_token(secure: tuple[SecureProcess, Sec
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         after = stub.Stats(engine_pb2.StatsRequest(), metadata=token, timeout=10)
-    # The refused Generate calls never reached the engine's service.
+    # The refused Generate and Session calls never reached the engine's service.
     assert after.num_requests == before.num_requests

@@ -38,7 +38,7 @@ class EngineSamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., output_offset: _Optional[int] = ...) -> None: ...
 
 class EngineGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter", "tenant", "tenant_weight", "deadline_ms")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter", "tenant", "tenant_weight", "deadline_ms", "handle")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class EngineGenerateRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TENANT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: EngineSamplingParams
@@ -55,23 +56,44 @@ class EngineGenerateRequest(_message.Message):
     tenant: str
     tenant_weight: float
     deadline_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    handle: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., deadline_ms: _Optional[int] = ..., handle: _Optional[int] = ...) -> None: ...
 
 class EngineGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "handle", "status_code", "status_message")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprob]
     finish_reason: _inference_pb2.FinishReason
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    handle: int
+    status_code: int
+    status_message: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., handle: _Optional[int] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("add", "abort")
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    add: _containers.RepeatedCompositeFieldContainer[EngineGenerateRequest]
+    abort: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, add: _Optional[_Iterable[_Union[EngineGenerateRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionUpdate(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[EngineGenerateResponse]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[EngineGenerateResponse, _Mapping]]] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ("interval_ms",)

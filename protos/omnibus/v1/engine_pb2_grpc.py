@@ -34,6 +34,11 @@ class EngineStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Session = channel.stream_stream(
+                '/omnibus.v1.Engine/Session',
+                request_serializer=omnibus_dot_v1_dot_engine__pb2.SessionRequest.SerializeToString,
+                response_deserializer=omnibus_dot_v1_dot_engine__pb2.SessionUpdate.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/omnibus.v1.Engine/Generate',
                 request_serializer=omnibus_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
@@ -74,9 +79,25 @@ class EngineStub:
 class EngineServicer:
     """Missing associated documentation comment in .proto file."""
 
+    def Session(self, request_iterator, context):
+        """One router's requests, multiplexed: the router sends adds and aborts, the
+        engine sends, after each step that produced anything, one update holding
+        every new token (and each finish, usage or error) of this session's
+        requests. Updates the router has not read yet are merged, so a slow reader
+        gets fewer, larger messages. A request's errors travel in its own output
+        (status_code, with the codes Generate would end its call with); the
+        stream's own status ends every request still open on it. When the stream
+        ends (the router closed it, cancelled it or went away) the engine aborts
+        every sequence of the session: their KV blocks are free within one step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """Runs one request and streams its tokens, one message per engine step that
-        produced any. The last message has finish_reason set. Cancelling the call
+        produced any (a compatibility path for tools and tests: routers use
+        Session). The last message has finish_reason set. Cancelling the call
         aborts the sequence; its KV blocks are free within one step.
         Errors: INVALID_ARGUMENT (bad ids or parameters, or more tokens than the
         context or KV pool holds, or an adapter that cannot be served), NOT_FOUND
@@ -154,6 +175,11 @@ class EngineServicer:
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=omnibus_dot_v1_dot_engine__pb2.SessionRequest.FromString,
+                    response_serializer=omnibus_dot_v1_dot_engine__pb2.SessionUpdate.SerializeToString,
+            ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=omnibus_dot_v1_dot_engine__pb2.EngineGenerateRequest.FromString,
@@ -199,6 +225,33 @@ def add_EngineServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Engine:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/omnibus.v1.Engine/Session',
+            omnibus_dot_v1_dot_engine__pb2.SessionRequest.SerializeToString,
+            omnibus_dot_v1_dot_engine__pb2.SessionUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Generate(request,

@@ -6,13 +6,13 @@ import json
 import grpc
 import pytest
 import torch
-from omnibus.v1 import engine_pb2_grpc
+from omnibus.v1 import engine_pb2, engine_pb2_grpc
 
 from omnibus.engine.config import EngineConfig, ModelConfig
 from omnibus.engine.engine import Engine
 from omnibus.engine.model.null import NullModel
 from omnibus.engine.worker.sampling import SamplingParams
-from tests.grpc_helpers import engine_process, engine_request, engine_stats
+from tests.grpc_helpers import engine_process, engine_request, engine_stats, wait_until
 
 VOCAB = 384
 CONFIG = dict(
@@ -68,6 +68,89 @@ def test_served_engine_streams_the_pattern_and_frees_every_block(config_only, tm
                 assert tokens == expected(3 + i, 30)
         load = engine_stats(proc.address).load
         assert load.num_running == load.num_waiting == 0
+        assert load.num_free_blocks == load.num_total_blocks == 63
+    finally:
+        proc.stop()
+
+
+def _add(request_id: str, handle: int, **kwargs) -> engine_pb2.EngineGenerateRequest:
+    request = engine_request(request_id, **kwargs)
+    request.handle = handle
+    return request
+
+
+async def _read_until(call, done) -> tuple[dict[int, list], int]:
+    """Reads updates until `done(outputs by handle)`; returns them and the update count."""
+    outputs: dict[int, list] = {}
+    updates = 0
+    while not done(outputs):
+        update = await call.read()
+        assert update is not grpc.aio.EOF
+        updates += 1
+        for out in update.outputs:
+            outputs.setdefault(out.handle, []).append(out)
+    return outputs, updates
+
+
+def _ended(out) -> bool:
+    return bool(out.finish_reason or out.status_code)
+
+
+async def test_session_carries_every_request_per_step_and_its_end_frees_every_block(config_only, tmp_path):
+    proc = engine_process(config_only, tmp_path, "null-session", "--load-format", "null",
+                          "--num-kv-blocks", "64", "--max-num-seqs", "4").wait_serving()
+    try:
+        async with grpc.aio.insecure_channel(proc.address) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            steps = (await stub.Stats(engine_pb2.StatsRequest())).num_steps
+            call = stub.Session()
+            adds = [_add(f"r{i}", i, prompt=[5 + i] * (3 + i), max_tokens=30) for i in range(6)]
+            await call.write(engine_pb2.SessionRequest(add=adds))  # 6 > 4 seats: some wait
+            outputs, updates = await _read_until(
+                call, lambda o: sum(_ended(x[-1]) for x in o.values()) == 6)
+            assert {h: [t for out in outs for t in out.token_ids] for h, outs in outputs.items()} == {
+                i: expected(3 + i, 30) for i in range(6)}
+            assert all(out.status_code == 0 for outs in outputs.values() for out in outs)
+            assert [outs[-1].finish_reason for outs in outputs.values()] == [2] * 6  # LENGTH
+            steps = (await stub.Stats(engine_pb2.StatsRequest())).num_steps - steps
+            assert updates <= steps < 180  # one message per step at most, not one per token
+
+            # A request's error is its own: the session and its other requests live on.
+            await call.write(engine_pb2.SessionRequest(add=[
+                _add("long", 20, max_tokens=500), _add("oov", 21, prompt=[VOCAB + 5]),
+                _add("long", 22), _add("", 23), _add("late", 24, max_tokens=200)]))
+            errors, _ = await _read_until(call, lambda o: all(h in o for h in (21, 22, 23)))
+            codes = {h: errors[h][-1].status_code for h in (21, 22, 23)}
+            assert codes == {21: grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                             22: grpc.StatusCode.ALREADY_EXISTS.value[0],
+                             23: grpc.StatusCode.INVALID_ARGUMENT.value[0]}
+            await call.write(engine_pb2.SessionRequest(abort=["late"]))
+            running = lambda: engine_stats(proc.address).load.num_running  # noqa: E731
+            wait_until(lambda: running() == 1, 30, "the aborted request to leave")
+            call.cancel()  # the router is gone: "long" ends with its session
+        wait_until(lambda: running() == 0, 30, "the session's sequences to be aborted")
+        load = engine_stats(proc.address).load
+        assert load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks == 63
+    finally:
+        proc.stop()
+
+
+async def test_session_requests_past_their_deadline_end_deadline_exceeded(config_only, tmp_path):
+    proc = engine_process(config_only, tmp_path, "null-deadline", "--load-format", "null",
+                          "--num-kv-blocks", "64", "--max-num-seqs", "4").wait_serving()
+    try:
+        async with grpc.aio.insecure_channel(proc.address) as channel:
+            call = engine_pb2_grpc.EngineStub(channel).Session()
+            endless = _add("endless", 7, max_tokens=900)
+            endless.deadline_ms = 300
+            await call.write(engine_pb2.SessionRequest(add=[endless]))
+            outputs, _ = await _read_until(call, lambda o: 7 in o and _ended(o[7][-1]))
+            last = outputs[7][-1]
+            assert last.status_code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            assert 0 < sum(len(out.token_ids) for out in outputs[7]) < 900
+            wait_until(lambda: engine_stats(proc.address).load.num_running == 0, 30, "the abort")
+            call.cancel()
+        load = engine_stats(proc.address).load
         assert load.num_free_blocks == load.num_total_blocks == 63
     finally:
         proc.stop()

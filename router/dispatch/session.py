@@ -1,0 +1,174 @@
+"""One router's Session stream to one engine (omnibus.v1.Engine.Session).
+
+Every request this router runs on the engine goes in as an add on the one stream, and
+the engine answers with one update per step carrying every new token of this router's
+requests, so the cost of a token is a few field copies, not a gRPC message. The session
+owns the registry of its open requests (handle -> slot); each request's consumer
+(`EngineSession.generate`) reads its slot, where outputs it has not taken yet are
+merged into one (a slow client gets fewer, larger messages, never a queue per token).
+
+Errors reach a request as grpc.aio.AioRpcError, with the codes a per-request Generate
+call would end with: the engine's per-request status, DEADLINE_EXCEEDED when the
+request's timeout passes (the engine is told to abort it), or the stream's own status
+when the session breaks (every open request ends with it; the engine aborts the
+sequences of a session whose stream ended, so a reconnect leaks nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncGenerator
+
+import grpc
+from omnibus.v1 import engine_pb2, engine_pb2_grpc
+
+EngineOutput = engine_pb2.EngineGenerateResponse
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_HANDLES = 1 << 32  # handles are uint32
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class _Slot:
+    """One open request's outputs between the session reader and its consumer: at most
+    one pending output (later ones are merged into it) and then, perhaps, an error."""
+
+    __slots__ = ("request_id", "pending", "error", "waiter")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.pending: EngineOutput | None = None
+        self.error: grpc.aio.AioRpcError | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    def push(self, out: EngineOutput) -> None:
+        if self.pending is None:
+            self.pending = out
+        else:  # not taken yet: token ids and logprobs append, counts and finish update
+            self.pending.MergeFrom(out)
+        self._wake()
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        if self.error is None:
+            self.error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def next(self) -> EngineOutput:
+        while self.pending is None:
+            if self.error is not None:
+                raise self.error
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        out, self.pending = self.pending, None
+        return out
+
+
+class EngineSession:
+    """The stream and its registry; `closed` once the stream has ended (a new request
+    then needs a new session)."""
+
+    def __init__(self, stub: engine_pb2_grpc.EngineStub, address: str) -> None:
+        self._address = address
+        self._slots: dict[int, _Slot] = {}  # handle -> the open request
+        self._next_handle = 0
+        self._outbox = engine_pb2.SessionRequest()
+        self._wake = asyncio.Event()  # the outbox has something to send
+        self.closed = False
+        self._call = stub.Session(self._requests())
+        self._reader = asyncio.create_task(self._read(), name=f"session-{address}")
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    async def generate(
+        self, request: engine_pb2.EngineGenerateRequest, timeout: float | None = None
+    ) -> AsyncGenerator[EngineOutput, None]:
+        """Runs `request` (its request_id unique on the engine) and yields its outputs;
+        the last has finish_reason set. `timeout`: seconds left of its deadline. Closing
+        the generator early aborts the request on the engine."""
+        if self.closed:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the session to {self._address} has ended")
+        if timeout is not None and timeout <= 0:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        handle = self._handle()
+        slot = self._slots[handle] = _Slot(request.request_id)
+        request.handle = handle
+        timer = None
+        if timeout is not None:
+            deadline_ms = max(1, math.ceil(timeout * 1000))
+            request.deadline_ms = min(request.deadline_ms or deadline_ms, deadline_ms)
+            error = rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            timer = asyncio.get_running_loop().call_later(timeout, slot.fail, error)
+        self._outbox.add.append(request)
+        self._wake.set()
+        try:
+            while True:
+                out = await slot.next()
+                yield out
+                if out.finish_reason:
+                    return
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if self._slots.get(handle) is slot:  # still open on the engine: abort it
+                del self._slots[handle]
+                if not self.closed:
+                    self._outbox.abort.append(slot.request_id)
+                    self._wake.set()
+
+    async def close(self) -> None:
+        self._call.cancel()
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+    def _handle(self) -> int:
+        handle = self._next_handle
+        while handle in self._slots:
+            handle = (handle + 1) % _HANDLES
+        self._next_handle = (handle + 1) % _HANDLES
+        return handle
+
+    async def _requests(self) -> AsyncGenerator[engine_pb2.SessionRequest, None]:
+        """What the stream sends: everything queued since the last message, in one."""
+        while not self.closed:
+            await self._wake.wait()
+            self._wake.clear()
+            request, self._outbox = self._outbox, engine_pb2.SessionRequest()
+            if request.add or request.abort:
+                yield request
+
+    async def _read(self) -> None:
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"engine {self._address} ended the session")
+        slots = self._slots
+        try:
+            while True:
+                update = await self._call.read()
+                if update is grpc.aio.EOF:
+                    break
+                for out in update.outputs:
+                    slot = slots.get(out.handle)
+                    if slot is None:
+                        continue  # aborted here already
+                    if out.status_code:
+                        del slots[out.handle]
+                        slot.fail(rpc_error(_CODES.get(out.status_code, grpc.StatusCode.UNKNOWN),
+                                            out.status_message))
+                        continue
+                    if out.finish_reason:
+                        del slots[out.handle]
+                    slot.push(out)
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        finally:
+            self.closed = True
+            self._wake.set()  # ends the request stream
+            for slot in slots.values():
+                slot.fail(error)
+            slots.clear()

@@ -1,0 +1,33 @@
+"""The router's side of an engine session: a request's outputs it has not read yet are
+merged into one, and an error comes after the tokens that preceded it."""
+
+import grpc
+import pytest
+from omnibus.v1 import engine_pb2
+
+from omnibus.router.dispatch.session import _Slot, rpc_error
+
+Out = engine_pb2.EngineGenerateResponse
+
+
+async def test_outputs_not_taken_yet_merge_into_one():
+    slot = _Slot("r")
+    slot.push(Out(handle=3, token_ids=[5], num_prompt_tokens=4, num_output_tokens=1))
+    slot.push(Out(handle=3, token_ids=[6, 7], num_prompt_tokens=4, num_output_tokens=3))
+    slot.push(Out(handle=3, token_ids=[8], num_prompt_tokens=4, num_output_tokens=4, finish_reason=2))
+    merged = await slot.next()
+    assert list(merged.token_ids) == [5, 6, 7, 8]
+    assert (merged.num_output_tokens, merged.num_prompt_tokens, merged.finish_reason) == (4, 4, 2)
+    slot.push(Out(handle=3, token_ids=[9], num_output_tokens=5))
+    assert list((await slot.next()).token_ids) == [9]  # taken: a new output starts
+
+
+async def test_an_error_follows_the_tokens_before_it():
+    slot = _Slot("r")
+    slot.push(Out(handle=1, token_ids=[5], num_output_tokens=1))
+    slot.fail(rpc_error(grpc.StatusCode.UNAVAILABLE, "engine gone"))
+    slot.fail(rpc_error(grpc.StatusCode.INTERNAL, "later errors are ignored"))
+    assert list((await slot.next()).token_ids) == [5]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await slot.next()
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.UNAVAILABLE, "engine gone")
