@@ -228,7 +228,15 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "--max-engine-attempts",
         type=int,
         default=_DEFAULTS["max_engine_attempts"],
-        help="engines tried for a request whose engine fails before its first token",
+        help="engines a request may use: one whose engine dies, drains or stalls (before or "
+        "during its stream) continues on another, as prompt + the tokens already sent",
+    )
+    g.add_argument(
+        "--client-stall-seconds",
+        type=float,
+        default=_DEFAULTS["client_stall_seconds"],
+        help="a client whose stream writes have not completed for this long (it stopped "
+        "reading) has its engine work aborted and its seat freed (outcome client_stalled)",
     )
     g.add_argument(
         "--drain-seconds",

@@ -116,7 +116,12 @@ class RouterConfig:
     engine_resolve_seconds: float = 5.0  # dns:/// targets are re-resolved this often
     engine_retry_initial_seconds: float = 0.2  # reconnect backoff, doubling up to the max
     engine_retry_max_seconds: float = 2.0
-    max_engine_attempts: int = 3  # tries of a request whose engine failed before any token
+    # Engines a request may use: its engine failing (or draining, or going silent) before
+    # or during the stream moves it to another, as prompt + the tokens already sent.
+    max_engine_attempts: int = 3
+    # A client whose stream writes have not completed for this long (it stopped reading):
+    # its engine work is aborted and its seat freed; outcome client_stalled.
+    client_stall_seconds: float = 30.0
     drain_seconds: float = 10.0  # SIGTERM: how long in-flight streams may take to finish
     # Tenant limits shared by every router: "" keeps them in this router's memory;
     # redis://host:port/db counts them in Redis (router/admission/store.py).
@@ -191,6 +196,7 @@ class RouterConfig:
             "limits_store_lease_seconds": self.limits_store_lease_seconds,
             "engine_retry_initial_seconds": self.engine_retry_initial_seconds,
             "max_engine_attempts": self.max_engine_attempts,
+            "client_stall_seconds": self.client_stall_seconds,
         }
         for name, value in positive.items():
             _check(value > 0, name, "> 0", value)

@@ -41,6 +41,12 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.continued = Counter(
+            "omnibus_router_continued_streams",
+            "Streams moved to another engine mid-way (prompt + tokens sent), by why",
+            ["reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "omnibus_router_prompt_tokens", "Prompt tokens served", registry=r
         )

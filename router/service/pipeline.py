@@ -11,6 +11,13 @@ stop strings) → a last message with finish reason, usage and timing. Closing t
 stream early (a client cancel or disconnect) or the caller's deadline aborts the
 request on the engine (EngineClient.generate), which frees the sequence's KV blocks.
 
+Nothing lost: when the engine serving a stream dies, drains, or is marked unhealthy
+(stalled), the stream continues on another engine as the prompt + the tokens already
+sent (output_offset: penalties and seeded draws go on as if uninterrupted), with the
+rest of max_tokens; the client sees one stream. A client that stops reading for
+--client-stall-seconds has its engine work aborted and its seat freed (client_stalled).
+A router drain that runs out of time ends each stream with ABORTED, usage included.
+
 Every refusal is a RequestError carrying a gRPC status; the pipeline counts and logs it
 once, and each transport only translates it (gRPC: abort; HTTP: the matching status).
 """
@@ -22,7 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -45,6 +52,7 @@ from omnibus.router.text.stop import StopStringMatcher
 log = structlog.get_logger("router")
 
 STOP, UNSPECIFIED = inference_pb2.STOP, inference_pb2.FINISH_REASON_UNSPECIFIED
+ABORTED, LENGTH = inference_pb2.ABORTED, inference_pb2.LENGTH
 # Where else a refusal that points to ListModels sends HTTP callers.
 VIA_HTTP = " (GET /v1/models over HTTP)"
 
@@ -61,7 +69,7 @@ class Caller:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: _Watch keeps a set of them
 class _Job:
     """One admitted request while it is being served."""
 
@@ -74,18 +82,92 @@ class _Job:
     engine: str = ""
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Continuation: every token id sent so far (the next engine gets prompt + these), and
+    # how many of them were sent before the current engine took over.
+    sent_ids: list[int] = field(default_factory=list)
+    offset: int = 0
+    queued_at: float = 0.0  # when it last entered the queue (a continuation re-enters it)
+    detok: IncrementalDetokenizer | None = None  # one per stream, kept across engines
+    stop: StopStringMatcher | None = None
+    # Where the serving task waits now, for _Watch: "queue", "engine" (for its next
+    # output), "client" (its last message is being written), "" (neither).
+    waiting: str = ""
+    waiting_since: float = 0.0
+    serving: EngineClient | None = None
+    task: asyncio.Task | None = None
+    interrupted: str = ""  # why _Watch interrupted it: "engine", "drain", "client_stalled"
+    interrupt_note: str = ""
 
     @property
     def adapter(self) -> str:
         return self.caller.adapter
 
+    def wait(self, where: str) -> None:
+        self.waiting, self.waiting_since = where, time.monotonic()
+
+    def interrupt(self, why: str, note: str = "") -> None:
+        """Cancels the serving task where it waits; the pipeline turns the cancellation
+        into the move (engine), the final message (drain) or the end (client_stalled)."""
+        if self.interrupted or self.task is None:
+            return
+        self.interrupted, self.interrupt_note = why, note
+        if why != "drain" or self.waiting != "client":  # a drain lets a write finish
+            self.task.cancel()
+
+    def take_interrupt(self) -> str:
+        """Why _Watch cancelled the current task ("" when it did not: a real cancel)."""
+        task = asyncio.current_task()
+        if not self.interrupted or task is None or task.uncancel() > 0:
+            return ""
+        why, self.interrupted = self.interrupted, ""
+        return why
+
 
 class _EngineLost(Exception):
-    """The engine failed before sending any token: the request may go to another one."""
+    """The engine can no longer serve the stream: it may go on on another one."""
 
-    def __init__(self, error: RequestError) -> None:
+    def __init__(self, error: RequestError, why: str = "engine_unavailable") -> None:
         super().__init__(error.message)
         self.error = error
+        self.why = why  # engine_unavailable, engine_unhealthy, engine_drained
+
+
+class _Drained(Exception):
+    """The router's drain ran out of time while the stream was being served."""
+
+
+class _Watch:
+    """One task that checks every live stream a few times a second: moves those whose
+    engine is marked unhealthy (a SIGSTOP'd or partitioned engine never closes its
+    streams; its load reports stop), and ends those whose client has not taken a
+    message for `stall` seconds. Costs nothing per token."""
+
+    def __init__(self, stall: float) -> None:
+        self.stall = stall
+        self.jobs: set[_Job] = set()
+        self._task: asyncio.Task | None = None
+
+    def add(self, job: _Job) -> None:
+        job.task = asyncio.current_task()
+        self.jobs.add(job)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="stream-watch")
+
+    async def _run(self) -> None:
+        while self.jobs:
+            await asyncio.sleep(min(0.25, self.stall / 4))
+            now = time.monotonic()
+            for job in list(self.jobs):
+                engine = job.serving
+                if job.waiting == "engine" and engine is not None and not engine.healthy:
+                    job.interrupt("engine", f"engine {engine.address} was marked unhealthy")
+                elif job.waiting == "client" and now - job.waiting_since > self.stall:
+                    job.interrupt("client_stalled")
+
+    def drain(self) -> None:
+        """Ends every stream now: those being served get a final ABORTED message."""
+        for job in list(self.jobs):
+            job.interrupt("drain")
 
 
 class Pipeline:
@@ -113,6 +195,7 @@ class Pipeline:
         self._dispatcher = dispatcher
         self._engines = engines
         self._metrics = metrics
+        self._watch = _Watch(config.client_stall_seconds)
 
     # ---- calls ---------------------------------------------------------------
 
@@ -152,18 +235,34 @@ class Pipeline:
         except RequestError as err:
             raise self.refused(err, request_id) from None
         outcome = "cancelled"  # what an exception other than ours means here
+        self._watch.add(job)
         try:
             async with aclosing(self._serve(job)) as responses:
                 async for response in responses:
                     if response.finish_reason != UNSPECIFIED:
                         outcome = inference_pb2.FinishReason.Name(response.finish_reason).lower()
+                    job.wait("client")
                     yield response
+                    job.wait("")
+                    if job.interrupted == "drain" and response.finish_reason == UNSPECIFIED:
+                        yield self._final(job, ABORTED)  # the drain came during that write
+                        return
         except RequestError as err:
             outcome = err.reason
             raise self.refused(err, request_id) from None
         finally:
+            self._watch.jobs.discard(job)
+            if job.interrupted == "client_stalled":  # the write it was stuck in was cancelled
+                outcome = "client_stalled"
+                log.warning("client_stalled", request_id=request_id,
+                            seconds=self._config.client_stall_seconds)
             job.permit.release(len(job.request.prompt_ids) + job.completion_tokens)
             self._record(job, outcome)
+
+    def drain(self) -> None:
+        """The router's drain is out of time: every stream ends now, those being served
+        with a final ABORTED message carrying usage, those still queued UNAVAILABLE."""
+        self._watch.drain()
 
     async def embed(
         self, request: inference_pb2.EmbedRequest, caller: Caller
@@ -272,27 +371,87 @@ class Pipeline:
     # ---- serving -------------------------------------------------------------
 
     async def _serve(self, job: _Job) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
-        """Streams the request from an engine, moving it to another engine if the first
-        one fails before producing anything."""
-        for attempt in range(1, self._config.max_engine_attempts + 1):
+        """Streams the request from an engine, moving it to another engine (prompt + the
+        tokens sent so far) when one fails, drains or stalls, at most
+        max_engine_attempts engines in all."""
+        job.detok = IncrementalDetokenizer(self.tokenizer, self._byte_ids, self._special_ids)
+        job.stop = StopStringMatcher(job.request.stop)
+        job.queued_at = job.arrival
+        try:
+            for attempt in range(1, self._config.max_engine_attempts + 1):
+                if len(job.sent_ids) >= job.request.sampling.max_tokens:  # lost after its last
+                    yield self._final(job, LENGTH)
+                    return
+                engine = await self._queued(job)
+                try:
+                    async with aclosing(self._stream(job, engine)) as responses:
+                        async for response in responses:
+                            yield response
+                    return
+                except _EngineLost as lost:
+                    if attempt == self._config.max_engine_attempts:
+                        raise lost.error from None
+                    self._moving(job, engine, attempt, lost)
+                finally:
+                    job.serving = None
+                    engine.release(job.adapter)
+        except _Drained:
+            yield self._final(job, ABORTED)
+
+    async def _queued(self, job: _Job) -> EngineClient:
+        job.wait("queue")
+        try:
             engine = await self._wait_for_engine(job)
-            try:
-                async with aclosing(self._stream(job, engine)) as responses:
-                    async for response in responses:
-                        yield response
-                return
-            except _EngineLost as lost:
-                if attempt == self._config.max_engine_attempts:
-                    raise lost.error from None
-                log.warning(
-                    "request_retried",
-                    request_id=job.request.request_id,
-                    engine=engine.address,
-                    attempt=attempt,
-                    error=lost.error.message,
-                )
-            finally:
-                engine.release(job.adapter)
+        except asyncio.CancelledError:
+            if job.take_interrupt() != "drain":
+                raise
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                "the router is shutting down and the request was still queued; retry on another "
+                "router",
+                "router_draining",
+            ) from None
+        job.serving = engine
+        return engine
+
+    def _moving(self, job: _Job, engine: EngineClient, attempt: int, lost: _EngineLost) -> None:
+        """Logs and counts a move to another engine; the next one resumes after the
+        tokens already sent, queued ahead of later arrivals."""
+        if job.sent_ids:
+            self._metrics.continued.labels(lost.why).inc()
+        job.queued_at = time.monotonic()
+        log.warning(
+            "request_continued" if job.sent_ids else "request_retried",
+            request_id=job.request.request_id,
+            engine=engine.address,
+            attempt=attempt,
+            tokens_sent=len(job.sent_ids),
+            error=lost.error.message,
+        )
+
+    def _final(self, job: _Job, finish: int) -> inference_pb2.GenerateResponse:
+        """A last message with no new token: `finish`, usage and timing."""
+        assert job.detok is not None and job.stop is not None
+        text = "" if job.stop.stopped else job.stop.feed(job.detok.flush()) + job.stop.flush()
+        response = inference_pb2.GenerateResponse(
+            request_id=job.request.request_id, text=text,
+            finish_reason=STOP if job.stop.stopped else finish)
+        response.usage.CopyFrom(self._usage(job))
+        response.timing.CopyFrom(self._timing(job))
+        return response
+
+    def _resumed(self, job: _Job) -> tuple[list[int], engine_pb2.EngineSamplingParams]:
+        """The prompt and sampling for the current engine: the original ones, or for a
+        continuation the prompt + the tokens sent, with the rest of max_tokens."""
+        request, sent = job.request, job.sent_ids
+        job.offset = len(sent)
+        if not sent:
+            return list(request.prompt_ids), request.sampling
+        sampling = engine_pb2.EngineSamplingParams()
+        sampling.CopyFrom(request.sampling)
+        sampling.max_tokens -= len(sent)
+        sampling.output_offset = len(sent)
+        return [*request.prompt_ids, *sent], sampling
 
     async def _wait_for_engine(self, job: _Job) -> EngineClient:
         """Queues the request until the dispatcher assigns it an engine with room."""
@@ -302,7 +461,7 @@ class Pipeline:
             tenant.name, tenant.weight, job.request.prompt_ids,
         )
         self._dispatcher.submit(ticket)
-        queue_left = job.arrival + self._config.max_queue_seconds - time.monotonic()
+        queue_left = job.queued_at + self._config.max_queue_seconds - time.monotonic()
         client_left = job.caller.time_remaining()
         timeout = queue_left if client_left is None else min(queue_left, client_left)
         try:
@@ -338,11 +497,12 @@ class Pipeline:
         self, job: _Job, engine: EngineClient
     ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         request = job.request
+        prompt_ids, sampling = self._resumed(job)
         outputs = engine.generate(
             engine_pb2.EngineGenerateRequest(
                 request_id=uuid.uuid4().hex,  # unique on the engine whatever the client sent
-                prompt_token_ids=request.prompt_ids,
-                sampling=request.sampling,
+                prompt_token_ids=prompt_ids,
+                sampling=sampling,
                 priority=request.priority,
                 adapter=job.adapter,
                 tenant=job.caller.tenant.name,
@@ -350,16 +510,34 @@ class Pipeline:
             ),
             timeout=job.caller.time_remaining(),  # the client's deadline, passed on
         )
-        detok = IncrementalDetokenizer(self.tokenizer, self._byte_ids, self._special_ids)
-        stop = StopStringMatcher(request.stop)
+        detok, stop = job.detok, job.stop
+        assert detok is not None and stop is not None
+        job.wait("engine")
         try:
             async for out in outputs:
+                job.wait("")
+                # The engine gave the sequence up (its drain ran out): go on elsewhere.
+                drained = out.finish_reason == ABORTED
+                if drained:
+                    out.finish_reason = UNSPECIFIED
                 response = self._response(job, out, detok, stop)
-                yield response
+                if response.token_ids or response.text or not drained:
+                    yield response
+                if drained and response.finish_reason == UNSPECIFIED:
+                    raise self._lost(job, engine, "engine_drained",
+                                     f"engine {engine.address} aborted it while draining")
+                job.wait("engine")
                 if response.finish_reason != UNSPECIFIED:
                     return  # a stop string may end it early: the finally aborts it on the engine
         except grpc.aio.AioRpcError as exc:
             raise self._engine_error(exc, engine, job) from None
+        except asyncio.CancelledError:
+            why = job.take_interrupt()
+            if why == "engine":
+                raise self._lost(job, engine, "engine_unhealthy", job.interrupt_note) from None
+            if why == "drain":
+                raise _Drained() from None
+            raise
         finally:
             await outputs.aclose()
         raise RequestError(
@@ -379,8 +557,10 @@ class Pipeline:
             job.first_token = time.monotonic()
         tenant = job.caller.tenant
         self._dispatcher.queue.charge(tenant.name, len(out.token_ids), tenant.weight)  # fair share
-        job.completion_tokens = out.num_output_tokens
-        job.cached_tokens = out.num_cached_tokens
+        job.sent_ids.extend(out.token_ids)
+        job.completion_tokens = job.offset + out.num_output_tokens
+        if not job.offset:  # a continuation's cache hits include the resent output
+            job.cached_tokens = out.num_cached_tokens
         text = stop.feed(detok.push(out.token_ids))
         finish = STOP if stop.stopped else out.finish_reason
         if finish != UNSPECIFIED and not stop.stopped:
@@ -405,21 +585,8 @@ class Pipeline:
         code, details = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.UNAVAILABLE:
             engine.mark_failed(details)
-            if job.first_token is None:
-                return _EngineLost(
-                    RequestError(
-                        code,
-                        f"engine {engine.address} is unavailable ({details}); retry later",
-                        "engine_unavailable",
-                    )
-                )
-            return RequestError(
-                code,
-                f"engine {engine.address} became unavailable mid-stream after "
-                f"{job.completion_tokens} tokens ({details}); the completion is incomplete, "
-                "retry the request",
-                "engine_unavailable",
-            )
+            return self._lost(job, engine, "engine_unavailable",
+                              f"engine {engine.address} is unavailable ({details})")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return RequestError(code, "the request's deadline passed during generation", "deadline")
         if code in (
@@ -473,6 +640,20 @@ class Pipeline:
             cached_tokens=job.cached_tokens,
             seconds=round(now - job.arrival, 4),
         )
+
+
+    def _lost(self, job: _Job, engine: EngineClient, why: str, what: str) -> _EngineLost:
+        """The engine can no longer serve the stream; the error is what the client gets
+        when no other engine is left to continue on."""
+        if not job.sent_ids:
+            message = f"{what}; retry later"
+        else:
+            message = (
+                f"{what} after {len(job.sent_ids)} tokens and no other engine could continue "
+                f"the stream within {self._config.max_engine_attempts} engines; the "
+                "completion is incomplete, retry the request"
+            )
+        return _EngineLost(RequestError(grpc.StatusCode.UNAVAILABLE, message, why), why)
 
 
 def _no_engine() -> RequestError:

@@ -171,10 +171,32 @@ async def serve(config: RouterConfig) -> None:
     log.info("router_draining", seconds=config.drain_seconds)
     tracker.draining = True
     tracker.update()
-    await asyncio.gather(server.stop(config.drain_seconds), *([http.stop()] if http else []))
+    await _drain(config, server, http, pipeline)
     await dispatcher.close()
     await discovery.close()
     log.info("router_stopped")
+
+
+# After the drain time, each stream gets this long to take its final ABORTED message.
+_FINAL_MESSAGE_SECONDS = 2.0
+
+
+async def _drain(
+    config: RouterConfig, server: grpc.aio.Server, http: OpenAIFront | None, pipeline: Pipeline
+) -> None:
+    """New calls are refused at once; streams get config.drain_seconds to finish, then
+    each ends with a final ABORTED message carrying its usage (never a bare
+    'Cancelling all calls')."""
+    stopping = asyncio.gather(
+        server.stop(config.drain_seconds + _FINAL_MESSAGE_SECONDS),
+        *([http.stop()] if http else []),
+    )
+    try:
+        await asyncio.wait_for(asyncio.shield(stopping), config.drain_seconds)
+    except TimeoutError:
+        log.info("router_drain_expired", seconds=config.drain_seconds)
+        pipeline.drain()
+        await stopping
 
 
 def _grpc_server(
@@ -189,6 +211,13 @@ def _grpc_server(
     )
     # gRPC's own cap sits above ours so that an oversized request gets our clear
     # INVALID_ARGUMENT rather than a bare RESOURCE_EXHAUSTED.
-    options = [("grpc.max_receive_message_length", 2 * config.max_request_bytes + 4096)]
+    options = [
+        ("grpc.max_receive_message_length", 2 * config.max_request_bytes + 4096),
+        # Pings find a client whose host vanished while its stream was idle; one that
+        # stops reading is found by the pipeline (--client-stall-seconds).
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
     return build_server(config.host, config.port, services, health_servicer, options,
                         config.public_security())

@@ -1,0 +1,126 @@
+"""Nothing lost (#16): a stream whose engine dies (SIGKILL) or stalls (SIGSTOP) goes on
+on the other engine as prompt + the tokens already sent, and the client sees one
+uninterrupted stream equal, token for token, to an undisturbed run (greedy, and seeded
+sampling with penalties), with usage counting each token once."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import grpc
+import pytest
+from omnibus.v1 import inference_pb2_grpc
+from omnibus.v1 import inference_pb2 as pb
+
+from tests.grpc_helpers import (
+    engine_process,
+    engine_stats,
+    free_port,
+    metric,
+    router_process,
+    scrape,
+    tiny_checkpoint,
+    wait_until,
+)
+
+FLAGS = ("--num-kv-blocks", "1200", "--block-size", "8", "--max-num-seqs", "16")
+TOKENS = 600
+N = 10
+
+
+@pytest.fixture
+def processes(tmp_path_factory):
+    model = tiny_checkpoint(tmp_path_factory)
+    logs = tmp_path_factory.mktemp("logs")
+    engines = [engine_process(model, logs, f"engine-{i}", *FLAGS) for i in range(2)]
+    procs = list(engines)
+    try:
+        for proc in engines:
+            proc.wait_serving()
+        port = free_port()
+        router = router_process(model, [e.address for e in engines], logs, "router",
+                                f"--metrics-port={port}", "--engine-stale-seconds=1.5")
+        procs.append(router)
+        router.wait_serving()
+        yield engines, router, port
+    finally:
+        for proc in reversed(procs):
+            proc.signal(signal.SIGCONT)
+            proc.stop()
+
+
+def requests() -> list[pb.GenerateRequest]:
+    """Greedy and seeded (with penalties) requests, each long enough to be cut mid-way."""
+    out = []
+    for i in range(N):
+        if i % 2:
+            sampling = pb.SamplingParams(max_tokens=TOKENS, temperature=0.9, seed=100 + i,
+                                         top_k=50, frequency_penalty=0.4, repetition_penalty=1.2,
+                                         ignore_eos=True)
+        else:
+            sampling = pb.SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        out.append(pb.GenerateRequest(text=f"story {i} began", sampling=sampling,
+                                      request_id=f"r{i}"))
+    return out
+
+
+def collect(stub, request, first: threading.Barrier | None = None):
+    ids, text, last = [], "", None
+    for response in stub.Generate(request, timeout=120):
+        ids += response.token_ids
+        text += response.text
+        assert response.request_id == request.request_id
+        last = response
+        if first is not None:
+            first.wait(timeout=60)
+            first = None
+    return ids, text, last
+
+
+def run_all(stub, fault=None) -> list:
+    """Every request at once; `fault` runs once each stream has its first token."""
+    results: list = [None] * N
+    barrier = threading.Barrier(N + 1)
+
+    def one(i, request):
+        results[i] = collect(stub, request, barrier)
+
+    threads = [threading.Thread(target=one, args=(i, r)) for i, r in enumerate(requests())]
+    for t in threads:
+        t.start()
+    barrier.wait(timeout=60)
+    if fault is not None:
+        fault()
+    for t in threads:
+        t.join(timeout=180)
+    return results
+
+
+def busiest(engines):
+    return max(engines, key=lambda e: engine_stats(e.address).num_active_streams)
+
+
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_lost_engines_streams_continue_elsewhere_token_exact(processes, fault):
+    engines, router, port = processes
+    stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(router.address))
+    undisturbed = run_all(stub)
+    victim = []
+
+    def hit():
+        victim.append(busiest(engines))
+        assert engine_stats(victim[0].address).num_active_streams > 0
+        victim[0].signal(getattr(signal, fault))
+
+    disturbed = run_all(stub, hit)
+    for (ids, text, last), (ref_ids, ref_text, ref_last) in zip(disturbed, undisturbed):
+        assert ids == ref_ids and len(ids) == TOKENS
+        assert text == ref_text
+        assert last.finish_reason == pb.LENGTH
+        assert last.usage.completion_tokens == TOKENS
+        assert last.usage.prompt_tokens == ref_last.usage.prompt_tokens
+    metrics = scrape(port)
+    reason = "engine_unavailable" if fault == "SIGKILL" else "engine_unhealthy"
+    assert metric(metrics, "omnibus_router_continued_streams_total", reason=reason) >= 1
+    assert metric(metrics, "omnibus_router_requests_total", outcome="length") == 2 * N
