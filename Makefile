@@ -84,8 +84,11 @@ bench-strategies: setup
 	$(BIN)/omnibus-bench strategies --out docs/benchmarks/strategies.md
 
 # On a CUDA host: Llama-3-8B-shaped roofline, throughput vs transformers, multi-LoRA.
+# One section per command keeps each under 10 minutes (results accumulate beside --out):
+#   make bench-gpu GPU_SECTIONS=roofline,decode; make bench-gpu GPU_SECTIONS=offline; ...
+GPU_SECTIONS ?= roofline,decode,offline,hf,lora
 bench-gpu: gpu-env
-	$(GPU_VENV)/bin/python -m omnibus.bench.gpu --out docs/benchmarks/gpu.md
+	$(GPU_VENV)/bin/python -m omnibus.bench.gpu --out docs/benchmarks/gpu.md --sections $(GPU_SECTIONS)
 
 # Fair share (FIFO vs VTC), deadlines (EDF vs FIFO) and prefix-aware routing (2 and 4
 # engines), real processes on this machine (~12 min on 2 cores).
