@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
 
 .PHONY: setup proto test test-gpu gpu-env gpu-wheels run bench-offline bench-host bench-strategies \
-	bench-lora bench-gpu test-kernels-triton36 bench-fairness check-install clean
+	bench-lora bench-gpu test-kernels-triton36 bench-fairness check-install clean fuzz soak
 
 setup: $(STAMP)
 
@@ -29,6 +29,17 @@ proto: setup
 # The whole CPU suite (Triton kernels run under the interpreter).
 test: setup
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
+
+# The fuzz suite with many fresh examples per RPC (`make test` replays a fixed set).
+FUZZ_EXAMPLES ?= 1000
+fuzz: setup
+	OMNIBUS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_fuzz.py
+
+# Router + 2 null-model engines under a mixed workload for DURATION seconds, failing on
+# RSS / fd / thread growth or KV left in use (`make test` runs it for ~20 s).
+DURATION ?= 600
+soak: setup
+	$(PY) -m omnibus.bench.soak --duration $(DURATION) --out docs/benchmarks/soak.md
 
 # On a CUDA host: kernels at real shapes, CUDA graphs vs eager. These use the host's own
 # Python (GPU_PY) with its CUDA torch and triton (the venv's torch is the CPU build): a

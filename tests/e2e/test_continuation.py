@@ -16,6 +16,7 @@ from omnibus.v1 import inference_pb2 as pb
 from tests.grpc_helpers import (
     engine_process,
     engine_stats,
+    fake_engine_process,
     free_port,
     metric,
     router_process,
@@ -124,3 +125,48 @@ def test_a_lost_engines_streams_continue_elsewhere_token_exact(processes, fault)
     reason = "engine_unavailable" if fault == "SIGKILL" else "engine_unhealthy"
     assert metric(metrics, "omnibus_router_continued_streams_total", reason=reason) >= 1
     assert metric(metrics, "omnibus_router_requests_total", outcome="length") == 2 * N
+
+
+def test_a_router_drain_that_runs_out_ends_streams_aborted_with_usage_and_queued_unavailable(
+    tmp_path_factory,
+):
+    """SIGTERM to a router whose --drain-seconds runs out: the stream still decoding (a
+    slow fake engine: 1000 tokens at 50 ms a step) ends with a final ABORTED message whose
+    usage counts the tokens sent; the request queued behind it (the engine has one seat)
+    ends UNAVAILABLE without reaching an engine."""
+    model = tiny_checkpoint(tmp_path_factory)
+    logs = tmp_path_factory.mktemp("drain")
+    engine = fake_engine_process(logs, "slow-engine", "--step-ms", "50", "--max-num-seqs", "1")
+    procs = [engine]
+    try:
+        engine.wait_serving()
+        port = free_port()
+        router = router_process(model, [engine.address], logs, "draining-router",
+                                "--drain-seconds=1", "--max-inflight-per-engine=1",
+                                f"--metrics-port={port}")
+        procs.append(router)
+        router.wait_serving()
+        stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(router.address))
+        prompt = [5, 6, 7]
+        sampling = pb.SamplingParams(max_tokens=1000, ignore_eos=True)
+        running = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                                   sampling=sampling))
+        received = [next(running)]  # decoding on the engine's one seat
+        queued = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt),
+                                                  sampling=sampling))
+        wait_until(lambda: metric(scrape(port), "omnibus_router_queue_length", priority="0") == 1,
+                   30, "the second request to be queued")
+        router.signal(signal.SIGTERM)
+        received += list(running)
+        final = received[-1]
+        sent = sum(len(r.token_ids) for r in received)
+        assert final.finish_reason == pb.ABORTED
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (len(prompt), sent)
+        assert 0 < sent < 1000
+        with pytest.raises(grpc.RpcError) as err:
+            list(queued)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert router.wait_exit() == 0
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
