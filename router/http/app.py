@@ -242,11 +242,11 @@ class OpenAIFront:
     def _priority(self, request: web.Request, body_priority: int | None) -> int:
         header = request.headers.get(PRIORITY_HEADER)
         if header is None:
-            return body_priority or 0
-        try:
-            priority = int(header)
-        except ValueError:
-            raise invalid(f"{PRIORITY_HEADER} must be an integer, got {header!r}") from None
+            return _int32(body_priority or 0, "priority")
+        # ASCII digits only: int() would also take "1_0" and other scripts' digits.
+        if not (header.isascii() and header.lstrip("+-").isdigit()):
+            raise invalid(f"{PRIORITY_HEADER} must be an integer, got {header!r}")
+        priority = _int32(int(header), PRIORITY_HEADER)
         if body_priority is not None and body_priority != priority:
             raise invalid(
                 f"{PRIORITY_HEADER} {priority} and the body's priority {body_priority} differ; "
@@ -407,6 +407,14 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 def _metadata(request: web.Request) -> list[tuple[str, str]]:
     return [(k.lower(), v) for k, v in request.headers.items()]
+
+
+def _int32(value: int, name: str) -> int:
+    """`value` unless it does not fit the protobuf field (int32): INVALID_ARGUMENT, where
+    building the request would fail with a server error."""
+    if not -(2**31) <= value < 2**31:
+        raise invalid(f"{name} {value} is out of range")
+    return value
 
 
 def _request_id(request: web.Request) -> str:

@@ -15,6 +15,7 @@ OMNIBUS_FUZZ_EXAMPLES to explore many more, drawn afresh each run.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 from collections.abc import Iterator
@@ -28,7 +29,13 @@ from hypothesis import strategies as st
 from omnibus.v1 import admin_pb2, engine_pb2, inference_pb2
 
 from tests.e2e.conftest import NUM_KV_BLOCKS, Served
-from tests.grpc_helpers import ServerProcess, engine_stats, router_process, wait_until
+from tests.grpc_helpers import (
+    ServerProcess,
+    engine_stats,
+    free_port,
+    router_process,
+    wait_until,
+)
 
 MAX_REQUEST_BYTES = 32 * 1024  # the fuzz router's --max-request-bytes
 KEY, ADMIN_KEY = "key-fuzz", "admin-fuzz"
@@ -68,6 +75,7 @@ def fuzz_settings(examples: int):  # noqa: ANN201 (hypothesis' settings decorato
 class Target:
     router: ServerProcess  # keys file, admin key, small --max-request-bytes
     engine: Served  # the shared engine behind it (no credentials)
+    http_port: int  # the router's OpenAI HTTP front
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +87,15 @@ def target(tiny_model, shared_engine: Served, tmp_path_factory) -> Iterator[Targ
         "limited": {"keys": ["key-limited"], "adapters": ["only-this"]},
     }}))
     (logs / "admin.key").write_text(ADMIN_KEY)
+    http_port = free_port()
     router = router_process(
         tiny_model, [shared_engine.address], logs, "fuzz-router",
         f"--keys-file={keys}", f"--admin-key-file={logs / 'admin.key'}",
         f"--max-request-bytes={MAX_REQUEST_BYTES}", "--max-queued-requests=4",
+        f"--http-port={http_port}",
     )
     try:
-        yield Target(router.wait_serving(), shared_engine)
+        yield Target(router.wait_serving(), shared_engine, http_port)
         for address in (router.address, shared_engine.address):
             assert serving(address), f"{address} is no longer SERVING after the fuzzing"
         wait_until(lambda: kv_all_free(shared_engine.address), 60, "every KV block free")
@@ -399,3 +409,77 @@ def test_engine_session_fuzzed(target, messages):
         except grpc.RpcError as err:
             code = err.code()
     check(code, ENGINE, "Engine.Session")
+
+
+# ---- the OpenAI HTTP front ----------------------------------------------------------
+
+JSON_SCALAR = st.one_of(st.none(), st.booleans(), INT32, st.integers(), TEXT,
+                        st.floats(allow_nan=False, allow_infinity=False))
+JSON = st.recursive(JSON_SCALAR, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=8)
+HTTP_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
+               "temperature", "top_p", "n", "stop", "seed", "logprobs", "top_logprobs",
+               "presence_penalty", "frequency_penalty", "stream", "stream_options", "input",
+               "encoding_format", "priority", "user"]
+
+
+@st.composite
+def http_requests(draw) -> tuple[str, bytes, list[tuple[str, bytes]]]:  # noqa: ANN001
+    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]))
+    body = draw(st.dictionaries(st.sampled_from(HTTP_FIELDS), JSON, max_size=8))
+    if draw(st.booleans()):
+        body["model"] = "tiny-llama"
+    raw = json.dumps(body).encode()
+    if draw(st.integers(0, 9)) == 0:  # not JSON at all, or cut short
+        raw = draw(st.one_of(st.binary(max_size=40), st.just(raw[: len(raw) // 2])))
+    headers = [("Content-Type", b"application/json")]
+    for name, value in draw(metadata()):
+        text = value if isinstance(value, bytes) else value.encode()
+        if b"\r" not in text and b"\n" not in text:  # would end the header
+            headers.append((name.removesuffix("-bin"), text))  # raw bytes: HTTP takes them
+    return path, raw, headers
+
+
+@fuzz_settings(40)
+@given(call_http=http_requests())
+def test_http_front_fuzzed(target, call_http):
+    """Random bodies and headers (x-priority junk, x-adapter-id as raw UTF-8 bytes) to the
+    OpenAI endpoints: a client error (4xx) or success, never a server error."""
+    path, raw, headers = call_http
+    conn = http.client.HTTPConnection("127.0.0.1", target.http_port, timeout=30)
+    try:
+        conn.putrequest("POST", path)
+        for name, value in headers:
+            conn.putheader(name, value)
+        conn.putheader("Content-Length", str(len(raw)))
+        conn.endheaders(raw)
+        reply = conn.getresponse()
+        text = reply.read()[:300]
+    finally:
+        conn.close()
+    assert reply.status < 500, f"{path} answered {reply.status}: {text!r}"
+
+
+@pytest.mark.parametrize("header, body", [("99999999999999999999", None), ("-99999999999999999999", None),
+                                          ("1_0", None), ("\u0661".encode(), None), (None, 10**20)])
+def test_http_priority_that_is_no_int32_is_a_client_error(target, header, body):
+    """Found by test_http_front_fuzzed: an x-priority (or body priority) past int32 was an
+    HTTP 500 (building the protobuf request failed); int() also took "1_0" and non-ASCII
+    digits."""
+    raw = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 1}
+                     | ({} if body is None else {"priority": body})).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", target.http_port, timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Authorization", f"Bearer {KEY}")
+        if header is not None:
+            conn.putheader("x-priority", header)
+        conn.putheader("Content-Length", str(len(raw)))
+        conn.endheaders(raw)
+        reply = conn.getresponse()
+        error = json.loads(reply.read())["error"]
+    finally:
+        conn.close()
+    assert (reply.status, error["code"]) == (400, "invalid_argument")
+    assert "priority" in error["message"]
