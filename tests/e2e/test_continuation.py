@@ -98,21 +98,26 @@ def run_all(stub, fault=None) -> list:
     return results
 
 
-def busiest(engines):
-    return max(engines, key=lambda e: engine_stats(e.address).num_active_streams)
+def engine_healthy(port: int, engine) -> bool:
+    return metric(scrape(port), "omnibus_router_engine_healthy", engine=engine.address) == 1.0
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_lost_engines_streams_continue_elsewhere_token_exact(processes, fault):
+    """All N streams on one engine (the other is held stopped until they have their first
+    token, so the router sends them all to the victim), then the victim is lost."""
     engines, router, port = processes
+    victim, survivor = engines
     stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(router.address))
     undisturbed = run_all(stub)
-    victim = []
+    survivor.signal(signal.SIGSTOP)
+    wait_until(lambda: not engine_healthy(port, survivor), 30, "the router to mark the survivor unhealthy")
 
     def hit():
-        victim.append(busiest(engines))
-        assert engine_stats(victim[0].address).num_active_streams > 0
-        victim[0].signal(getattr(signal, fault))
+        assert engine_stats(victim.address).num_active_streams == N
+        survivor.signal(signal.SIGCONT)
+        wait_until(lambda: engine_healthy(port, survivor), 30, "the survivor to report again")
+        victim.signal(getattr(signal, fault))
 
     disturbed = run_all(stub, hit)
     for (ids, text, last), (ref_ids, ref_text, ref_last) in zip(disturbed, undisturbed):
@@ -123,7 +128,7 @@ def test_a_lost_engines_streams_continue_elsewhere_token_exact(processes, fault)
         assert last.usage.prompt_tokens == ref_last.usage.prompt_tokens
     metrics = scrape(port)
     reason = "engine_unavailable" if fault == "SIGKILL" else "engine_unhealthy"
-    assert metric(metrics, "omnibus_router_continued_streams_total", reason=reason) >= 1
+    assert metric(metrics, "omnibus_router_continued_streams_total", reason=reason) == N
     assert metric(metrics, "omnibus_router_requests_total", outcome="length") == 2 * N
 
 
