@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import grpc
@@ -39,7 +39,8 @@ def wait_until(
 
 class ServerProcess:
     """One `python <args>` child serving gRPC at `address`, its output in `log_path`.
-    `env` adds to the inherited environment; `cwd` is where it starts (None: here)."""
+    `env` adds to the inherited environment; `cwd` is where it starts (None: here);
+    `prefix` runs it through another command (e.g. `ip netns exec NS`)."""
 
     def __init__(
         self,
@@ -49,13 +50,14 @@ class ServerProcess:
         *,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        prefix: Sequence[str] = (),
     ) -> None:
         self.args = args
         self.address = address
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed by stop())
         self.proc = subprocess.Popen(
-            [sys.executable, *args],
+            [*prefix, sys.executable, *args],
             cwd=cwd,
             env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
             stdout=self._log,

@@ -34,7 +34,9 @@ N = 10
 def processes(tmp_path_factory):
     model = tiny_checkpoint(tmp_path_factory)
     logs = tmp_path_factory.mktemp("logs")
-    engines = [engine_process(model, logs, f"engine-{i}", *FLAGS) for i in range(2)]
+    # A short drain: on SIGTERM the engine ends what is still running ABORTED after 0.5 s.
+    engines = [engine_process(model, logs, f"engine-{i}", *FLAGS, "--drain-seconds", "0.5")
+               for i in range(2)]
     procs = list(engines)
     try:
         for proc in engines:
@@ -102,10 +104,11 @@ def engine_healthy(port: int, engine) -> bool:
     return metric(scrape(port), "omnibus_router_engine_healthy", engine=engine.address) == 1.0
 
 
-@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP", "SIGTERM"])
 def test_a_lost_engines_streams_continue_elsewhere_token_exact(processes, fault):
     """All N streams on one engine (the other is held stopped until they have their first
-    token, so the router sends them all to the victim), then the victim is lost."""
+    token, so the router sends them all to the victim), then the victim is lost: killed,
+    stopped, or drained past its grace period (its streams end ABORTED)."""
     engines, router, port = processes
     victim, survivor = engines
     stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(router.address))
@@ -127,7 +130,8 @@ def test_a_lost_engines_streams_continue_elsewhere_token_exact(processes, fault)
         assert last.usage.completion_tokens == TOKENS
         assert last.usage.prompt_tokens == ref_last.usage.prompt_tokens
     metrics = scrape(port)
-    reason = "engine_unavailable" if fault == "SIGKILL" else "engine_unhealthy"
+    reason = {"SIGKILL": "engine_unavailable", "SIGSTOP": "engine_unhealthy",
+              "SIGTERM": "engine_drained"}[fault]
     assert metric(metrics, "omnibus_router_continued_streams_total", reason=reason) == N
     assert metric(metrics, "omnibus_router_requests_total", outcome="length") == 2 * N
 
