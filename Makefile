@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # editable install of omnibus with its engine, test and bench extras).
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
 
-.PHONY: setup proto test test-gpu gpu-env gpu-wheels run bench-offline bench-host bench-strategies \
+.PHONY: setup system-deps proto test test-gpu gpu-env gpu-wheels run bench-offline bench-host bench-strategies \
 	bench-lora bench-gpu test-kernels-triton36 bench-fairness check-install clean fuzz soak
 
 setup: $(STAMP)
@@ -26,8 +26,12 @@ proto: setup
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
 	  --grpc_python_out=protos protos/omnibus/v1/*.proto
 
+# Tools the end-to-end tests run beside Python: iproute2 (`ip netns`, the partition test).
+system-deps:
+	@command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
+
 # The whole CPU suite (Triton kernels run under the interpreter).
-test: setup
+test: setup system-deps
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
 
 # The fuzz suite with many fresh examples per RPC (`make test` replays a fixed set).
