@@ -131,10 +131,10 @@ class KeyStore:
 def _bearer_key(metadata: Iterable[tuple[str, str | bytes]]) -> str:
     header = _metadata_value(metadata, "authorization")
     if header is None:
-        raise _unauthenticated("missing 'authorization: Bearer <key>' metadata")
+        raise _unauthenticated("missing 'authorization: Bearer <key>' header")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
-        raise _unauthenticated("authorization metadata must be 'Bearer <key>'")
+        raise _unauthenticated("the authorization header must be 'Bearer <key>'")
     return key.strip()
 
 

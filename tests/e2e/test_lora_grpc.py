@@ -359,7 +359,7 @@ def test_engine_metrics_count_loads_evictions_and_requests(cluster):
 @pytest.mark.parametrize(
     "metadata, code, message",
     [
-        ([], grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <key>' metadata"),
+        ([], grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <key>' header"),
         (bearer("wrong-key"), grpc.StatusCode.UNAUTHENTICATED, "invalid API key"),
         (bearer("key-initech"), grpc.StatusCode.PERMISSION_DENIED,
          "tenant 'initech' may not use the admin API; call it with an admin key"),

@@ -311,7 +311,7 @@ def status_of(call) -> openai.APIStatusError:
 
 ERRORS = {
     "malformed-key": ("main", "", {}, 401, "authentication_error",
-                      "authorization metadata must be 'Bearer <key>'"),
+                      "the authorization header must be 'Bearer <key>'"),
     "bad-key": ("main", "key-nobody", {}, 401, "authentication_error", "invalid API key"),
     "adapter-outside-list": ("main", "key-acme", {"model": "b-r8"}, 403, "permission_error",
                              "tenant 'acme' may not use adapter 'b-r8'"),
@@ -380,7 +380,7 @@ def test_raw_http_errors_are_openai_json(cluster):
     url, auth = cluster.url(), {"Authorization": "Bearer key-initech"}
     no_key = httpx.post(url + "/completions", json={"model": MODEL, "prompt": PROMPT})
     assert (no_key.status_code, no_key.json()["error"]["message"]) == (
-        401, "missing 'authorization: Bearer <key>' metadata")
+        401, "missing 'authorization: Bearer <key>' header")
     bad_json = httpx.post(url + "/completions", content=b"{nope", headers=auth)
     assert bad_json.status_code == 400
     assert bad_json.json()["error"]["message"].startswith("the request body must be a JSON object")

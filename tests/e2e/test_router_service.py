@@ -359,7 +359,7 @@ def bearer(key: str) -> list[tuple[str, str]]:
 @pytest.mark.parametrize(
     "metadata, message",
     [
-        ([], "missing 'authorization: Bearer <key>' metadata"),
+        ([], "missing 'authorization: Bearer <key>' header"),
         (bearer("key-mallory"), "invalid API key"),
     ],
 )

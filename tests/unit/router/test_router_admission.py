@@ -121,9 +121,9 @@ def test_keys_map_to_tenants_with_their_limits_or_the_defaults(tmp_path):
 @pytest.mark.parametrize(
     "metadata, message",
     [
-        ([], "missing 'authorization: Bearer <key>' metadata"),
-        ([("authorization", "ka1")], "authorization metadata must be 'Bearer <key>'"),
-        ([("authorization", "Basic ka1")], "authorization metadata must be 'Bearer <key>'"),
+        ([], "missing 'authorization: Bearer <key>' header"),
+        ([("authorization", "ka1")], "the authorization header must be 'Bearer <key>'"),
+        ([("authorization", "Basic ka1")], "the authorization header must be 'Bearer <key>'"),
         ([("authorization", "Bearer nope")], "invalid API key"),
     ],
 )
