@@ -4,9 +4,9 @@
 #   docker build --target engine -t omnibus-engine .   # omnibus[engine]: CUDA torch wheels
 #   docker build --target engine --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
 #                -t omnibus-engine-cpu .               # CPU-only torch
-# The GPU image runs torch 2.13.0's CUDA 12.8 wheels: the host needs an NVIDIA driver
-# >= 570 (CUDA 12.8) and the NVIDIA container toolkit. Models and adapters are mounted at
-# run time (compose.yaml); nothing is downloaded then.
+# The GPU image runs torch 2.13.0's PyPI CUDA wheel: the host needs an NVIDIA driver new
+# enough for the CUDA runtime it bundles (torch.version.cuda) and the NVIDIA container
+# toolkit. Models and adapters are mounted at run time (compose.yaml); nothing is downloaded.
 
 FROM python:3.11-slim-bookworm AS base
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

@@ -32,6 +32,7 @@ from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
 from omnibus.engine.core.study import StudyCounters
 from omnibus.engine.core.sequence import RequestOutput, Sequence
 
+_NO_STUDY = StudyCounters()  # what stats() reports without --study-counters (all zero)
 PREFIX_KEYS_INTERVAL_S = 0.05  # the cached-block keys of load reports are this fresh at most
 
 __all__ = ["AdapterError", "Engine", "EngineStats", "RequestOutput", "UnknownAdapterError"]
@@ -86,8 +87,7 @@ class Engine:
             self.model_config.eos_token_ids,
             self.adapters,
         )
-        if config.study_counters:
-            self.scheduler.observer = StudyCounters()
+        self._restart_study()
         self.num_steps = 0
         self._keys: tuple[int, ...] = ()  # the latest _prefix_keys
         self._keys_generation, self._keys_time = 0, 0.0
@@ -198,8 +198,12 @@ class Engine:
             self.generate([[token] * 4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         finally:
             self.scheduler.policy = policy
-            if self.config.study_counters:
-                self.scheduler.observer = StudyCounters()
+            self._restart_study()
+
+    def _restart_study(self) -> None:
+        """Fresh batching-study counters, when the engine collects them (--study-counters)."""
+        self.study = StudyCounters() if self.config.study_counters else None
+        self.scheduler.observer = self.study
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  priorities: list[int] | None = None) -> list[list[int]]:
@@ -238,7 +242,7 @@ class Engine:
         counts = self.allocator.counts()
         inventory = self.adapters.inventory() if self.adapters else AdapterInventory((), ())
         lora = self.adapters.stats() if self.adapters else LoraStats(0, 0, ())
-        c = self.scheduler.observer if isinstance(self.scheduler.observer, StudyCounters) else StudyCounters()
+        c = self.study or _NO_STUDY
         return EngineStats(
             num_waiting=self.scheduler.num_waiting,
             num_running=len(self.scheduler.running),

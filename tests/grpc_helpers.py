@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+import threading
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +94,44 @@ def metric(text: str, name: str, **labels: str) -> float:
         if got == want:
             return float(m.group("value"))
     return 0.0
+
+
+def engine_healthy(metrics_port: int, address: str) -> bool:
+    """Whether the router serving metrics on `metrics_port` counts the engine at `address`
+    healthy (reporting load, not draining)."""
+    return metric(scrape(metrics_port), "omnibus_router_engine_healthy", engine=address) == 1.0
+
+
+def collect(stub: Any, request: Any, first: threading.Barrier | None = None) -> tuple[list[int], str, Any]:
+    """One Generate stream to its end: (token ids, text, last response); waits at `first`
+    once the first response is in."""
+    ids, text, last = [], "", None
+    for response in stub.Generate(request, timeout=120):
+        ids += response.token_ids
+        text += response.text
+        assert response.request_id == request.request_id
+        last = response
+        if first is not None:
+            first.wait(timeout=60)
+            first = None
+    return ids, text, last
+
+
+def run_all(stub: Any, requests: Sequence[Any], fault: Callable[[], None] | None = None) -> list:
+    """Every request at once, each on its own thread; `fault` runs once each stream has its
+    first token. Returns collect()'s result per request, in order."""
+    results: list = [None] * len(requests)
+    barrier = threading.Barrier(len(requests) + 1)
+
+    def one(i: int, request: Any) -> None:
+        results[i] = collect(stub, request, barrier)
+
+    threads = [threading.Thread(target=one, args=(i, r)) for i, r in enumerate(requests)]
+    for t in threads:
+        t.start()
+    barrier.wait(timeout=60)
+    if fault is not None:
+        fault()
+    for t in threads:
+        t.join(timeout=180)
+    return results

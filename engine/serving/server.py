@@ -90,11 +90,6 @@ class ServerConfig:
             raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
 
 
-def sampling_params(p: engine_pb2.EngineSamplingParams) -> SamplingParams:
-    """The engine's SamplingParams for a request's; ValueError names a bad field."""
-    return SamplingParams.from_proto(p)
-
-
 def response_proto(out: RequestOutput) -> engine_pb2.EngineGenerateResponse:
     return engine_pb2.EngineGenerateResponse(**_output_fields(out))
 
@@ -395,7 +390,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             deadline = live.arrival + remaining
             live.timer = session.loop.call_later(remaining, self._expire, live)
         try:
-            self._aengine.add(rid, list(request.prompt_token_ids), sampling_params(request.sampling), session,
+            params = SamplingParams.from_proto(request.sampling)
+            self._aengine.add(rid, list(request.prompt_token_ids), params, session,
                               request.priority, request.adapter or None, request.tenant,
                               request.tenant_weight or 1.0, deadline)
         except (ValueError, RuntimeError) as exc:
@@ -456,7 +452,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs until it finishes, its deadline passes (TimeoutError) or
         the call is cancelled; leaving early aborts the sequence."""
-        params = sampling_params(request.sampling)
+        params = SamplingParams.from_proto(request.sampling)
         remaining = context.time_remaining()
         if request.deadline_ms:
             remaining = min(remaining or math.inf, request.deadline_ms / 1000)

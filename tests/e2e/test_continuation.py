@@ -6,7 +6,6 @@ sampling with penalties), with usage counting each token once."""
 from __future__ import annotations
 
 import signal
-import threading
 
 import grpc
 import pytest
@@ -14,12 +13,14 @@ from omnibus.v1 import inference_pb2_grpc
 from omnibus.v1 import inference_pb2 as pb
 
 from tests.grpc_helpers import (
+    engine_healthy,
     engine_process,
     engine_stats,
     fake_engine_process,
     free_port,
     metric,
     router_process,
+    run_all,
     scrape,
     tiny_checkpoint,
     wait_until,
@@ -68,42 +69,6 @@ def requests() -> list[pb.GenerateRequest]:
     return out
 
 
-def collect(stub, request, first: threading.Barrier | None = None):
-    ids, text, last = [], "", None
-    for response in stub.Generate(request, timeout=120):
-        ids += response.token_ids
-        text += response.text
-        assert response.request_id == request.request_id
-        last = response
-        if first is not None:
-            first.wait(timeout=60)
-            first = None
-    return ids, text, last
-
-
-def run_all(stub, fault=None) -> list:
-    """Every request at once; `fault` runs once each stream has its first token."""
-    results: list = [None] * N
-    barrier = threading.Barrier(N + 1)
-
-    def one(i, request):
-        results[i] = collect(stub, request, barrier)
-
-    threads = [threading.Thread(target=one, args=(i, r)) for i, r in enumerate(requests())]
-    for t in threads:
-        t.start()
-    barrier.wait(timeout=60)
-    if fault is not None:
-        fault()
-    for t in threads:
-        t.join(timeout=180)
-    return results
-
-
-def engine_healthy(port: int, engine) -> bool:
-    return metric(scrape(port), "omnibus_router_engine_healthy", engine=engine.address) == 1.0
-
-
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP", "SIGTERM"])
 def test_a_lost_engines_streams_continue_elsewhere_token_exact(processes, fault):
     """All N streams on one engine (the other is held stopped until they have their first
@@ -112,17 +77,18 @@ def test_a_lost_engines_streams_continue_elsewhere_token_exact(processes, fault)
     engines, router, port = processes
     victim, survivor = engines
     stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(router.address))
-    undisturbed = run_all(stub)
+    undisturbed = run_all(stub, requests())
     survivor.signal(signal.SIGSTOP)
-    wait_until(lambda: not engine_healthy(port, survivor), 30, "the router to mark the survivor unhealthy")
+    wait_until(lambda: not engine_healthy(port, survivor.address), 30,
+               "the router to mark the survivor unhealthy")
 
     def hit():
         assert engine_stats(victim.address).num_active_streams == N
         survivor.signal(signal.SIGCONT)
-        wait_until(lambda: engine_healthy(port, survivor), 30, "the survivor to report again")
+        wait_until(lambda: engine_healthy(port, survivor.address), 30, "the survivor to report again")
         victim.signal(getattr(signal, fault))
 
-    disturbed = run_all(stub, hit)
+    disturbed = run_all(stub, requests(), hit)
     for (ids, text, last), (ref_ids, ref_text, ref_last) in zip(disturbed, undisturbed):
         assert ids == ref_ids and len(ids) == TOKENS
         assert text == ref_text

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import threading
 
 import grpc
 import pytest
@@ -19,14 +18,15 @@ from omnibus.v1 import inference_pb2 as pb
 
 from omnibus.bench.processes import ServerProcess, engine_args
 from tests.grpc_helpers import (
+    engine_healthy,
     engine_process,
     engine_stats,
     free_port,
     metric,
     router_process,
+    run_all,
     scrape,
     tiny_checkpoint,
-    wait_until,
 )
 
 FLAGS = ("--num-kv-blocks", "1200", "--block-size", "8", "--max-num-seqs", "16")
@@ -65,35 +65,6 @@ def requests() -> list[pb.GenerateRequest]:
             for i in range(N)]
 
 
-def run_all(stub, fault=None) -> list:
-    results: list = [None] * N
-    barrier = threading.Barrier(N + 1)
-
-    def one(i: int, request: pb.GenerateRequest) -> None:
-        ids, first, last = [], True, None
-        for response in stub.Generate(request, timeout=120):
-            ids += response.token_ids
-            last = response
-            if first:
-                barrier.wait(timeout=60)
-                first = False
-        results[i] = (ids, last)
-
-    threads = [threading.Thread(target=one, args=(i, r)) for i, r in enumerate(requests())]
-    for t in threads:
-        t.start()
-    barrier.wait(timeout=60)
-    if fault is not None:
-        fault()
-    for t in threads:
-        t.join(timeout=180)
-    return results
-
-
-def healthy(port: int, address: str) -> bool:
-    return metric(scrape(port), "omnibus_router_engine_healthy", engine=address) == 1.0
-
-
 def test_a_partitioned_engines_streams_continue_elsewhere(tmp_path_factory, namespace):
     ns, ns_address, ns_if = namespace
     model = tiny_checkpoint(tmp_path_factory)
@@ -113,19 +84,19 @@ def test_a_partitioned_engines_streams_continue_elsewhere(tmp_path_factory, name
         procs.append(router)
         router.wait_serving()
         stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(router.address))
-        undisturbed = run_all(stub)
+        undisturbed = run_all(stub, requests())
         victims: list[int] = []
 
         def partition() -> None:
             victims.append(engine_stats(cut_off.address).num_active_streams)
             ip("netns", "exec", ns, "ip", "link", "set", ns_if, "down")
 
-        disturbed = run_all(stub, partition)
+        disturbed = run_all(stub, requests(), partition)
         assert victims[0] > 0, "no stream ran on the engine that was cut off"
-        for (ids, last), (ref_ids, _) in zip(disturbed, undisturbed):
+        for (ids, _, last), (ref_ids, _, _) in zip(disturbed, undisturbed):
             assert ids == ref_ids and len(ids) == TOKENS
             assert last.finish_reason == pb.LENGTH and last.usage.completion_tokens == TOKENS
-        assert not healthy(metrics_port, cut_off.address)
+        assert not engine_healthy(metrics_port, cut_off.address)
         metrics = scrape(metrics_port)
         moved = metric(metrics, "omnibus_router_continued_streams_total", reason="engine_unhealthy")
         assert moved == victims[0]
