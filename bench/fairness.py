@@ -31,6 +31,7 @@ from omnibus.bench.workloads import BenchRequest
 KEYS = {"tenants": {"a": {"keys": ["sk-a"]}, "b": {"keys": ["sk-b"]}}}
 SEATS = 8  # engine --max-num-seqs in the noisy-neighbour and deadline runs
 STEP_TOKENS = 256  # --max-num-batched-tokens: short steps, so a short prefill waits little
+NOISY_STEP_TOKENS = (256, 64)  # the noisy-neighbour runs, at each of these step budgets
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
@@ -76,35 +77,40 @@ def _tok_s(out: RunOutput, seconds: float) -> float:
 
 def noisy_neighbour(model: Path, logs: Path, vocab: int, seconds: float) -> dict:
     """Tenant A keeps 30 long requests in flight (10x its fair share of 8 seats split
-    two ways, and more than the engine holds); tenant B sends short ones, Poisson."""
+    two ways, and more than the engine holds); tenant B sends short ones, Poisson. At
+    each step budget of NOISY_STEP_TOKENS: on a CPU a step's time grows with its
+    tokens, and B's first token waits for the step in flight."""
     rng = random.Random(1)
     a_reqs = [BenchRequest(_prompt(rng, 256, vocab), 32) for _ in range(4000)]
     b_reqs = [BenchRequest(_prompt(rng, 16, vocab), 8) for _ in range(int(2 * seconds))]
     a_cfg = RunConfig("", concurrency=30, max_duration_s=seconds, api_key="sk-a", progress=False)
     b_cfg = RunConfig("", rate=2.0, max_duration_s=seconds, api_key="sk-b", seed=2, progress=False)
-    engine = ["--max-num-seqs", str(SEATS), "--max-num-batched-tokens", str(STEP_TOKENS)]
     router = ["--max-inflight-per-engine", str(2 * SEATS)]  # the engine sees B's requests
     out: dict = {}
-    for label, policy, order, who in (
-        ("B alone", "vtc", "slo", "b"), ("A alone", "vtc", "slo", "a"),
-        ("A + B, FIFO", "fifo", "fifo", "ab"), ("A + B, VTC", "vtc", "slo", "ab"),
-    ):
-        flags = ["--waiting-order", order]
-        with cluster(model, logs, f"noisy-{policy}-{who}", 1, engine + flags,
-                     router + ["--queue-policy", policy]) as target:
-            mixes = {}
-            if "a" in who:
-                mixes["a"] = (a_reqs, replace(a_cfg, target=target))
-            if "b" in who:
-                mixes["b"] = (b_reqs, replace(b_cfg, target=target))
-            runs = asyncio.run(run_tenants(mixes))
-        row: dict = {}
-        if "b" in runs:
-            t = _ttfts(runs["b"].results)
-            row.update(b_done=len(t), b_ttft_p50_ms=_ms(t, 50), b_ttft_p99_ms=_ms(t, 99))
-        if "a" in runs:
-            row.update(a_done=sum(r.ok for r in runs["a"].results), a_tok_s=_tok_s(runs["a"], seconds))
-        out[label] = row
+    for budget in NOISY_STEP_TOKENS:
+        engine = ["--max-num-seqs", str(SEATS), "--max-num-batched-tokens", str(budget)]
+        for label, policy, order, who in (
+            ("B alone", "vtc", "slo", "b"), ("A alone", "vtc", "slo", "a"),
+            ("A + B, FIFO", "fifo", "fifo", "ab"), ("A + B, VTC", "vtc", "slo", "ab"),
+        ):
+            flags = ["--waiting-order", order]
+            with cluster(model, logs, f"noisy-{budget}-{policy}-{who}", 1, engine + flags,
+                         router + ["--queue-policy", policy]) as target:
+                mixes = {}
+                if "a" in who:
+                    mixes["a"] = (a_reqs, replace(a_cfg, target=target))
+                if "b" in who:
+                    mixes["b"] = (b_reqs, replace(b_cfg, target=target))
+                runs = asyncio.run(run_tenants(mixes))
+            row: dict = {}
+            if "b" in runs:
+                t = _ttfts(runs["b"].results)
+                q = [r.queue_s for r in runs["b"].results if r.ok and r.queue_s is not None]
+                row.update(b_done=len(t), b_ttft_p50_ms=_ms(t, 50), b_ttft_p99_ms=_ms(t, 99),
+                           b_router_queue_p99_ms=_ms(q, 99))
+            if "a" in runs:
+                row.update(a_done=sum(r.ok for r in runs["a"].results), a_tok_s=_tok_s(runs["a"], seconds))
+            out[f"{budget} tok/step: {label}"] = row
     return out
 
 
@@ -211,13 +217,14 @@ processes on loopback; each run lasts about {r['seconds']:.0f} s of load.
 
 ## Noisy neighbour: FIFO vs VTC
 
-One engine, {SEATS} seats, {STEP_TOKENS} tokens per step; router `--max-inflight-per-engine
-{2 * SEATS}` (it overfills the engine, whose waiting queue and preemption follow the
-same order). Tenant A keeps 30 requests of 256 prompt + 32 output tokens in flight;
+One engine, {SEATS} seats, {' or '.join(map(str, NOISY_STEP_TOKENS))} tokens per step; router
+`--max-inflight-per-engine {2 * SEATS}` (it overfills the engine, whose waiting queue and
+preemption follow the same order). Tenant A keeps 30 requests of 256 prompt + 32 output tokens in flight;
 tenant B sends 16 + 8 token requests, Poisson 2/s. FIFO: `--queue-policy fifo` and
 engine `--waiting-order fifo`; VTC: `--queue-policy vtc`, `--waiting-order slo`.
+b_router_queue_p99_ms: B's time in the router's queue (the response's timing).
 
-{_table(n, ['b_done', 'b_ttft_p50_ms', 'b_ttft_p99_ms', 'a_done', 'a_tok_s'])}
+{_table(n, ['b_done', 'b_ttft_p50_ms', 'b_ttft_p99_ms', 'b_router_queue_p99_ms', 'a_done', 'a_tok_s'])}
 
 ## Deadlines at 90% load: EDF vs FIFO
 

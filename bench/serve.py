@@ -238,6 +238,7 @@ class _Sender:
                 if resp.finish_reason:
                     res.finish_reason = inference_pb2.FinishReason.Name(resp.finish_reason)
                     res.cached_tokens = resp.usage.cached_prompt_tokens
+                    res.queue_s = resp.timing.queue_seconds
             res.end = self.now()
         except grpc.aio.AioRpcError as exc:
             res.code, res.error, res.end = exc.code().name, exc.details() or "", self.now()

@@ -46,6 +46,7 @@ class RequestResult:
     finish_reason: str = ""
     cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache (usage)
     deadline_s: float | None = None  # the deadline it was sent with
+    queue_s: float | None = None  # seconds in the router's queue (the final message's timing)
 
     @property
     def ok(self) -> bool:

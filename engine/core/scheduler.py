@@ -69,7 +69,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Sequence] = {}  # every unfinished request
         self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
-        self._waiting = WaitingQueue(config.waiting_order, config.fair_preemption_tokens)
+        self._waiting = WaitingQueue(config.waiting_order, config.fair_preemption_tokens, config.max_num_seqs)
         self.num_waiting = 0
         self._aborted: list[RequestOutput] = []  # reported by the next update()
         self._step = 0
@@ -101,7 +101,10 @@ class Scheduler:
         return True
 
     def _leave_running(self, seq: Sequence) -> None:
-        """The one exit from the running set: blocks back to the pool, adapter slot unpinned."""
+        """The one exit from the running set: blocks back to the pool, adapter slot unpinned
+        (also frees the blocks of a waiting request whose admission failed)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._waiting.unseated(seq)
         self.allocator.free(seq)
         if seq.lora_slot is not None:
             self.adapters.release(seq.adapter)
@@ -253,6 +256,7 @@ class Scheduler:
         if not seq.first_scheduled:
             seq.first_scheduled, seq.num_cached_tokens = True, cached
         seq.status = SequenceStatus.RUNNING
+        self._waiting.seated(seq)
         bisect.insort(self.running, seq, key=Sequence.sort_key)
         if n > 0:
             out.scheduled.append(self._plan(seq, n))

@@ -7,9 +7,14 @@
   (omnibus.common.fairness, the rule the router's queue follows), then arrival. The
   victim is the lowest priority, then the most slack (time to its deadline; none is
   infinite), then the most-served tenant, then the latest arrival. A waiting request
-  may also preempt an equal-priority request of another tenant whose counter exceeds
-  its own tenant's by more than `fair_preemption_tokens`, so a router that overfills
-  the engine gets a light tenant a seat without waiting for a heavy one to finish.
+  may also preempt an equal-priority request of another tenant when
+  - that tenant's counter exceeds its own tenant's by more than `fair_preemption_tokens`, or
+  - (seat share) its tenant, served no more than the other, holds fewer than its weighted
+    share of the seats (`seats` x weight / the active tenants' weights) and still will
+    not hold more after taking one, while the other holds more than its share and still
+    will not hold less after giving one up; so a light tenant gets a seat at the next
+    step instead of when a heavy one finishes, and two tenants never trade a seat back.
+  Among tenants with equal counters, the one holding fewer seats per weight goes first.
 
 Entries of requests that left the queue otherwise (aborted, finished) are skipped
 lazily, as the scheduler's heap always did.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import Counter
 from collections.abc import Iterable, Iterator
 
 from omnibus.common.fairness import VirtualTokenCounters
@@ -30,12 +36,15 @@ _Key = tuple[int, float, int]
 
 
 class WaitingQueue:
-    def __init__(self, order: str = "slo", fair_preemption_tokens: int = 16) -> None:
+    def __init__(self, order: str = "slo", fair_preemption_tokens: int = 16, seats: int = 0) -> None:
         if order not in WAITING_ORDERS:
             raise ValueError(f"waiting order must be one of {WAITING_ORDERS}, got {order!r}")
         self.order = order
         self.fair_preemption_tokens = fair_preemption_tokens
+        self.seats = seats  # running sequences at most (the scheduler's max_num_seqs)
         self.counters = VirtualTokenCounters()
+        self._seated: Counter[str] = Counter()  # running sequences per tenant
+        self._weights: dict[str, float] = {}  # each tenant's share, as its requests carry it
         self._heaps: dict[str, list[tuple[_Key, Sequence]]] = {}  # one per tenant ("" for fifo)
 
     def _key(self, seq: Sequence) -> _Key:
@@ -52,7 +61,18 @@ class WaitingQueue:
         heap = self._heap_of(seq)
         if lift and self.order == "slo" and self._live_head(heap) is None:
             self.counters.lift(seq.tenant, self._backlogged())
+        self._weights[seq.tenant] = seq.weight
         heapq.heappush(heap, (self._key(seq), seq))
+
+    def seated(self, seq: Sequence) -> None:
+        """`seq` started running."""
+        self._seated[seq.tenant] += 1
+
+    def unseated(self, seq: Sequence) -> None:
+        """`seq` stopped running (finished, aborted or preempted)."""
+        self._seated[seq.tenant] -= 1
+        if not self._seated[seq.tenant]:
+            del self._seated[seq.tenant]
 
     def peek(self) -> Sequence | None:
         """The request admitted next, or None."""
@@ -63,7 +83,8 @@ class WaitingQueue:
             if seq is None:
                 continue
             k = self._key(seq)
-            key = (k[0], k[1], self.counters[seq.tenant], k[2])
+            seats = self._seated[seq.tenant] / self._weights.get(seq.tenant, 1.0)
+            key = (k[0], k[1], self.counters[seq.tenant], seats, k[2])
             if best is None or key < best:
                 best, chosen = key, seq
         return chosen
@@ -102,14 +123,25 @@ class WaitingQueue:
 
     def may_preempt(self, seq: Sequence, victim: Sequence) -> bool:
         """Whether waiting `seq` may take running `victim`'s place: a strictly higher
-        priority, or (slo) the same priority and a tenant served far less."""
+        priority, or (slo) the same priority and a tenant served far less or holding
+        less than its seat share from one holding more (the module docstring)."""
         if seq.priority != victim.priority:
             return seq.priority > victim.priority
-        return (
-            self.order == "slo"
-            and seq.tenant != victim.tenant
-            and self.counters[seq.tenant] + self.fair_preemption_tokens < self.counters[victim.tenant]
-        )
+        if self.order != "slo" or seq.tenant == victim.tenant:
+            return False
+        mine, theirs = self.counters[seq.tenant], self.counters[victim.tenant]
+        if mine + self.fair_preemption_tokens < theirs:
+            return True
+        if mine > theirs or not self.seats:
+            return False
+        return (self._seated[seq.tenant] + 1 <= self._seat_share(seq.tenant)
+                and self._seated[victim.tenant] - 1 >= self._seat_share(victim.tenant))
+
+    def _seat_share(self, tenant: str) -> float:
+        """`tenant`'s weighted share of the seats among the tenants running or waiting."""
+        active = set(self._seated) | set(self._backlogged()) | {tenant}
+        total = sum(self._weights.get(t, 1.0) for t in active)
+        return self.seats * self._weights.get(tenant, 1.0) / total
 
     def _backlogged(self) -> list[str]:
         return [t for t, heap in self._heaps.items() if self._live_head(heap) is not None]

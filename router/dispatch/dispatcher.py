@@ -19,13 +19,22 @@ file's fingerprint, which engines do not report.
 Each dispatch charges the request's prompt tokens to its tenant's virtual token
 counter (the pipeline charges output tokens as they stream), which orders the queue
 under the "vtc" policy.
+
+Fair over-admission ("vtc" only): the engines' in-flight caps would make a light
+tenant wait for a heavy tenant's requests to finish, however few requests it has. So
+while some tenant holds more than its weighted share of the total capacity
+(capacity x weight / the weights of the tenants in flight or queued), a queued tenant
+below its share is dispatched past the caps, up to twice an engine's capacity; the
+engine's own fair-share rule (engine/core/waiting.py) then gives it a seat.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import methodcaller
 
 from omnibus.common.prefix import leading_block_keys, matched_blocks
 from omnibus.router.dispatch.adapters import Affinity
@@ -72,6 +81,7 @@ class Dispatcher:
         self._engines = engines
         self.queue = queue
         self._prefix_weight = prefix_weight
+        self._weights: dict[str, float] = {}  # each tenant's share, as its tickets carry it
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -88,6 +98,7 @@ class Dispatcher:
         self._wake.set()
 
     def submit(self, ticket: Ticket) -> None:
+        self._weights[ticket.tenant] = ticket.weight
         self.queue.push(ticket, ticket.priority, ticket.cost, ticket.arrival, ticket.tenant)
         self.notify()
 
@@ -96,7 +107,7 @@ class Dispatcher:
         engine slot if one was assigned in the same instant."""
         self.queue.remove(ticket)
         if ticket.future.done() and not ticket.future.cancelled():
-            ticket.future.result().release(ticket.adapter)
+            ticket.future.result().release(ticket.adapter, ticket.tenant)
         else:
             ticket.future.cancel()
 
@@ -109,17 +120,26 @@ class Dispatcher:
     def _match(self) -> None:
         passed: list[Ticket] = []  # no engine with their adapter has room: others go first
         try:
-            while len(self.queue) and any(e.room() > 0 for e in self._engines):
-                ticket = self.queue.pop()
+            while len(self.queue):
+                under = self.under_share()
+                if any(e.room() > 0 for e in self._engines):
+                    ticket = self.queue.pop()
+                elif under and any(e.overflow_room() > 0 for e in self._engines):
+                    try:
+                        ticket = self.queue.pop(among=under)
+                    except IndexError:  # only passed tickets of theirs were left
+                        break
+                else:
+                    break
                 if ticket.future.done():  # its waiter gave up and has yet to withdraw it
                     continue
-                engine = self.best_engine(ticket)
+                engine = self.best_engine(ticket, overflow=ticket.tenant in under)
                 if engine is None:
                     passed.append(ticket)
                     continue
                 if ticket.adapter:
                     ticket.affinity = engine.affinity(ticket.adapter)
-                engine.acquire(ticket.adapter)
+                engine.acquire(ticket.adapter, ticket.tenant)
                 self.queue.charge(ticket.tenant, len(ticket.prompt_ids), ticket.weight)
                 ticket.future.set_result(engine)
         finally:
@@ -128,13 +148,32 @@ class Dispatcher:
                     ticket, ticket.priority, ticket.cost, ticket.arrival, ticket.tenant, lift=False
                 )
 
-    def best_engine(self, ticket: Ticket) -> EngineClient | None:
-        """Among engines with room (and the ticket's adapter, if any): the best adapter
-        affinity, then the best score (room share + prefix_weight * prefix share), then
-        the most free KV blocks."""
+    def under_share(self) -> set[str]:
+        """Queued tenants that may be dispatched past the caps (module docstring)."""
+        if self.queue.policy != "vtc":
+            return set()
+        inflight: Counter[str] = Counter()
+        for e in self._engines:
+            inflight.update(e.tenant_inflight)
+        queued = self.queue.backlogged()
+        active = inflight.keys() | set(queued)
+        if len(active) < 2:
+            return set()
+        capacity = sum(e.capacity for e in self._engines if e.accepting)
+        total = sum(self._weights.get(t, 1.0) for t in active)
+        share = {t: capacity * self._weights.get(t, 1.0) / total for t in active}
+        if not any(inflight[t] > share[t] for t in active):
+            return set()
+        return {t for t in queued if inflight[t] + 1 <= share[t]}
+
+    def best_engine(self, ticket: Ticket, overflow: bool = False) -> EngineClient | None:
+        """Among engines with room (`overflow`: room past the cap too) and the ticket's
+        adapter, if any: the best adapter affinity, then the best score (room share +
+        prefix_weight * prefix share), then the most free KV blocks."""
         adapter = ticket.adapter
+        room = methodcaller("overflow_room" if overflow else "room")
         open_ = [
-            e for e in self._engines if e.room() > 0 and (not adapter or e.has_adapter(adapter))
+            e for e in self._engines if room(e) > 0 and (not adapter or e.has_adapter(adapter))
         ]
         if not open_:
             return None
@@ -143,7 +182,7 @@ class Dispatcher:
             open_,
             key=lambda e: (
                 e.affinity(adapter) if adapter else 0,
-                e.room() / e.capacity + (weight * ticket.prefix_share(e) if weight else 0.0),
+                room(e) / e.capacity + (weight * ticket.prefix_share(e) if weight else 0.0),
                 e.free_block_share(),
             ),
         )

@@ -66,6 +66,7 @@ class EngineClient:
         self.healthy = False
         self.inflight = 0  # requests this router has dispatched here and not finished
         self._adapter_inflight: Counter[str] = Counter()  # the same, per adapter
+        self.tenant_inflight: Counter[str] = Counter()  # the same, per tenant
         # From the latest report: adapters in device slots, in host memory, on disk.
         self.adapters_resident: frozenset[str] = frozenset()
         self.adapters_cached: frozenset[str] = frozenset()
@@ -124,6 +125,11 @@ class EngineClient:
         """How many more requests the engine should get now (0 unless accepting)."""
         return max(0, self.capacity - self.load) if self.accepting else 0
 
+    def overflow_room(self) -> int:
+        """Room past `capacity` for a tenant under its fair share while another is over
+        it (the dispatcher's over-admission), up to twice the capacity."""
+        return max(0, 2 * self.capacity - self.load) if self.accepting else 0
+
     def free_block_share(self) -> float:
         report = self.report
         return (
@@ -132,15 +138,20 @@ class EngineClient:
             else 0.0
         )
 
-    def acquire(self, adapter: str = "") -> None:
-        """Counts a request dispatched here (`adapter`: its LoRA adapter, "" for none)."""
+    def acquire(self, adapter: str = "", tenant: str = "") -> None:
+        """Counts a request dispatched here (`adapter`: its LoRA adapter, "" for none;
+        `tenant`: whose it is)."""
         self.inflight += 1
+        self.tenant_inflight[tenant] += 1
         if adapter:
             self._adapter_inflight[adapter] += 1
 
-    def release(self, adapter: str = "") -> None:
+    def release(self, adapter: str = "", tenant: str = "") -> None:
         """The request `acquire` counted has ended."""
         self.inflight -= 1
+        self.tenant_inflight[tenant] -= 1
+        if not self.tenant_inflight[tenant]:
+            del self.tenant_inflight[tenant]
         if adapter:
             self._adapter_inflight[adapter] -= 1
             if not self._adapter_inflight[adapter]:

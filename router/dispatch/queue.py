@@ -21,6 +21,7 @@ import itertools
 import math
 import time
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -111,10 +112,17 @@ class RequestQueue(Generic[T]):
         """`tenant` was served `tokens` tokens (prompt on dispatch, output as it streams)."""
         self.counters.charge(tenant, tokens, weight)
 
-    def pop(self, now: float | None = None) -> T:
-        """Removes and returns the next item (see the module docstring). Raises
-        IndexError when empty."""
-        heap = self._next_heap(time.monotonic() if now is None else now)
+    def backlogged(self) -> list[str]:
+        """The tenants with something queued."""
+        return list(self._backlog)
+
+    def pop(self, now: float | None = None, among: Collection[str] | None = None) -> T:
+        """Removes and returns the next item (see the module docstring); with `among`
+        (policy "vtc" only), the next of those tenants' items. Raises IndexError when
+        there is none."""
+        if among is not None and self.policy != "vtc":
+            raise ValueError("only the vtc policy picks among tenants")
+        heap = self._next_heap(time.monotonic() if now is None else now, among)
         if heap is None:
             raise IndexError("pop from an empty RequestQueue")
         entry = heapq.heappop(heap)[2]
@@ -135,11 +143,13 @@ class RequestQueue(Generic[T]):
             heapq.heapify(heap)
         return True
 
-    def _next_heap(self, now: float) -> list[_Slot] | None:
+    def _next_heap(self, now: float, among: Collection[str] | None = None) -> list[_Slot] | None:
         """The heap whose head is served next, or None when nothing is queued."""
         best: tuple[int, float, float, int] | None = None
         chosen = None
-        for heap in self._heaps.values():
+        for key, heap in self._heaps.items():
+            if among is not None and key not in among:
+                continue
             while heap and heap[0][2].removed:
                 heapq.heappop(heap)
             if not heap:

@@ -394,7 +394,7 @@ class Pipeline:
                     self._moving(job, engine, attempt, lost)
                 finally:
                     job.serving = None
-                    engine.release(job.adapter)
+                    engine.release(job.adapter, job.caller.tenant.name)
         except _Drained:
             yield self._final(job, ABORTED)
 

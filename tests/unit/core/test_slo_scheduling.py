@@ -120,19 +120,34 @@ def test_a_tenant_arriving_behind_a_backlog_is_lifted_to_its_counter():
     assert planned(plan) == [("a2", 1), ("b1", 7)]  # a2's decode first, then b1 in the budget left
 
 
-def test_a_far_less_served_tenant_preempts_the_most_served_one_for_a_seat():
+def test_a_tenant_below_its_seat_share_takes_a_seat_from_one_above_it_once():
     s = make_scheduler(budget=64, max_seqs=2)
-    s._waiting.fair_preemption_tokens = 10  # noqa: SLF001 - a small margin for a short test
     s.add(seq("a1", 12, tenant="a", max_tokens=50))
     s.add(seq("a2", 12, tenant="a", max_tokens=50))
-    step(s)  # a: 24 tokens served
+    step(s)  # a: 24 tokens served, both seats
     s.add(seq("a3", 4, tenant="a"))
     plan, _ = step(s)
     assert plan.preempted == []  # one tenant never preempts itself
     s.add(seq("b1", 4, tenant="b"))  # lifted to a's 26 while a waits: no credit banked
-    plan, _ = step(s)
-    assert plan.preempted == []  # b's counter is not 10 below a's
-    assert s._waiting.counters["b"] == s._waiting.counters["a"] - 2  # noqa: SLF001
+    assert s._waiting.counters["b"] == s._waiting.counters["a"] == 26  # noqa: SLF001
+    plan, _ = step(s)  # b holds 0 of its 1 seat, a 2 of its 1: a's latest gives one up
+    assert [v.request_id for v in plan.preempted] == ["a2"]
+    assert planned(plan) == [("a1", 1), ("b1", 4)]
+    for _ in range(3):  # a (1 seat, its share) never takes it back; b never takes a's last
+        plan, _ = step(s)
+        assert plan.preempted == [] and planned(plan) == [("a1", 1), ("b1", 1)]
+
+
+def test_a_tenant_at_its_seat_share_preempts_only_past_the_counter_margin():
+    for margin, victims in ((10, []), (5, ["a1"])):
+        s = make_scheduler(budget=64, max_seqs=2)
+        s._waiting.fair_preemption_tokens = margin  # noqa: SLF001
+        s.add(seq("a1", 12, tenant="a", max_tokens=50))
+        s.add(seq("b1", 4, tenant="b", max_tokens=50, start=100))
+        step(s)  # a: 12 served, b: 4; one seat each (their shares)
+        s.add(seq("b2", 4, tenant="b", start=200))  # not lifted: b is the only one waiting
+        plan, _ = step(s)  # a 12 vs b 4 when b2 asks: 8 tokens apart
+        assert [v.request_id for v in plan.preempted] == victims
 
 
 def test_fair_preemption_takes_the_latest_request_of_the_most_served_tenant():

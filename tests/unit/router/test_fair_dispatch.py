@@ -5,6 +5,7 @@ engine (prefix hits weighed against room)."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -79,15 +80,21 @@ class _Engine:
         self.address, self._room, self.capacity, self.prefix_keys = name, room, capacity, keys
         self.report = SimpleNamespace(block_size=4)
         self.acquired = 0
+        self.accepting = True
+        self.tenant_inflight: Counter[str] = Counter()
 
     def room(self) -> int:
         return self._room - self.acquired
 
+    def overflow_room(self) -> int:
+        return self.room() + self.capacity
+
     def free_block_share(self) -> float:
         return 0.5
 
-    def acquire(self, adapter: str = "") -> None:
+    def acquire(self, adapter: str = "", tenant: str = "") -> None:
         self.acquired += 1
+        self.tenant_inflight[tenant] += 1
 
 
 PROMPT = list(range(100, 117))  # 17 tokens: 4 reusable blocks of 4
@@ -122,5 +129,48 @@ def test_dispatch_charges_the_prompt_to_the_tenant():
         d._match()  # noqa: SLF001 - one matching round, no task
         assert first.future.result() is engine and not second.future.done()
         assert q.counters.snapshot() == {"a": 8.5, "b": 0.0}
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["vtc", "fifo"])
+def test_a_tenant_under_its_share_passes_the_cap_while_another_is_over_it(policy):
+    from omnibus.router.config import RouterConfig
+    from omnibus.router.dispatch.engines import EngineClient
+    from omnibus.v1 import engine_pb2
+
+    async def main():
+        config = RouterConfig(model="m", engines=("127.0.0.1:1",), max_inflight_per_engine=4)
+        engine = EngineClient(config.engines[0], config, lambda: None)
+        engine._on_report(engine_pb2.LoadReport(max_num_seqs=4, num_total_blocks=8))  # noqa: SLF001
+        d = Dispatcher([engine], RequestQueue(0, policy))
+
+        def submit(tenant: str, n: int) -> list[Ticket]:
+            tickets = [Ticket(0, 1, float(i), tenant=tenant) for i in range(n)]
+            for t in tickets:
+                d.submit(t)
+            d._match()  # noqa: SLF001
+            return tickets
+
+        try:
+            a = submit("a", 6)
+            assert sum(t.future.done() for t in a) == 4  # alone, a fills the cap and no more
+            b = submit("b", 3)  # shares: 4 x 1/2 = 2 each; a holds 4
+            dispatched = [t.future.done() for t in b]
+            if policy == "fifo":
+                assert dispatched == [False] * 3 and engine.inflight == 4
+                return
+            assert dispatched == [True, True, False]  # up to b's share, past the cap
+            assert dict(engine.tenant_inflight) == {"a": 4, "b": 2} and engine.inflight == 6
+            for t in a[:3]:  # a drops to 1, under its share: b is over, nobody may pass
+                engine.release("", "a")
+            d._match()  # noqa: SLF001
+            # room for one (cap 4, 3 in flight); counters tie (no prompts): queue order, a's
+            assert [t.future.done() for t in a[4:]] + [b[2].future.done()] == [True, False, False]
+            c = submit("c", 9)  # three tenants: shares 4/3; b holds 2, a 2
+            assert sum(t.future.done() for t in c) == 1  # c's one seat of its share
+            assert engine.overflow_room() == 8 - 5
+        finally:
+            await engine.close()
 
     asyncio.run(main())
