@@ -53,6 +53,7 @@ class EngineStats:
     num_running_adapters: int = 0
     resident_adapters: tuple[str, ...] = ()  # adapters in device slots
     cached_adapters: tuple[str, ...] = ()  # adapters in host memory (resident ones included), sorted
+    adapter_salts: tuple[tuple[str, str], ...] = ()  # (adapter, its prefix-cache salt), sorted
     adapter_loads: int = 0  # adapters read from disk into host memory since start
     adapter_evictions: int = 0  # device slots refilled with another adapter since start
     # batching-study counters, cumulative over steps (core/study.py; 0 without --study-counters)
@@ -255,6 +256,7 @@ class Engine:
             num_running_adapters=inventory.running,
             resident_adapters=inventory.resident,
             cached_adapters=inventory.cached,
+            adapter_salts=inventory.salts,
             adapter_loads=lora.loads,
             adapter_evictions=lora.evictions,
             slots_stepped=c.slots_stepped,

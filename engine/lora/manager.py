@@ -77,6 +77,9 @@ class AdapterInventory:
     resident: tuple[str, ...]  # in device slots, sorted
     cached: tuple[str, ...]  # in host memory (resident ones included), sorted
     running: int = 0  # distinct adapters of the running sequences (pinned slots)
+    # (name, prefix-cache salt) of every adapter whose config was read, sorted: the salt
+    # `prefetch` returned for its latest request (the router hashes prompts with it)
+    salts: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class LoraManager:
         self._slots = DeviceSlots(config.max_loras, config.max_lora_rank, model_config, dtype, device)
         self._host: OrderedDict[str, AdapterWeights] = OrderedDict()  # LRU host tier
         self._specs: dict[str, AdapterSpec] = {}
+        self._salts: tuple[tuple[str, str], ...] | None = ()  # of _specs; None: to rebuild
         self._loading: dict[str, Future] = {}
         self._failed: dict[str, str] = {}  # name -> why its last read failed
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
@@ -198,7 +202,8 @@ class LoraManager:
                     "unload it when they have finished")
             self._slots.clear(slot)
         self._host.pop(name, None)
-        self._specs.pop(name, None)
+        if self._specs.pop(name, None) is not None:
+            self._salts = None
         self._failed.pop(name, None)
         return True
 
@@ -207,8 +212,10 @@ class LoraManager:
     def inventory(self) -> AdapterInventory:
         """Which adapters are in device slots and in host memory now."""
         names = self._slots.names
+        if self._salts is None:
+            self._salts = tuple(sorted((n, spec.fingerprint) for n, spec in self._specs.items()))
         return AdapterInventory(tuple(sorted(n for n in names if n is not None)), tuple(sorted(self._host)),
-                                sum(1 for pins in self._slots.pins if pins))
+                                sum(1 for pins in self._slots.pins if pins), self._salts)
 
     def stats(self) -> LoraStats:
         """Load and eviction counters; safe from any thread."""
@@ -225,6 +232,9 @@ class LoraManager:
 
     def _spec(self, name: str) -> AdapterSpec:
         spec = AdapterSpec.read(self.config.adapter_dir, name, self.config.max_lora_rank)
+        old = self._specs.get(name)
+        if old is None or old.fingerprint != spec.fingerprint:
+            self._salts = None
         self._specs[name] = spec
         return spec
 

@@ -12,7 +12,8 @@ UNAVAILABLE, in-flight streams get `drain_seconds` to finish and are aborted aft
 
 LoRA adapters: Generate names one (loaded in the background on first use), load
 reports carry the adapters in device slots, in host memory and on disk (for the
-router's adapter-affine routing), and LoadAdapter / UnloadAdapter / ListAdapters
+router's adapter-affine routing) and each known adapter's prefix-cache salt (for its
+prefix-aware routing), and LoadAdapter / UnloadAdapter / ListAdapters
 manage them at run time through the step thread (AsyncEngine).
 """
 
@@ -649,6 +650,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             cached_adapters=stats.cached_adapters,
             available_adapters=self.catalog.names,
             prefix_generation=stats.prefix_generation,
+            adapter_salts=dict(stats.adapter_salts),
         )
 
     async def drain(self, grace: float) -> None:

@@ -13,8 +13,9 @@ Prefix-aware routing (as SGLang's cache-aware router weighs them): an engine's s
 is its share of room plus `prefix_weight` times the share of the prompt whose leading
 KV blocks it reports cached (omnibus.common.prefix, the engine's own hashing), so a
 request goes where its prefix is unless that engine is much busier than another.
-Adapter requests match no prefix here: their blocks are salted with the adapter
-file's fingerprint, which engines do not report.
+An adapter request's blocks are salted with the adapter file's fingerprint, so its
+keys are computed with the salt that engine reports for the adapter (none reported:
+no prefix there).
 
 Each dispatch charges the request's prompt tokens to its tenant's virtual token
 counter (the pipeline charges output tokens as they stream), which orders the queue
@@ -54,20 +55,27 @@ class Ticket:
     weight: float = 1.0  # the tenant's share
     prompt_ids: Sequence[int] = ()  # for prefix-aware routing and the prompt charge
     affinity: Affinity | None = None  # set on dispatch when there is an adapter
-    _keys: dict[int, list[int]] = field(default_factory=dict)  # block size -> leading block keys
+    # (block size, salt) -> leading block keys
+    _keys: dict[tuple[int, str | None], list[int]] = field(default_factory=dict)
     future: asyncio.Future[EngineClient] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
     def prefix_share(self, engine: EngineClient) -> float:
-        """Share of the prompt in `engine`'s reported prefix cache (0 for adapters)."""
+        """Share of the prompt in `engine`'s reported prefix cache (an adapter's blocks
+        hashed with the salt `engine` reports for it)."""
         report = engine.report
-        if self.adapter or not self.prompt_ids or report is None or not report.block_size:
+        if not self.prompt_ids or report is None or not report.block_size:
             return 0.0
+        salt = None
+        if self.adapter:
+            salt = engine.adapter_salts.get(self.adapter)
+            if salt is None:  # the engine has read no config of it: nothing cached
+                return 0.0
         bs = report.block_size
-        keys = self._keys.get(bs)
+        keys = self._keys.get((bs, salt))
         if keys is None:
-            keys = self._keys[bs] = leading_block_keys(self.prompt_ids, bs, None, MAX_PREFIX_BLOCKS)
+            keys = self._keys[bs, salt] = leading_block_keys(self.prompt_ids, bs, salt, MAX_PREFIX_BLOCKS)
         return matched_blocks(keys, engine.prefix_keys) * bs / len(self.prompt_ids)
 
 

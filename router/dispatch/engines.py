@@ -75,6 +75,8 @@ class EngineClient:
         # prefix-aware routing; reports carry them only when they change.
         self.prefix_keys: frozenset[int] = frozenset()
         self._prefix_generation: int | None = None
+        # Adapter -> the salt the engine hashes its requests' prefix blocks with.
+        self.adapter_salts: dict[str, str] = {}
         self._retry_delay = config.engine_retry_initial_seconds
         self._task: asyncio.Task[None] | None = None
         self._session: EngineSession | None = None  # opened by the first request
@@ -237,6 +239,8 @@ class EngineClient:
         if report.prefix_generation != self._prefix_generation:
             self.prefix_keys = frozenset(report.prefix_block_keys)
             self._prefix_generation = report.prefix_generation
+        if report.adapter_salts != self.adapter_salts:
+            self.adapter_salts = dict(report.adapter_salts)
         self._retry_delay = self._config.engine_retry_initial_seconds
         self._set_healthy(True, "load report received")
 

@@ -9,9 +9,15 @@ import time
 import pytest
 import torch
 
+from omnibus.common.prefix import leading_block_keys
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import AdapterError, Engine, UnknownAdapterError
+from omnibus.engine.serving.async_engine import AsyncEngine
+from omnibus.engine.serving.server import EngineMetrics, EngineService
 from omnibus.engine.worker.sampling import SamplingParams
+from omnibus.router.config import RouterConfig
+from omnibus.router.dispatch.dispatcher import Ticket
+from omnibus.router.dispatch.engines import EngineClient
 from tests.checkpoints import hf_greedy, load_hf, make_checkpoint
 
 ADAPTERS = {  # name -> (rank, alpha, targets, rslora)
@@ -120,6 +126,31 @@ def test_cache_never_shared_across_adapters(setup):
     assert engine.stats().num_prefix_cache_hit_blocks == hits  # nothing reused from the base model
     run(engine, [("a-r2", prompt, 2)])
     assert engine.stats().num_prefix_cache_hit_blocks == hits + 3  # its own blocks are reused
+
+
+async def test_the_router_keys_an_adapter_prompt_as_the_engine_caches_it(setup):
+    """The load report carries the salt the allocator hashed an adapter request's blocks
+    with; under it, the router's keys for the prompt are exactly the blocks cached."""
+    base, adapters_dir, _ = setup
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(adapters_dir)))
+    prompt = list(range(10, 60))  # 3 reusable blocks of 16
+    run(engine, [("a-r2", prompt, 2)])
+    aengine = AsyncEngine(engine)  # not started: it serves the engine's stats snapshot
+    report = EngineService(aengine, EngineMetrics(aengine)).load_report()
+    report.prefix_block_keys.extend(aengine.stats().prefix_block_keys)  # as WatchLoad sends them
+    assert list(report.adapter_salts) == ["a-r2"]  # the only adapter whose config was read
+    keys = leading_block_keys(prompt, report.block_size, report.adapter_salts["a-r2"], 64)
+    assert len(keys) == 3 and set(report.prefix_block_keys) == set(keys)
+
+    config = RouterConfig(model="m", engines=("127.0.0.1:1",))
+    client = EngineClient(config.engines[0], config, lambda: None)
+    try:
+        client._on_report(report)
+        shares = [Ticket(0, 1, 0.0, adapter=a, prompt_ids=prompt).prefix_share(client)
+                  for a in ("a-r2", "b-r8", "")]
+    finally:
+        await client.close()
+    assert shares == [48 / 50, 0.0, 0.0]  # b-r8: no salt reported; the base model: other keys
 
 
 def test_adapter_loads_in_background_without_blocking_base(setup, monkeypatch):

@@ -102,7 +102,14 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "max_num_seqs", "block_size", "max_model_len", "resident_adapters", "draining", "cached_adapters", "available_adapters", "prefix_generation", "prefix_block_keys")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "max_num_seqs", "block_size", "max_model_len", "resident_adapters", "draining", "cached_adapters", "available_adapters", "prefix_generation", "prefix_block_keys", "adapter_salts")
+    class AdapterSaltsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +123,7 @@ class LoadReport(_message.Message):
     AVAILABLE_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_GENERATION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SALTS_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -129,7 +137,8 @@ class LoadReport(_message.Message):
     available_adapters: _containers.RepeatedScalarFieldContainer[str]
     prefix_generation: int
     prefix_block_keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., cached_adapters: _Optional[_Iterable[str]] = ..., available_adapters: _Optional[_Iterable[str]] = ..., prefix_generation: _Optional[int] = ..., prefix_block_keys: _Optional[_Iterable[int]] = ...) -> None: ...
+    adapter_salts: _containers.ScalarMap[str, str]
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., cached_adapters: _Optional[_Iterable[str]] = ..., available_adapters: _Optional[_Iterable[str]] = ..., prefix_generation: _Optional[int] = ..., prefix_block_keys: _Optional[_Iterable[int]] = ..., adapter_salts: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -47,6 +48,24 @@ def test_gate_waits_for_the_load_then_pins_the_slot(manager):
     inv = manager.inventory()
     assert (inv.resident, inv.cached, inv.running) == (("k-r2",), ("k-r2", "qv-r2"), 1)
     assert (manager.stats().loads, manager.stats().evictions) == (2, 1)
+
+
+def test_inventory_salts_follow_the_adapter_file(manager, model):
+    _, root = model
+    weights = root / "k-r2" / "adapter_model.safetensors"
+    st = weights.stat()
+    assert manager.inventory().salts == ()
+    salt = manager.prefetch("k-r2")
+    assert manager.inventory().salts == (("k-r2", salt),)
+    try:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # the file was replaced
+        new = manager.prefetch("k-r2")  # the next request's blocks get the new salt
+        assert new != salt and manager.inventory().salts == (("k-r2", new),)
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    settle(lambda: manager.ready("k-r2") or None)
+    assert manager.unload("k-r2") is True
+    assert manager.inventory().salts == ()
 
 
 def test_load_place_unload(manager):

@@ -117,6 +117,45 @@ def test_prefix_hits_are_weighed_against_room():
     asyncio.run(main())
 
 
+def test_an_adapter_request_goes_to_the_engine_reporting_its_salted_prefix():
+    from omnibus.router.config import RouterConfig
+    from omnibus.router.dispatch.engines import EngineClient
+    from omnibus.v1 import engine_pb2
+
+    config = RouterConfig(model="m", engines=("127.0.0.1:1",))
+    salt = "ad@1024:17"  # the adapter file's fingerprint, as the engine salts its blocks
+
+    def engine(keys: list[int]) -> EngineClient:
+        client = EngineClient("127.0.0.1:1", config, lambda: None)
+        client._on_report(engine_pb2.LoadReport(
+            max_num_seqs=4, num_total_blocks=8, block_size=4, available_adapters=["ad"],
+            adapter_salts={"ad": salt}, prefix_generation=1, prefix_block_keys=keys))
+        return client
+
+    async def main():
+        base_cached = engine(leading_block_keys(PROMPT, 4, None, 64))
+        adapter_cached = engine(leading_block_keys(PROMPT, 4, salt, 64))
+        try:
+            assert adapter_cached.adapter_salts == {"ad": salt}
+            d = Dispatcher([base_cached, adapter_cached], RequestQueue(0))
+            ticket = Ticket(0, 1, 0.0, adapter="ad", prompt_ids=PROMPT)
+            assert ticket.prefix_share(adapter_cached) == 16 / 17
+            assert ticket.prefix_share(base_cached) == 0.0  # the same tokens, unsalted
+            assert d.best_engine(ticket) is adapter_cached
+            base = Ticket(0, 1, 0.0, prompt_ids=PROMPT)
+            reverse = Dispatcher([adapter_cached, base_cached], RequestQueue(0))
+            assert reverse.best_engine(base) is base_cached
+            adapter_cached._on_report(engine_pb2.LoadReport(
+                max_num_seqs=4, num_total_blocks=8, block_size=4, available_adapters=["ad"],
+                adapter_salts={"ad": "ad@1024:18"}, prefix_generation=1))  # the file changed
+            assert ticket.prefix_share(adapter_cached) == 0.0
+        finally:
+            await base_cached.close()
+            await adapter_cached.close()
+
+    asyncio.run(main())
+
+
 def test_dispatch_charges_the_prompt_to_the_tenant():
     async def main():
         engine = _Engine("e", room=1)
