@@ -86,11 +86,15 @@ run: setup $(MODEL)/config.json
 	$(BIN)/omnibus-engine serve --port $(ENGINE_PORT) --model $(MODEL) $(ENGINE_FLAGS) & engine=$$!; \
 	$(BIN)/omnibus-router serve --port $(ROUTER_PORT) --http-port $(HTTP_PORT) --engine localhost:$(ENGINE_PORT) --model $(MODEL) $(ROUTER_FLAGS)
 
+# Also served (router + engine processes) vs in process on the same workload; alone:
+# `python -m omnibus.bench.offline --only served --out docs/benchmarks/offline.md`.
 bench-offline: setup
 	$(PY) -m omnibus.bench.offline --out docs/benchmarks/offline.md
 
 # Router + null-model engine at 64/256/1024 streams: tok/s, TTFT, CPU us/token per
-# process (~4 min on 2 cores), beside the committed before-run of #11.
+# process (~4 min on 2 cores), beside the committed before-run of #11; and unloaded TTFT
+# in process / engine gRPC / router gRPC (alone: `python -m omnibus.bench.host --only ttft
+# --out docs/benchmarks/host.md`, which rewrites only that section).
 bench-host: setup
 	$(PY) -m omnibus.bench.host --out docs/benchmarks/host.md --baseline docs/benchmarks/host-before.json
 

@@ -9,12 +9,22 @@ inter-token latency p99 and the CPU each process spent per streamed token (utime
 deltas from /proc/<pid>/stat over the run), then projects the tokens/s one router core
 and one engine host process could sustain at that cost. `--save-json` keeps a run's
 numbers; `--baseline` puts an earlier run (e.g. before a change) beside this one.
+
+Unloaded TTFT (`--only ttft` runs it alone and rewrites only its section of `--out`):
+requests one at a time (16-token prompts, 4 output tokens, greedy), each timed from
+submit to its first token (a) in this process, on an AsyncEngine built from the engine
+process's own flags the way its server builds it, (b) over gRPC to the engine process's
+Session stream (the router's own EngineSession client), (c) through the router's public
+Generate; the three paths take turns request by request, so drift on a shared machine
+falls on all of them alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import itertools
 import json
 import os
 import platform
@@ -23,9 +33,11 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from omnibus.bench.processes import engine_process, router_process
+from omnibus.bench.processes import engine_and_router, engine_configs
+from omnibus.bench.report import replace_section
 from omnibus.bench.serve import RunConfig, run_workload
 from omnibus.bench.stats import percentile
 from omnibus.bench.workloads import BenchRequest
@@ -36,6 +48,15 @@ OUTPUT_LEN = 200
 # An assumption for the projection, not a measurement: decode rate of an 8B model on one
 # H200 at batch 256 (bf16, memory-bound decode).
 ASSUMED_GPU_TOKENS_S = 25_000
+TTFT_REQUESTS = 200
+TTFT_WARMUP = 20  # requests per path before the timed ones (connections, caches)
+TTFT_PROMPT_LEN = 16
+TTFT_MAX_TOKENS = 4
+# Pause after each request, so each finds idle engines: an engine going idle checks its KV
+# pool's bookkeeping (Engine.check_integrity, ~10 ms over the 65,536-block CPU pool here),
+# and a request sent back to back would wait behind that check.
+TTFT_GAP_S = 0.03
+TTFT_MARKER = "<!-- bench.host: unloaded TTFT; `--only ttft` rewrites from here to the end -->"
 NULL_CONFIG = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -50,6 +71,15 @@ WORDS = ("the fox river forest green quick brown lazy time upon once there littl
 def build_model(path: Path, vocab_size: int = 2048) -> Path:
     """config.json (the null model reads no weights) and a byte-level BPE tokenizer.json,
     so the router decodes bytes and multi-byte characters as with a real Llama 3 tokenizer."""
+    vocab = build_tokenizer(path, vocab_size)
+    config = dict(NULL_CONFIG, vocab_size=vocab)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def build_tokenizer(path: Path, vocab_size: int = 2048) -> int:
+    """Writes path/tokenizer.json (byte-level BPE of at most `vocab_size` ids, trained on
+    a synthetic corpus); returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -65,9 +95,7 @@ def build_model(path: Path, vocab_size: int = 2048) -> Path:
                        for _ in range(30)) for _ in range(2000)]
     tok.train_from_iterator(corpus, trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
-    config = dict(NULL_CONFIG, vocab_size=tok.get_vocab_size())
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return tok.get_vocab_size()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -105,25 +133,28 @@ def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int) 
     }
 
 
-def measure(repeats: int, streams: tuple[int, ...], engine_seats: int) -> dict:
+def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
+            ttft_requests: int = 0) -> dict:
+    """The stream levels (none when `streams` is empty) and, when `ttft_requests`, the
+    unloaded TTFT of the three paths, measured first on the freshly started processes."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         model = build_model(tmp_path / "model")
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        engine = engine_process(model, tmp_path, "engine", "--load-format", "null",
-                                "--max-num-seqs", str(engine_seats)).wait_serving()
-        router = None
-        try:
-            router = router_process(model, [engine.address], tmp_path, "router").wait_serving()
-            pids = {"router": router.proc.pid, "engine": engine.proc.pid, "client": os.getpid()}
-            run_level(router.address, pids, 16, vocab, seed=999)  # warm-up: connections, caches
-            runs = [run_level(router.address, pids, n, vocab, seed=r)
-                    for n in streams for r in range(repeats)]
-        finally:
-            if router is not None:
-                router.stop()
-            engine.stop()
-        return {"runs": runs, "in_process": in_process_rate(model, vocab, engine_seats)}
+        flags = ("--load-format", "null", "--max-num-seqs", str(engine_seats))
+        result: dict = {}
+        with engine_and_router(model, tmp_path, flags) as (engine, router):
+            if ttft_requests:
+                result["ttft"] = unloaded_ttft(model, flags, engine.address, router.address,
+                                               vocab, ttft_requests)
+            if streams:
+                pids = {"router": router.proc.pid, "engine": engine.proc.pid, "client": os.getpid()}
+                run_level(router.address, pids, 16, vocab, seed=999)  # warm-up: connections, caches
+                result["runs"] = [run_level(router.address, pids, n, vocab, seed=r)
+                                  for n in streams for r in range(repeats)]
+        if streams:
+            result["in_process"] = in_process_rate(model, vocab, engine_seats)
+        return result
 
 
 def in_process_rate(model: Path, vocab: int, seats: int, n: int = 256) -> dict:
@@ -141,6 +172,132 @@ def in_process_rate(model: Path, vocab: int, seats: int, n: int = 256) -> dict:
     wall, cpu = time.perf_counter() - t0, cpu_seconds(os.getpid()) - c0
     return {"streams": n, "tokens": tokens, "tokens_per_s": tokens / wall,
             "cpu_us_per_token": cpu / tokens * 1e6}
+
+
+# ---- unloaded TTFT: in process, engine gRPC, router gRPC ------------------------------------
+
+
+def serving_engine(model: Path, flags: tuple[str, ...]):
+    """An AsyncEngine in this process, built from the engine process's flags as its
+    server builds it: the CLI's configs, Engine, warm-up, the step thread started."""
+    from omnibus.engine.engine import Engine
+    from omnibus.engine.serving.async_engine import AsyncEngine
+    from omnibus.engine.serving.server import warm_up
+
+    config, server = engine_configs(model, *flags)
+    engine = Engine(config)
+    warm_up(engine)
+    aengine = AsyncEngine(engine, server.embed_batching)
+    aengine.start()
+    return aengine
+
+
+async def first_token_s(start: Callable[[], AsyncIterator], tokens: str) -> float:
+    """Seconds from `start()` (which submits the request) to the first item whose
+    `tokens` field is non-empty; reads the stream to its end."""
+    t0 = time.perf_counter()
+    first = None
+    async for item in start():
+        if first is None and getattr(item, tokens):
+            first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError("the stream ended without a token")
+    return first
+
+
+async def ttft_paths(aengine, engine_address: str, router_address: str, vocab: int, n: int,
+                     warmup: int = TTFT_WARMUP, gap: float = TTFT_GAP_S) -> dict[str, list[float]]:
+    """TTFT (s) of `n` requests per path, sent one at a time (`gap` s after the previous
+    one ended), the paths taking turns."""
+    import grpc
+    from omnibus.common.sampling import SamplingParams
+    from omnibus.router.dispatch.session import EngineSession
+    from omnibus.v1 import engine_pb2, engine_pb2_grpc, inference_pb2, inference_pb2_grpc
+
+    params = SamplingParams(max_tokens=TTFT_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    rng = random.Random(7)
+
+    def prompt() -> list[int]:  # a fresh one each time: no prefix-cache hits
+        return [rng.randrange(3, vocab) for _ in range(TTFT_PROMPT_LEN)]
+
+    async with (grpc.aio.insecure_channel(engine_address) as engine_channel,
+                grpc.aio.insecure_channel(router_address) as router_channel):
+        session = EngineSession(engine_pb2_grpc.EngineStub(engine_channel), engine_address)
+        router = inference_pb2_grpc.InferenceStub(router_channel)
+        paths = {
+            "in_process": (lambda rid: aengine.generate(rid, prompt(), params), "new_token_ids"),
+            "engine_grpc": (lambda rid: session.generate(engine_pb2.EngineGenerateRequest(
+                request_id=rid, prompt_token_ids=prompt(), sampling=params.to_proto())),
+                "token_ids"),
+            "router_grpc": (lambda rid: router.Generate(inference_pb2.GenerateRequest(
+                token_ids=inference_pb2.TokenIds(ids=prompt()), request_id=rid,
+                sampling=inference_pb2.SamplingParams(
+                    max_tokens=TTFT_MAX_TOKENS, temperature=0.0, ignore_eos=True))),
+                "token_ids"),
+        }
+        names = list(paths)
+        out: dict[str, list[float]] = {name: [] for name in names}
+        try:
+            for i in range(warmup + n):
+                for name in itertools.islice(itertools.cycle(names), i % 3, i % 3 + 3):
+                    start, tokens = paths[name]
+                    ttft = await first_token_s(functools.partial(start, f"ttft-{name}-{i}"), tokens)
+                    if i >= warmup:
+                        out[name].append(ttft)
+                    await asyncio.sleep(gap)
+        finally:
+            await session.close()
+    return out
+
+
+def unloaded_ttft(model: Path, flags: tuple[str, ...], engine_address: str, router_address: str,
+                  vocab: int, n: int, warmup: int = TTFT_WARMUP) -> dict:
+    """p50 / p99 TTFT (ms) of each path (a fresh in-process engine built from `flags`, the
+    engine process's, for the first) and the differences between them."""
+    aengine = serving_engine(model, flags)
+    try:
+        ttfts = asyncio.run(ttft_paths(aengine, engine_address, router_address, vocab, n, warmup))
+    finally:
+        aengine.shutdown()
+    out: dict = {"requests": n, "warmup": warmup, "prompt_len": TTFT_PROMPT_LEN,
+                 "max_tokens": TTFT_MAX_TOKENS, "gap_ms": TTFT_GAP_S * 1e3}
+    for name, values in ttfts.items():
+        out[name] = {"n": len(values), "p50_ms": percentile(values, 50) * 1e3,
+                     "p99_ms": percentile(values, 99) * 1e3}
+    return out
+
+
+TTFT_ROWS = (("in_process", "(a) in process: AsyncEngine on the engine's own config"),
+             ("engine_grpc", "(b) engine gRPC: Session stream to the engine process"),
+             ("router_grpc", "(c) router gRPC: public Generate, router → engine"))
+TTFT_DIFFS = (("engine gRPC hop (b − a)", "engine_grpc", "in_process"),
+              ("router added (c − b)", "router_grpc", "engine_grpc"),
+              ("router + engine vs in process (c − a)", "router_grpc", "in_process"))
+
+
+def ttft_section(result: dict) -> str:
+    t = result["ttft"]
+    lines = [
+        TTFT_MARKER, "", f"## Unloaded TTFT: {result['label']}", "",
+        (f"`python -m omnibus.bench.host --only ttft`. {t['requests']} requests per path, one "
+         f"at a time, each {t['gap_ms']:.0f} ms after the previous one ended (idle engines: "
+         "the check of the KV bookkeeping an engine runs when it goes idle is over by then), "
+         f"{t['prompt_len']}-token prompts (fresh ids each: no prefix-cache hits), "
+         f"{t['max_tokens']} output tokens, greedy; TTFT from submit to the first token-bearing "
+         "output, in the benchmark's process. The paths take turns request by request after "
+         f"{t['warmup']} warm-up requests each. The differences are between percentiles, not "
+         "percentiles of per-request differences. #11's target: router + engine vs in process "
+         f"< 1 ms at p50. The machine's {os.cpu_count()} cores were shared with other work: "
+         "p99 is noisy."),
+        "",
+        "| path | TTFT p50 ms | TTFT p99 ms |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {label} | {t[k]['p50_ms']:.3f} | {t[k]['p99_ms']:.3f} |"
+              for k, label in TTFT_ROWS]
+    lines += [f"| {label} | {t[a]['p50_ms'] - t[b]['p50_ms']:+.3f} | "
+              f"{t[a]['p99_ms'] - t[b]['p99_ms']:+.3f} |" for label, a, b in TTFT_DIFFS]
+    return "\n".join(lines) + "\n"
 
 
 # ---- the report ----------------------------------------------------------------------------
@@ -179,6 +336,18 @@ def table(result: dict) -> list[str]:
 
 
 def write_markdown(out: Path, result: dict, baseline: dict | None) -> None:
+    """The whole report from a run with stream levels; from a TTFT-only run, the TTFT
+    section of the existing report (the rest kept as it is)."""
+    old = out.read_text() if out.exists() else ""
+    text = stream_report(result, baseline) if "runs" in result else old
+    if "ttft" in result:
+        text = replace_section(text, TTFT_MARKER, ttft_section(result))
+    elif TTFT_MARKER in old:  # a streams-only run keeps the last TTFT section
+        text = replace_section(text, TTFT_MARKER, old[old.index(TTFT_MARKER):])
+    out.write_text(text)
+
+
+def stream_report(result: dict, baseline: dict | None) -> str:
     lines = [
         "# Host path: router + engine at GPU rates, measured on a CPU",
         "",
@@ -205,7 +374,7 @@ def write_markdown(out: Path, result: dict, baseline: dict | None) -> None:
         lines += [f"## Before: {baseline['label']}", "", *table(baseline), ""]
     lines += [f"## {'After' if baseline is not None else 'Now'}: {result['label']}", "",
               *table(result), ""]
-    out.write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
 def git_label() -> str:
@@ -224,9 +393,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--streams", default=",".join(map(str, STREAMS)))
     ap.add_argument("--engine-seats", type=int, default=1024, help="engine --max-num-seqs")
+    ap.add_argument("--only", choices=["streams", "ttft"], default=None,
+                    help="one part alone (default: both); --out then rewrites only its part")
+    ap.add_argument("--ttft-requests", type=int, default=TTFT_REQUESTS, help="per path")
     args = ap.parse_args()
-    streams = tuple(int(x) for x in args.streams.split(","))
-    result = measure(args.repeats, streams, args.engine_seats) | {"label": args.label or git_label()}
+    streams = () if args.only == "ttft" else tuple(int(x) for x in args.streams.split(","))
+    ttft_requests = 0 if args.only == "streams" else args.ttft_requests
+    result = measure(args.repeats, streams, args.engine_seats, ttft_requests)
+    result["label"] = args.label or git_label()
     print(json.dumps(result, indent=1))
     if args.save_json:
         args.save_json.write_text(json.dumps(result, indent=1))

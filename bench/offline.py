@@ -14,11 +14,17 @@ ignore_eos so lengths are exact). Measures output tokens/s of:
 
 and reports the ratios, this engine's share of the CPU's measured matmul FLOP/s,
 and scheduler + allocator time per step at 256 running sequences (model stubbed).
+
+Served vs in process (`--only served` runs it alone and rewrites only its section of
+`--out`): the same requests through an engine process (1.'s engine flags and torch
+threads) behind a router process, all sent at once over gRPC, against 1. measured in the
+same invocation.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -29,10 +35,15 @@ import time
 from pathlib import Path
 
 import torch
+from omnibus.bench.processes import engine_and_router, engine_configs
+from omnibus.bench.report import replace_section
 
 BENCH_MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
                    num_key_value_heads=4, vocab_size=2048, max_position_embeddings=1024,
                    initializer_range=0.02, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+# The engine's configuration, in process and served alike (as `omnibus.engine serve` flags).
+ENGINE_FLAGS = ("--dtype", "float32", "--max-num-seqs", "256", "--max-num-batched-tokens", "2048",
+                "--no-prefix-caching")
 
 
 def build_model(path: Path) -> Path:
@@ -76,12 +87,10 @@ def matmul_params() -> int:
 
 
 def run_omnibus(path: Path, prompts, lengths) -> float:
-    from omnibus.engine.config import EngineConfig
     from omnibus.engine.engine import Engine
     from omnibus.engine.worker.sampling import SamplingParams
 
-    engine = Engine(EngineConfig(model=str(path), dtype="float32", max_num_seqs=256,
-                                 max_num_batched_tokens=2048, enable_prefix_caching=False))
+    engine = Engine(engine_configs(path, *ENGINE_FLAGS)[0])
     engine.warmup()
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lengths]
     t0 = time.perf_counter()
@@ -89,6 +98,32 @@ def run_omnibus(path: Path, prompts, lengths) -> float:
     elapsed = time.perf_counter() - t0
     assert [len(o) for o in outs] == lengths
     return sum(lengths) / elapsed
+
+
+def run_served(path: Path, prompts, lengths) -> float:
+    """Output tok/s of the same requests through an engine process (ENGINE_FLAGS, this
+    process's torch threads) behind a router process, every request sent at once over the
+    router's gRPC Generate (greedy, ignore_eos); one short request warms the path first."""
+    from omnibus.bench.host import build_tokenizer
+    from omnibus.bench.serve import RunConfig, run_workload
+    from omnibus.bench.workloads import BenchRequest
+
+    if not (path / "tokenizer.json").is_file():  # the router's; a checkpoint of its own otherwise
+        build_tokenizer(path, BENCH_MODEL["vocab_size"])
+    threads = str(torch.get_num_threads())
+    requests = [BenchRequest(tuple(p), m) for p, m in zip(prompts, lengths)]
+    with tempfile.TemporaryDirectory() as logs, engine_and_router(
+            path, Path(logs), ENGINE_FLAGS,
+            env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}) as (_, router):
+        config = RunConfig(target=router.address, progress=False, timeout_s=600,
+                           request_id_prefix="served")
+        asyncio.run(run_workload([BenchRequest(requests[0].prompt_ids, 4)],
+                                 RunConfig(target=router.address, progress=False)))
+        out = asyncio.run(run_workload(requests, config))
+    failed = [f"{r.code}: {r.error}" for r in out.results if not r.ok]
+    if failed or [r.output_tokens for r in out.results] != list(lengths):
+        raise RuntimeError(f"the served run did not produce the workload: {failed[:3]}")
+    return sum(lengths) / out.duration
 
 
 def host_work_per_step(path: Path, batch_sizes=(64, 256), prompt_len: int = 128, steps: int = 20) -> dict:
@@ -173,15 +208,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="markdown file to write the results to")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse/keep the benchmark checkpoint here")
+    ap.add_argument("--only", choices=["served"], default=None,
+                    help="served vs in process alone; --out then rewrites only its section")
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
     path = build_model(args.model_dir or Path(tmp.name) / "bench-20m")
     prompts, lengths = workload(args.requests)
+    if args.only == "served":
+        results = served_vs_in_process(path, prompts, lengths)
+        print(json.dumps(results, indent=2))
+        if args.out:
+            write_served(args.out, results, args.requests)
+        return
     peak = matmul_gflops()
     hf_static, hf_continuous = run_hf(path, prompts, lengths)
-    results = {
-        "omnibus_tok_s": run_omnibus(path, prompts, lengths),
+    results = served_vs_in_process(path, prompts, lengths) | {
         "hf_static_tok_s": hf_static,
         "hf_continuous_tok_s": hf_continuous,
     }
@@ -200,14 +242,51 @@ def main() -> None:
     total_tokens = results["output_tokens"] + results["prompt_tokens"]
     results["share_of_matmul_peak_all_tokens"] = (
         results["share_of_matmul_peak"] * total_tokens / results["output_tokens"])
-    results["env"] = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                      "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
     print(json.dumps(results, indent=2))
     if args.out:
         write_markdown(args.out, results, args.requests)
 
 
+def served_vs_in_process(path: Path, prompts, lengths) -> dict:
+    in_process = run_omnibus(path, prompts, lengths)
+    served = run_served(path, prompts, lengths)
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
+           "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    return {"omnibus_tok_s": in_process, "served_tok_s": served,
+            "served_vs_in_process": served / in_process, "output_tokens": sum(lengths), "env": env}
+
+
 KEEP_MARKER = "<!-- written by hand below: kept when bench.offline rewrites this file -->"
+SERVED_MARKER = "<!-- bench.offline: served vs in process; `--only served` rewrites this part -->"
+
+
+def write_served(out: Path, r: dict, n: int) -> None:
+    """Rewrites the served section of `out` alone; the rest is kept as it is."""
+    old = out.read_text() if out.exists() else ""
+    out.write_text(replace_section(old, SERVED_MARKER, served_section(r, n), KEEP_MARKER))
+
+
+def served_section(r: dict, n: int) -> str:
+    threads = r["env"]["threads"]
+    return f"""{SERVED_MARKER}
+
+## Served vs in process
+
+The same {n} requests ({r['output_tokens']} output tokens, greedy, ignore_eos, the same
+max_tokens) through an engine process (`omnibus.engine serve {' '.join(ENGINE_FLAGS)}`:
+the in-process engine's configuration; OMP_NUM_THREADS={threads}: its torch threads) behind
+a router process, every request sent at once to the router's gRPC Generate; the
+in-process `Engine.generate` row is measured again in the same invocation. Router, engine
+and client (this benchmark) share the machine's {r['env']['cores']} cores; when this was
+measured, with other work too (noisy). #11's target: served ≥ 90% of in process.
+
+| path | output tokens/s | ÷ in process |
+|---|---:|---:|
+| in process (`Engine.generate`) | {r['omnibus_tok_s']:.0f} | 1.00 |
+| served (client → router → engine process, gRPC) | {r['served_tok_s']:.0f} | \
+{r['served_vs_in_process']:.2f} |
+
+"""
 
 
 def write_markdown(out: Path, r: dict, n: int) -> None:
@@ -218,7 +297,7 @@ def write_markdown(out: Path, r: dict, n: int) -> None:
         f"| {bs} | {t['schedule']:.2f} | {t['prepare']:.2f} | {t['update']:.2f} | "
         f"{t['schedule'] + t['prepare'] + t['update']:.2f} | {t['model']:.1f} |"
         for bs, t in r["host_ms_per_decode_step"].items())
-    out.write_text(f"""# Offline throughput (CPU)
+    head = f"""# Offline throughput (CPU)
 
 Produced by `make bench-offline` (`python -m omnibus.bench.offline`). Model: Llama-shaped, hidden 512,
 6 layers, 8 heads / 4 KV heads, vocab 2048, {r['matmul_params'] / 1e6:.1f}M matmul parameters,
@@ -248,7 +327,11 @@ previous step is on the device.
 | batch | schedule (ms) | prepare inputs (ms) | update (ms) | host total (ms) | model on this CPU (ms) |
 |---:|---:|---:|---:|---:|---:|
 {host_rows}
-""" + kept)
+"""
+    text = head + kept
+    if "served_tok_s" in r:
+        text = replace_section(text, SERVED_MARKER, served_section(r, n), KEEP_MARKER)
+    out.write_text(text)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -112,6 +113,14 @@ def engine_args(port: int | str, model: Path | str, *flags: str) -> list[str]:
     return ["-m", "omnibus.engine", "serve", "--port", str(port), "--model", str(model), *flags]
 
 
+def engine_configs(model: Path | str, *flags: str):
+    """The (EngineConfig, ServerConfig) an engine worker started with `flags` serves with,
+    read by its own parser: for in-process runs that must match a served one."""
+    from omnibus.engine.serving.cli import build_parser, configs_from_args
+
+    return configs_from_args(build_parser().parse_args(engine_args(0, model, *flags)[2:]))
+
+
 def router_args(port: int | str, model: Path | str, engines: list[str], *flags: str) -> list[str]:
     """`python` arguments of a router on `port` in front of `engines` (host:port each)."""
     engine_flags = [f for address in engines for f in ("--engine", address)]
@@ -144,3 +153,26 @@ def router_process(
     port = free_port()
     args = router_args(port, model, engines, *flags)
     return ServerProcess(args, log_dir / f"{name}.log", f"127.0.0.1:{port}")
+
+
+@contextmanager
+def engine_and_router(
+    model: Path,
+    log_dir: Path,
+    engine_flags: Sequence[str] = (),
+    router_flags: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """One engine worker (`env` added to its environment) and a router in front of it,
+    both SERVING; both are stopped on leaving."""
+    engine = engine_process(model, log_dir, "engine", *engine_flags, env=env)
+    router = None
+    try:
+        router = router_process(model, [engine.address], log_dir, "router", *router_flags)
+        engine.wait_serving()
+        router.wait_serving()  # SERVING once its engine reports load
+        yield engine, router
+    finally:
+        for child in (router, engine):
+            if child is not None:
+                child.stop()

@@ -75,6 +75,20 @@ def engine_markdown(engine: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def replace_section(text: str, start: str, section: str, end: str | None = None) -> str:
+    """`text` with its part from the marker `start` up to the marker `end` (None: to the
+    end) replaced by `section`, which begins with `start`; where `text` has no `start`,
+    `section` goes in before `end` (or at the end). A benchmark that measured one part of
+    a report rewrites that part and keeps the rest as it was."""
+    begin = text.find(start)
+    stop = text.find(end, max(begin, 0)) if end is not None else -1
+    stop = len(text) if stop < 0 else stop
+    head = text[: stop if begin < 0 else begin]
+    if head and not head.endswith("\n\n"):
+        head = head.rstrip("\n") + "\n\n"
+    return head + section + text[stop:]
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=_jsonable, allow_nan=True) + "\n")

@@ -1,7 +1,16 @@
 """`make bench-offline` pieces that run without the transformers peers: the host-work
-measurement and the markdown writer, which keeps the hand-written analysis."""
+measurement, served vs in process at a tiny size, and the markdown writers, which keep the
+hand-written analysis (and, for a served-only run, everything but the served section)."""
 
-from omnibus.bench.offline import KEEP_MARKER, host_work_per_step, write_markdown
+from omnibus.bench.offline import (
+    KEEP_MARKER,
+    SERVED_MARKER,
+    host_work_per_step,
+    served_vs_in_process,
+    write_markdown,
+    write_served,
+)
+
 from tests.checkpoints import make_checkpoint
 
 
@@ -26,3 +35,25 @@ def test_rewrite_keeps_the_text_below_the_marker(tmp_path):
     text = doc.read_text()
     assert "old numbers" not in text and "| 64 | 0.10 | 0.20 | 0.20 | 0.50 | 40.0 |" in text
     assert text.endswith(KEEP_MARKER + "\n\n## Why\nhand-written analysis\n")
+
+
+def test_served_and_in_process_run_the_same_workload(tmp_path):
+    path = make_checkpoint(tmp_path / "m", "llama")
+    prompts, lengths = [[5, 6, 7, 8], [9, 10, 11], [12, 13]], [3, 1, 5]
+    r = served_vs_in_process(path, prompts, lengths)
+    assert r["output_tokens"] == 9
+    assert r["omnibus_tok_s"] > 0 and r["served_tok_s"] > 0
+    assert r["served_vs_in_process"] == r["served_tok_s"] / r["omnibus_tok_s"]
+
+
+def test_a_served_run_rewrites_only_its_section(tmp_path):
+    doc = tmp_path / "offline.md"
+    doc.write_text("# tables\n| Omnibus | 550 |\n" + KEEP_MARKER + "\n\n## Why\nhand-written\n")
+    r = {"omnibus_tok_s": 500.0, "served_tok_s": 450.0, "served_vs_in_process": 0.9,
+         "output_tokens": 100, "env": {"cores": 2, "threads": 2}}
+    write_served(doc, r, 64)
+    write_served(doc, r | {"served_tok_s": 400.0, "served_vs_in_process": 0.8}, 64)
+    text = doc.read_text()
+    assert text.startswith("# tables\n| Omnibus | 550 |\n\n" + SERVED_MARKER)
+    assert text.count(SERVED_MARKER) == 1 and "| 400 | 0.80 |" in text and "| 450 |" not in text
+    assert text.endswith(KEEP_MARKER + "\n\n## Why\nhand-written\n")
