@@ -130,11 +130,18 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
+        expired: list[Sequence] = []
         for seq in self.running:
             if seq.num_pending and self._at_limit(seq, seq.planned_len):
                 continue  # its pending token is its last: nothing to compute until it reports
+            if (seq.deadline is not None and self._now >= seq.deadline
+                    and not seq.num_pending and not seq.num_output_tokens):
+                expired.append(seq)  # still prefilling: no further chunk
+                continue
             left = len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens
             (decodes if left == 1 else prefills).append(seq)
+        for seq in expired:
+            self._end_prefilling(seq)
         for seq in decodes + prefills:
             if budget == 0:
                 break
@@ -162,6 +169,15 @@ class Scheduler:
             slots = self._batch_slots if self.policy.forms_batches else len(self.running)
             self.observer.on_step(out.num_batched_tokens, slots, self.running, self.allocator.block_size)
         return out
+
+    def _end_prefilling(self, seq: Sequence) -> None:
+        """End a running request whose deadline passed before its first token (mid-prefill,
+        between chunks), as `_admit` ends a waiting one: its KV blocks are freed."""
+        self.running.remove(seq)
+        self._leave_running(seq)
+        self._end(seq, "deadline", f"the request's deadline passed {self._now - seq.deadline:.3f} s "
+                  f"into its prefill ({seq.num_computed_tokens} of {seq.num_prompt_tokens} prompt "
+                  "tokens computed)")
 
     def _at_limit(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` ends by length once it holds `num_tokens` tokens."""
@@ -296,8 +312,12 @@ class Scheduler:
 
     def _end_waiting(self, seq: Sequence, reason: str, error: str) -> None:
         """Finish a waiting request the engine itself ends; `error` says why."""
-        del self.requests[seq.request_id]
         self.num_waiting -= 1
+        self._end(seq, reason, error)
+
+    def _end(self, seq: Sequence, reason: str, error: str) -> None:
+        """Finish a request the engine itself ends, out of the running and waiting sets."""
+        del self.requests[seq.request_id]
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         out = self._output(seq, [], [])
         out.error = error

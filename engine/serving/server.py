@@ -154,7 +154,7 @@ class _Session:
             if isinstance(item, Refused):
                 self.fail(live, *_error_status(item.error))
                 continue
-            if item.finish_reason == "deadline":  # the scheduler would not prefill it
+            if item.finish_reason == "deadline":  # the scheduler ended it before its first token
                 self.fail(live, grpc.StatusCode.DEADLINE_EXCEEDED, item.error or "deadline passed")
                 continue
             if item.error is not None:  # the engine ended it: its adapter failed to load
@@ -479,7 +479,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 # The timeout wraps only the wait for the next step, never the yield.
                 async with asyncio.timeout_at(deadline):
                     out = await anext(stream)
-                if out.finish_reason == "deadline":  # the scheduler would not prefill it
+                if out.finish_reason == "deadline":  # the scheduler ended it before its first token
                     raise TimeoutError(out.error)
                 if out.error is not None:  # the engine ended it: its adapter failed to load
                     raise AdapterStateError(out.error)

@@ -71,6 +71,32 @@ def test_a_request_whose_deadline_passed_is_never_prefilled():
     assert "missed" not in s.requests and s.num_waiting == 0
 
 
+@pytest.mark.parametrize("deadline", [NOW + 1, None])
+def test_a_request_whose_deadline_passes_mid_prefill_gets_no_further_chunk(deadline):
+    s = make_scheduler(budget=8)
+    dec = seq("dec", 4, max_tokens=20)  # no deadline, decoding throughout
+    s.add(dec)
+    step(s, NOW - 1)
+    long = seq("long", 21, deadline=deadline, start=100)  # 3 chunks of 7 beside dec's decode
+    s.add(long)
+    plan, _ = step(s, NOW)
+    assert planned(plan) == [("dec", 1), ("long", 7)]
+    plan, outs = step(s, NOW + 2)  # the deadline, if any, passed after chunk 1
+    if deadline is None:  # unaffected: chunk 2, then chunk 3 samples its first token
+        assert planned(plan) == [("dec", 1), ("long", 7)]
+        plan, outs = step(s, NOW + 3)
+        assert planned(plan) == [("dec", 1), ("long", 7)]
+        assert [(o.request_id, o.new_token_ids) for o in outs] == [("dec", [7]), ("long", [7])]
+        return
+    assert planned(plan) == [("dec", 1)]
+    ended = next(o for o in outs if o.request_id == "long")
+    assert (ended.finished, ended.finish_reason, ended.new_token_ids) == (True, "deadline", [])
+    assert ended.error == ("the request's deadline passed 1.000 s into its prefill "
+                           "(7 of 21 prompt tokens computed)")
+    assert "long" not in s.requests and s.running == [dec] and s.num_waiting == 0
+    assert long.block_table == [] and s.allocator.counts().referenced == len(dec.block_table)
+
+
 def test_blocks_running_out_preempt_the_request_with_the_most_slack():
     # 6 usable blocks of 4 tokens: three 8-token prompts take all of them.
     s = make_scheduler(num_blocks=7, max_seqs=3)
