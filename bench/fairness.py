@@ -114,6 +114,61 @@ def noisy_neighbour(model: Path, logs: Path, vocab: int, seconds: float) -> dict
     return out
 
 
+def noisy_in_process(model: Path, vocab: int, seconds: float) -> dict:
+    """The same mix against the engine alone (no router, no client, no gRPC), in steps:
+    how many engine steps B's request waits for its first token, and how long those
+    steps take on this CPU. Tenant A keeps 16 requests (8 running, 8 waiting, as the
+    router's cap of 16 leaves them); B arrives Poisson 2/s between steps."""
+    import torch
+
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
+    from omnibus.engine.worker.sampling import SamplingParams
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    rng = random.Random(4)
+    out: dict = {}
+    for budget in NOISY_STEP_TOKENS:
+        engine = Engine(EngineConfig(model=str(model), max_num_seqs=SEATS, max_num_batched_tokens=budget))
+        engine.warmup()
+        ids = iter(range(10**9))
+
+        def add(tenant: str, prompt: int, output: int, engine: Engine = engine) -> str:
+            rid = f"{tenant}{next(ids)}"
+            params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
+            engine.add_request(rid, list(_prompt(rng, prompt, vocab)), params, tenant=tenant)
+            return rid
+
+        for _ in range(2 * SEATS):
+            add("a", 256, 32)
+        waiting: dict[str, tuple[float, int]] = {}  # B's request -> (arrival, steps before)
+        ttfts: list[float] = []
+        waits: list[int] = []
+        steps: list[float] = []
+        now = time.monotonic()
+        end, next_b = now + seconds, now + rng.expovariate(2.0)
+        while time.monotonic() < end:
+            if time.monotonic() >= next_b:
+                waiting[add("b", 16, 8)] = (time.monotonic(), len(steps))
+                next_b = time.monotonic() + rng.expovariate(2.0)
+            t = time.perf_counter()
+            outputs = engine.step()
+            steps.append(time.perf_counter() - t)
+            for o in outputs:
+                if o.request_id in waiting and o.new_token_ids:
+                    arrived, before = waiting.pop(o.request_id)
+                    ttfts.append(time.monotonic() - arrived)
+                    waits.append(len(steps) - before)
+                if o.finished and o.request_id.startswith("a"):
+                    add("a", 256, 32)
+        out[f"{budget} tok/step"] = dict(
+            b_done=len(ttfts), b_steps_p50=percentile(waits, 50), b_steps_max=max(waits),
+            b_ttft_p50_ms=_ms(ttfts, 50), b_ttft_p99_ms=_ms(ttfts, 99),
+            step_p50_ms=_ms(steps, 50), step_max_ms=_ms(steps, 100),
+            preemptions=engine.scheduler.num_preemptions)
+    return out
+
+
 # ---- deadlines -------------------------------------------------------------------------
 
 
@@ -226,6 +281,12 @@ b_router_queue_p99_ms: B's time in the router's queue (the response's timing).
 
 {_table(n, ['b_done', 'b_ttft_p50_ms', 'b_ttft_p99_ms', 'b_router_queue_p99_ms', 'a_done', 'a_tok_s'])}
 
+The same mix against the engine alone, in process (no router, client or gRPC on the
+cores; `--waiting-order slo`): A keeps {2 * SEATS} requests, B arrives Poisson 2/s between
+steps. b_steps: engine steps from B's arrival to its first token (1: the next step).
+
+{_table(r['noisy_steps'], ['b_done', 'b_steps_p50', 'b_steps_max', 'b_ttft_p50_ms', 'b_ttft_p99_ms', 'step_p50_ms', 'step_max_ms', 'preemptions'])}
+
 ## Deadlines at 90% load: EDF vs FIFO
 
 One engine as above, router `--max-inflight-per-engine 256` (the queue is in the
@@ -269,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, study in (("noisy", noisy_neighbour), ("deadlines", deadlines), ("prefix", prefix_routing)):
             if args.only in (None, name):
                 r[name] = study(model, logs, vocab, args.seconds)
+                if name == "noisy":
+                    r["noisy_steps"] = noisy_in_process(model, vocab, args.seconds)
                 data_path.write_text(json.dumps(r, indent=1))
     write_report(r, args.out)
 

@@ -1,7 +1,8 @@
 """Iteration-level scheduler: plans one engine step at a time.
 
 `schedule()` decides which sequences run this step and how many tokens each
-(decodes first, then chunked prefills, within a token budget and a sequence cap),
+(decodes first, then chunked prefills, running and newly admitted ones in the waiting
+order of core/waiting.py, within a token budget and a sequence cap),
 allocating KV blocks and preempting when the pool runs dry. `update()` applies the
 sampled tokens: advances counts, caches full blocks, detects finished requests and
 frees them. Both work without a model, so tests drive them directly.
@@ -142,17 +143,18 @@ class Scheduler:
             (decodes if left == 1 else prefills).append(seq)
         for seq in expired:
             self._end_prefilling(seq)
-        for seq in decodes + prefills:
-            if budget == 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            n = min(seq.planned_len - seq.num_computed_tokens, budget)
-            if self._reserve_running(seq, n, out):
-                out.scheduled.append(self._plan(seq, n))
-                budget -= n
+        # Prefill chunks of running requests that the waiting order ranks after the head
+        # of the queue (another tenant's, a later deadline) get the budget it leaves.
+        head = self._waiting.peek() if prefills else None
+        behind: list[Sequence] = []
+        if head is not None:
+            cut = self._waiting.rank(head)
+            behind = [s for s in prefills if self._waiting.rank(s) > cut]
+            prefills = [s for s in prefills if self._waiting.rank(s) <= cut]
         idle = not self.running
-        self._admit(out, budget, self._now)
+        budget = self._plan_running(decodes + prefills, budget, out)
+        budget = self._admit(out, budget, self._now)
+        self._plan_running(behind, budget, out)
         out.num_batched_tokens = sum(item.num_tokens for item in out.scheduled)
         for item in out.scheduled:
             self._waiting.charge(item.seq, item.num_tokens)
@@ -178,6 +180,20 @@ class Scheduler:
         self._end(seq, "deadline", f"the request's deadline passed {self._now - seq.deadline:.3f} s "
                   f"into its prefill ({seq.num_computed_tokens} of {seq.num_prompt_tokens} prompt "
                   "tokens computed)")
+
+    def _plan_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
+        """Plans the next chunk of each running sequence in `seqs` within `budget`;
+        returns the budget left."""
+        for seq in seqs:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(seq.planned_len - seq.num_computed_tokens, budget)
+            if self._reserve_running(seq, n, out):
+                out.scheduled.append(self._plan(seq, n))
+                budget -= n
+        return budget
 
     def _at_limit(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` ends by length once it holds `num_tokens` tokens."""
@@ -216,13 +232,16 @@ class Scheduler:
         self.num_preemptions += 1
         self._push_waiting(seq)
 
-    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        """Admits waiting requests in the waiting order; returns the budget left."""
         limit = self.policy.admission_limit(now, len(self.running), self.num_waiting, self._oldest_arrival)
         room = min(limit, self.config.max_num_seqs - len(self.running))
         deferred: list[Sequence] = []  # waiting on their adapter; others may pass them
         # A formed batch is admitted whole (its KV reserved) even when this step's token
         # budget runs out: the prefill of its later members continues in the next steps.
-        while budget > 0 or self.policy.forms_batches:
+        # With no seat left, the head may still preempt (a planned victim refunds its
+        # tokens), so a light tenant need not wait for a step with budget to spare.
+        while budget > 0 or room <= 0 or self.policy.forms_batches:
             seq = self._peek_waiting()
             if seq is None:
                 break
@@ -264,6 +283,7 @@ class Scheduler:
             break  # strict priority order: the head waits for blocks
         for seq in deferred:
             self._waiting.push(seq, lift=False)
+        return budget
 
     def _start_running(self, seq: Sequence, cached: int, n: int, out: SchedulerOutput) -> None:
         self._waiting.pop(seq)

@@ -74,6 +74,16 @@ class WaitingQueue:
         if not self._seated[seq.tenant]:
             del self._seated[seq.tenant]
 
+    def rank(self, seq: Sequence) -> tuple[int, float, float, float, int]:
+        """Where `seq` stands in the order, smaller first (priority, deadline, tenant's
+        counter, tenant's seats per weight, arrival); the scheduler ranks running requests'
+        prefill chunks by it too."""
+        k = self._key(seq)
+        if self.order == "fifo":
+            return (k[0], k[1], 0.0, 0.0, k[2])
+        seats = self._seated[seq.tenant] / self._weights.get(seq.tenant, 1.0)
+        return (k[0], k[1], self.counters[seq.tenant], seats, k[2])
+
     def peek(self) -> Sequence | None:
         """The request admitted next, or None."""
         best: tuple | None = None
@@ -82,9 +92,7 @@ class WaitingQueue:
             seq = self._live_head(heap)
             if seq is None:
                 continue
-            k = self._key(seq)
-            seats = self._seated[seq.tenant] / self._weights.get(seq.tenant, 1.0)
-            key = (k[0], k[1], self.counters[seq.tenant], seats, k[2])
+            key = self.rank(seq)
             if best is None or key < best:
                 best, chosen = key, seq
         return chosen

@@ -164,6 +164,33 @@ def test_a_tenant_below_its_seat_share_takes_a_seat_from_one_above_it_once():
         assert plan.preempted == [] and planned(plan) == [("a1", 1), ("b1", 1)]
 
 
+@pytest.mark.parametrize("order, expected", [
+    ("slo", [("b1", 4), ("a1", 4)]),  # b's counter (0) ranks before a's (8): b first
+    ("fifo", [("a1", 8)]),  # the running prefill first, by arrival
+])
+def test_running_prefill_chunks_take_their_turn_in_the_waiting_order(order, expected):
+    s = make_scheduler(order=order, budget=8, max_seqs=3)
+    s.add(seq("a1", 40, tenant="a", max_tokens=50))
+    plan, _ = step(s)
+    assert planned(plan) == [("a1", 8)]
+    s.add(seq("b1", 4, tenant="b", start=100))
+    plan, _ = step(s)
+    assert planned(plan) == expected
+
+
+def test_a_seat_taken_from_a_prefilling_request_comes_with_its_budget():
+    s = make_scheduler(budget=8, max_seqs=2)
+    s.add(seq("a1", 4, tenant="a", max_tokens=50))
+    s.add(seq("a2", 40, tenant="a", max_tokens=50))
+    step(s)
+    plan, _ = step(s)
+    assert planned(plan) == [("a1", 1), ("a2", 7)]  # a2's prefill takes the budget left
+    s.add(seq("b1", 4, tenant="b", start=100))
+    plan, _ = step(s)  # no budget and no seat, but b may take a's latest, mid-prefill
+    assert [v.request_id for v in plan.preempted] == ["a2"]
+    assert planned(plan) == [("a1", 1), ("b1", 4)]
+
+
 def test_a_tenant_at_its_seat_share_preempts_only_past_the_counter_margin():
     for margin, victims in ((10, []), (5, ["a1"])):
         s = make_scheduler(budget=64, max_seqs=2)
