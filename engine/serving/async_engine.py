@@ -31,6 +31,10 @@ from omnibus.engine.core.sequence import RequestOutput
 log = structlog.get_logger(__name__)
 
 _IDLE_POLL_S = 0.001  # how often a loop with only not-yet-admissible work re-plans
+# An idle engine proves its KV bookkeeping (an O(blocks) walk) once per idle spell, after
+# this long without a command, so a request arriving just after the last one finished
+# does not wait for the walk.
+_IDLE_CHECK_AFTER_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -258,10 +262,14 @@ class AsyncEngine:
     def _run(self) -> None:
         bind_device(self.engine.runner.device)  # the current CUDA device is per thread
         try:
+            checked = -1  # the step count at the last check
             while not self._stopped.is_set():
                 idle = not self.engine.has_unfinished() and not self._embeds
-                if idle and not self._loads:
-                    self.engine.check_integrity()  # cheap proof, run whenever the engine goes idle
+                if idle and not self._loads and checked != self.engine.num_steps:
+                    if not self._drain_commands(block=True, timeout=_IDLE_CHECK_AFTER_S):
+                        self.engine.check_integrity()
+                        checked = self.engine.num_steps
+                    continue
                 self._drain_commands(block=idle and not self._loads)
                 self.heartbeat.begin()
                 if self._embeds:  # one embedding batch between two generation steps
@@ -309,17 +317,18 @@ class AsyncEngine:
         for dest, batch in batches.items():
             dest.loop.call_soon_threadsafe(dest.deliver, batch)
 
-    def _drain_commands(self, block: bool, timeout: float | None = None) -> None:
+    def _drain_commands(self, block: bool, timeout: float | None = None) -> bool:
+        """Applies the queued commands (waiting for one when `block`); False if none came."""
         try:
             cmd = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             self._apply(cmd)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _run_embed(self, cmd: _Embed) -> None:
         try:

@@ -33,3 +33,37 @@ async def test_a_request_that_fails_to_admit_does_not_kill_the_loop(tmp_path, mo
         assert len(tokens) == 3 and aengine.is_alive and aengine.error is None
     finally:
         aengine.shutdown()
+
+
+async def test_an_idle_engine_proves_its_kv_bookkeeping_once_the_requests_stop(tmp_path, monkeypatch):
+    import asyncio
+
+    from omnibus.engine.serving import async_engine
+
+    monkeypatch.setattr(async_engine, "_IDLE_CHECK_AFTER_S", 0.0)
+    engine = Engine(EngineConfig(model=str(make_checkpoint(tmp_path / "m")), num_kv_blocks=32))
+    checks = []
+    real = engine.check_integrity
+    monkeypatch.setattr(engine, "check_integrity", lambda: checks.append(engine.num_steps) or real())
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        for rid in ("one", "two"):
+            async for _ in aengine.generate(rid, [5, 6], params):
+                pass
+            for _ in range(500):  # the check runs on the step thread once it sees no command
+                if checks and checks[-1] == engine.num_steps:
+                    break
+                await asyncio.sleep(0.01)
+        assert checks == [0, 3, 6]  # at start-up, then once per idle spell, not again while idle
+        engine.allocator.ref_counts[31] += 1  # a leak (a block no request touches) the next check must catch
+        async for _ in aengine.generate("three", [5, 6], params):
+            pass
+        for _ in range(500):
+            if not aengine.is_alive:
+                break
+            await asyncio.sleep(0.01)
+        assert isinstance(aengine.error, RuntimeError) and "integrity check failed" in str(aengine.error)
+    finally:
+        aengine.shutdown()
