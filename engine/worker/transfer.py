@@ -9,12 +9,32 @@ keeps the staging memory alive until the copy has completed).
 
 from __future__ import annotations
 
+import array
+import itertools
+
 import torch
+
+_INT_CODES = {torch.int64: "q", torch.int32: "i"}  # array module type codes (64 / 32 bit)
+
+
+def host_tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+    """`data` (a list, or a rectangular list of lists) as a CPU tensor. Integer lists go
+    through the array module, about 3x faster than `torch.tensor`'s per-element parsing
+    (the step's inputs are built from lists every step)."""
+    code = _INT_CODES.get(dtype)
+    if code is None or not data:
+        return torch.tensor(data, dtype=dtype)
+    if isinstance(data[0], (list, tuple)):
+        flat = array.array(code, itertools.chain.from_iterable(data))
+        if not flat:
+            return torch.empty(len(data), 0, dtype=dtype)
+        return torch.frombuffer(flat, dtype=dtype).view(len(data), -1)
+    return torch.frombuffer(array.array(code, data), dtype=dtype)
 
 
 def to_device(data: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`data` (a nested list or a CPU tensor) as a `dtype` tensor on `device`."""
-    t = data.to(dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    t = data.to(dtype) if isinstance(data, torch.Tensor) else host_tensor(data, dtype)
     if device.type != "cuda":
         return t
     return pinned(t, device).to(device, non_blocking=True)
