@@ -136,7 +136,20 @@ def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int) 
 def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
             ttft_requests: int = 0) -> dict:
     """The stream levels (none when `streams` is empty) and, when `ttft_requests`, the
-    unloaded TTFT of the three paths, measured first on the freshly started processes."""
+    unloaded TTFT of the three paths, measured first on the freshly started processes.
+    The in-process engines run on one torch thread, as `omnibus-engine` runs the null
+    model on a CPU (engine/serving/cli.py)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure(repeats, streams, engine_seats, ttft_requests)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(repeats: int, streams: tuple[int, ...], engine_seats: int, ttft_requests: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         model = build_model(tmp_path / "model")

@@ -156,8 +156,7 @@ class Scheduler:
         budget = self._admit(out, budget, self._now)
         self._plan_running(behind, budget, out)
         out.num_batched_tokens = sum(item.num_tokens for item in out.scheduled)
-        for item in out.scheduled:
-            self._waiting.charge(item.seq, item.num_tokens)
+        self._waiting.charge(out.scheduled)
         if self.adapters is not None:
             # Decodes grouped by adapter slot: one LoRA segment per adapter, not per sequence.
             out.scheduled.sort(key=lambda it: (it.num_tokens > 1, -1 if it.seq.lora_slot is None

@@ -26,9 +26,13 @@ import heapq
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from omnibus.common.fairness import VirtualTokenCounters
 from omnibus.engine.core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from omnibus.engine.core.scheduler import ScheduledSeq
 
 WAITING_ORDERS = ("fifo", "slo")
 
@@ -111,10 +115,17 @@ class WaitingQueue:
                 if seq.status is SequenceStatus.WAITING:
                     yield seq
 
-    def charge(self, seq: Sequence, tokens: int) -> None:
-        """`seq`'s tenant was served `tokens` tokens this step."""
-        if self.order == "slo":
-            self.counters.charge(seq.tenant, tokens, seq.weight)
+    def charge(self, scheduled: Iterable[ScheduledSeq]) -> None:
+        """Each planned sequence's tenant is served its tokens this step (summed per
+        tenant first: one counter update per tenant, not per sequence)."""
+        if self.order != "slo":
+            return
+        served: dict[tuple[str, float], int] = {}
+        for item in scheduled:
+            key = (item.seq.tenant, item.seq.weight)
+            served[key] = served.get(key, 0) + item.num_tokens
+        for (tenant, weight), tokens in served.items():
+            self.counters.charge(tenant, tokens, weight)
 
     # ---- preemption ------------------------------------------------------------
 

@@ -276,6 +276,13 @@ def _serve(config: EngineConfig, server_config: ServerConfig) -> int:
     if config.adapter_dir is not None and not Path(config.adapter_dir).is_dir():
         print(f"error: --adapter-dir {config.adapter_dir} is not a directory", file=sys.stderr)
         return 1
+    if config.load_format == "null" and config.device == "cpu":
+        import torch
+
+        # The null model's CPU tensors are a few hundred elements: more intra-op threads
+        # only add the CPU they spin on (on a GPU these ops are the device's), which would
+        # count against the host path the null model exists to measure.
+        torch.set_num_threads(1)
     try:
         engine = Engine(config)
     except (OSError, ValueError) as exc:  # ModelLoadError and AdapterError are ValueErrors

@@ -284,11 +284,13 @@ class ModelRunner:
         rows = [item.seq for item in plan.scheduled if item.samples]
         if rows:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab)
-            # Token histories only for the rows whose penalties read them.
-            prompts = [s.prompt_token_ids if s.params.has_penalties else () for s in rows]
-            outputs = [s.output_token_ids if s.params.has_penalties else () for s in rows]
-            sampled = self.sampler.sample(logits, [s.params for s in rows], prompts, outputs,
-                                          [s.generator for s in rows])
+            params = [s.params for s in rows]
+            if any(p.has_penalties for p in params):  # token histories for the rows they read
+                prompts = [s.prompt_token_ids if s.params.has_penalties else () for s in rows]
+                outputs = [s.output_token_ids if s.params.has_penalties else () for s in rows]
+            else:
+                prompts = outputs = [()] * len(rows)
+            sampled = self.sampler.sample(logits, params, prompts, outputs, [s.generator for s in rows])
         else:
             sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
         if self.idle_meter is not None:

@@ -7,6 +7,7 @@ INVALID_ARGUMENT and the engine's in-process API raises as is.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable
@@ -104,12 +105,13 @@ class SamplingParams:
         fields = {name: getattr(self, name) for name in _FIELDS}
         return engine_pb2.EngineSamplingParams(**fields, stop_token_ids=list(self.stop_token_ids))
 
-    @property
+    # Cached: the engine asks both for every sampled row of every step.
+    @functools.cached_property
     def greedy(self) -> bool:
         """True when the request takes the argmax instead of sampling."""
         return self.temperature < _GREEDY_TEMPERATURE
 
-    @property
+    @functools.cached_property
     def has_penalties(self) -> bool:
         """True when any repetition / presence / frequency penalty changes the logits."""
         return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -266,7 +267,7 @@ def test_seeded_request_resumed_at_position_k_continues_the_same_tokens(penaltie
     whole = run(prompt, params, steps)
     assert len(set(whole)) > 3  # really sampling
     for k in (1, 9, steps - 1):
-        resumed = SamplingParams(**{**params.__dict__, "output_offset": k, "max_tokens": steps - k})
+        resumed = dataclasses.replace(params, output_offset=k, max_tokens=steps - k)
         assert whole[:k] + run(prompt + whole[:k], resumed, steps - k) == whole
 
 
