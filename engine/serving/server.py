@@ -62,7 +62,6 @@ ADAPTER_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 CATALOG_REFRESH_S = 2.0  # how often the adapter root is re-listed for load reports
 PRELOAD_TIMEOUT_S = 600.0
 STALLED = "the engine's step loop is stalled (watchdog); send the request to another engine"
-UNSET = inference_pb2.FINISH_REASON_UNSPECIFIED  # still streaming
 _FINISH = {
     "stop": inference_pb2.STOP,
     "length": inference_pb2.LENGTH,
@@ -92,27 +91,28 @@ class ServerConfig:
 
 
 def response_proto(out: RequestOutput) -> engine_pb2.EngineGenerateResponse:
-    return engine_pb2.EngineGenerateResponse(**_output_fields(out))
+    return _fill(engine_pb2.EngineGenerateResponse(), out)
 
 
-def _output_fields(out: RequestOutput) -> dict:
-    fields = dict(
-        token_ids=out.new_token_ids,
-        finish_reason=_FINISH[out.finish_reason] if out.finished and out.finish_reason else UNSET,
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens,
-        num_output_tokens=out.num_output_tokens,
-    )
+def _fill(msg: engine_pb2.EngineGenerateResponse, out: RequestOutput) -> engine_pb2.EngineGenerateResponse:
+    """Writes `out` into `msg` field by field (no keyword dict: this runs for every
+    token of every step); returns `msg`."""
+    msg.token_ids.extend(out.new_token_ids)
+    if out.finished and out.finish_reason:
+        msg.finish_reason = _FINISH[out.finish_reason]
+    msg.num_prompt_tokens = out.num_prompt_tokens
+    msg.num_cached_tokens = out.num_cached_tokens
+    msg.num_output_tokens = out.num_output_tokens
     if out.new_logprobs:
-        fields["logprobs"] = [
+        msg.logprobs.extend(
             inference_pb2.TokenLogprob(
                 token_id=lp.token_id,
                 logprob=lp.logprob,
                 top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
             )
             for lp in out.new_logprobs
-        ]
-    return fields
+        )
+    return msg
 
 
 @dataclass(eq=False)
@@ -160,7 +160,7 @@ class _Session:
             if item.error is not None:  # the engine ended it: its adapter failed to load
                 self.fail(live, *_error_status(AdapterStateError(item.error)))
                 continue
-            outputs.add(handle=live.handle, **_output_fields(item))
+            _fill(outputs.add(handle=live.handle), item)
             if item.new_token_ids and live.first is None:
                 live.first = time.monotonic()
             live.tokens = item.num_output_tokens
