@@ -103,7 +103,9 @@ class _Job:
         return self.caller.adapter
 
     def wait(self, where: str) -> None:
-        self.waiting, self.waiting_since = where, time.monotonic()
+        self.waiting = where
+        if where == "client":  # only a write's start is timed (_Watch: client_stalled)
+            self.waiting_since = time.monotonic()
 
     def interrupt(self, why: str, note: str = "") -> None:
         """Cancels the serving task where it waits; the pipeline turns the cancellation
@@ -571,9 +573,10 @@ class Pipeline:
             request_id=job.request.request_id,
             text=text,
             token_ids=out.token_ids,
-            logprobs=out.logprobs,
             finish_reason=finish,
         )
+        if out.logprobs:  # copying an empty repeated message field costs ~1 µs a message
+            response.logprobs.extend(out.logprobs)
         if finish != UNSPECIFIED:
             response.usage.CopyFrom(self._usage(job))
             response.timing.CopyFrom(self._timing(job))
