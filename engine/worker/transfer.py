@@ -26,9 +26,12 @@ def host_tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype)
     if isinstance(data[0], (list, tuple)):
         flat = array.array(code, itertools.chain.from_iterable(data))
+        width = len(data[0])
+        if len(flat) != width * len(data):
+            raise ValueError(f"rows of unequal length: {len(flat)} values in {len(data)} rows")
         if not flat:
             return torch.empty(len(data), 0, dtype=dtype)
-        return torch.frombuffer(flat, dtype=dtype).view(len(data), -1)
+        return torch.frombuffer(flat, dtype=dtype).view(len(data), width)
     return torch.frombuffer(array.array(code, data), dtype=dtype)
 
 

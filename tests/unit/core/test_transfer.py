@@ -30,6 +30,8 @@ def test_the_tensor_is_writable_and_outlives_its_list():
     assert t.tolist() == [9, 1, 2, 3]
 
 
-def test_out_of_range_values_are_refused():
+def test_out_of_range_values_and_ragged_rows_are_refused():
     with pytest.raises(OverflowError):
         host_tensor([2**31], torch.int32)
+    with pytest.raises(ValueError, match="unequal length"):
+        host_tensor([[1, 2, 3], [4]], torch.int64)  # 4 values would view as 2 x 2
