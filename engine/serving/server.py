@@ -141,6 +141,9 @@ class _Session:
         self.loop = loop
         self._service = service
         self.pending = engine_pb2.SessionUpdate()
+        # request -> its entry in `pending`: steps the writer has not sent yet (the router
+        # reads slower than steps come) are merged into one entry per request
+        self._entries: dict[_Live, engine_pb2.EngineGenerateResponse] = {}
         self.ready = asyncio.Event()  # something is pending, or the router has left
         self.closed = False  # the router's side of the stream has ended
 
@@ -160,7 +163,10 @@ class _Session:
             if item.error is not None:  # the engine ended it: its adapter failed to load
                 self.fail(live, *_error_status(AdapterStateError(item.error)))
                 continue
-            _fill(outputs.add(handle=live.handle), item)
+            entry = self._entries.get(live)
+            if entry is None:
+                entry = self._entries[live] = outputs.add(handle=live.handle)
+            _fill(entry, item)  # tokens and logprobs append; counts and finish are the latest
             if item.new_token_ids and live.first is None:
                 live.first = time.monotonic()
             live.tokens = item.num_output_tokens
@@ -180,6 +186,7 @@ class _Session:
 
     def take(self) -> engine_pb2.SessionUpdate:
         update, self.pending = self.pending, engine_pb2.SessionUpdate()
+        self._entries.clear()
         self.ready.clear()
         return update
 
