@@ -96,7 +96,7 @@ bench-offline: setup
 # in process / engine gRPC / router gRPC (alone: `python -m omnibus.bench.host --only ttft
 # --out docs/benchmarks/host.md`, which rewrites only that section).
 bench-host: setup
-	$(PY) -m omnibus.bench.host --out docs/benchmarks/host.md --baseline docs/benchmarks/host-before.json
+	$(PY) -m omnibus.bench.host --out docs/benchmarks/host.md --baseline docs/benchmarks/host-2cdda50.json
 
 # The four batching policies on one CPU model and workload (~6 min on 2 cores).
 bench-strategies: setup

@@ -52,9 +52,8 @@ TTFT_REQUESTS = 200
 TTFT_WARMUP = 20  # requests per path before the timed ones (connections, caches)
 TTFT_PROMPT_LEN = 16
 TTFT_MAX_TOKENS = 4
-# Pause after each request, so each finds idle engines: an engine going idle checks its KV
-# pool's bookkeeping (Engine.check_integrity, ~10 ms over the 65,536-block CPU pool here),
-# and a request sent back to back would wait behind that check.
+# Pause after each request, so each finds idle engines (an engine checks its KV pool's
+# bookkeeping only after 0.25 s without a command, so the check never runs in between).
 TTFT_GAP_S = 0.03
 TTFT_MARKER = "<!-- bench.host: unloaded TTFT; `--only ttft` rewrites from here to the end -->"
 NULL_CONFIG = dict(
@@ -293,8 +292,8 @@ def ttft_section(result: dict) -> str:
     lines = [
         TTFT_MARKER, "", f"## Unloaded TTFT: {result['label']}", "",
         (f"`python -m omnibus.bench.host --only ttft`. {t['requests']} requests per path, one "
-         f"at a time, each {t['gap_ms']:.0f} ms after the previous one ended (idle engines: "
-         "the check of the KV bookkeeping an engine runs when it goes idle is over by then), "
+         f"at a time, each {t['gap_ms']:.0f} ms after the previous one ended (idle engines; "
+         "their idle check of the KV bookkeeping waits for 0.25 s without a request), "
          f"{t['prompt_len']}-token prompts (fresh ids each: no prefix-cache hits), "
          f"{t['max_tokens']} output tokens, greedy; TTFT from submit to the first token-bearing "
          "output, in the benchmark's process. The paths take turns request by request after "
