@@ -100,10 +100,11 @@ def run_omnibus(path: Path, prompts, lengths) -> float:
     return sum(lengths) / elapsed
 
 
-def run_served(path: Path, prompts, lengths) -> float:
+def run_served(path: Path, prompts, lengths, env: dict[str, str] | None = None) -> float:
     """Output tok/s of the same requests through an engine process (ENGINE_FLAGS, this
-    process's torch threads) behind a router process, every request sent at once over the
-    router's gRPC Generate (greedy, ignore_eos); one short request warms the path first."""
+    process's torch threads; `env` added to its environment) behind a router process,
+    every request sent at once over the router's gRPC Generate (greedy, ignore_eos); one
+    short request warms the path first."""
     from omnibus.bench.host import build_tokenizer
     from omnibus.bench.serve import RunConfig, run_workload
     from omnibus.bench.workloads import BenchRequest
@@ -114,7 +115,7 @@ def run_served(path: Path, prompts, lengths) -> float:
     requests = [BenchRequest(tuple(p), m) for p, m in zip(prompts, lengths)]
     with tempfile.TemporaryDirectory() as logs, engine_and_router(
             path, Path(logs), ENGINE_FLAGS,
-            env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}) as (_, router):
+            env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **(env or {})}) as (_, router):
         config = RunConfig(target=router.address, progress=False, timeout_s=600,
                            request_id_prefix="served")
         asyncio.run(run_workload([BenchRequest(requests[0].prompt_ids, 4)],
@@ -169,7 +170,6 @@ def host_work_per_step(path: Path, batch_sizes=(64, 256), prompt_len: int = 128,
 def run_hf(path: Path, prompts, lengths) -> tuple[float, float]:
     """transformers static `generate` (batches of 16) and continuous batching, same weights."""
     import transformers
-
     from omnibus.bench.peers import hf_continuous_tok_s, hf_static_tok_s
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -180,9 +180,9 @@ def scheduler_step_time(num_seqs: int = 256, steps: int = 200) -> float:
     """Mean schedule()+update() time per decode step with the model stubbed out (ms)."""
     from omnibus.engine.core.block_allocator import BlockAllocator
     from omnibus.engine.core.policies import ContinuousPolicy
-    from omnibus.engine.worker.sampling import SamplerOutput, SamplingParams
     from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
     from omnibus.engine.core.sequence import Sequence
+    from omnibus.engine.worker.sampling import SamplerOutput, SamplingParams
 
     alloc = BlockAllocator(num_blocks=num_seqs * 40, block_size=16)
     sched = Scheduler(SchedulerConfig(num_seqs, 8192, 4096), alloc, ContinuousPolicy(), (2,))
@@ -208,13 +208,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="markdown file to write the results to")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse/keep the benchmark checkpoint here")
-    ap.add_argument("--only", choices=["served"], default=None,
-                    help="served vs in process alone; --out then rewrites only its section")
+    ap.add_argument("--only", choices=["served", "served-threads"], default=None,
+                    help="served vs in process alone (--out then rewrites only its section); "
+                    "served-threads: the same at 2 and 1 torch threads, interleaved, printed")
+    ap.add_argument("--rounds", type=int, default=3, help="served-threads: interleaved rounds")
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
     path = build_model(args.model_dir or Path(tmp.name) / "bench-20m")
     prompts, lengths = workload(args.requests)
+    if args.only == "served-threads":
+        runs = served_by_threads(path, prompts, lengths, args.rounds)
+        print(json.dumps(runs, indent=1))
+        for name, values in runs.items():
+            print(f"| {name} | {statistics.median(values):.0f} ({min(values):.0f}–{max(values):.0f}) |")
+        return
     if args.only == "served":
         results = served_vs_in_process(path, prompts, lengths)
         print(json.dumps(results, indent=2))
@@ -245,6 +253,35 @@ def main() -> None:
     print(json.dumps(results, indent=2))
     if args.out:
         write_markdown(args.out, results, args.requests)
+
+
+def served_by_threads(path: Path, prompts, lengths, rounds: int = 3) -> dict[str, list[float]]:
+    """Output tok/s in process and served, at 2 and 1 torch threads (and 2 with passive
+    OpenMP waiting), `rounds` interleaved rounds: how much of the served gap is the
+    serving path and how much is the router, client and gRPC threads competing with the
+    engine's compute threads for this machine's cores."""
+    threads = torch.get_num_threads()
+
+    def at(n: int, run):
+        torch.set_num_threads(n)
+        try:
+            return run()
+        finally:
+            torch.set_num_threads(threads)
+
+    configs = {
+        "in process, 2 threads": lambda: at(2, lambda: run_omnibus(path, prompts, lengths)),
+        "served, engine 2 threads": lambda: at(2, lambda: run_served(path, prompts, lengths)),
+        "served, engine 2 threads, OMP_WAIT_POLICY=PASSIVE": lambda: at(
+            2, lambda: run_served(path, prompts, lengths, {"OMP_WAIT_POLICY": "PASSIVE"})),
+        "in process, 1 thread": lambda: at(1, lambda: run_omnibus(path, prompts, lengths)),
+        "served, engine 1 thread": lambda: at(1, lambda: run_served(path, prompts, lengths)),
+    }
+    out: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, run in configs.items():
+            out[name].append(run())
+    return out
 
 
 def served_vs_in_process(path: Path, prompts, lengths) -> dict:

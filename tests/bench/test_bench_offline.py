@@ -57,3 +57,28 @@ def test_a_served_run_rewrites_only_its_section(tmp_path):
     assert text.startswith("# tables\n| Omnibus | 550 |\n\n" + SERVED_MARKER)
     assert text.count(SERVED_MARKER) == 1 and "| 400 | 0.80 |" in text and "| 450 |" not in text
     assert text.endswith(KEEP_MARKER + "\n\n## Why\nhand-written\n")
+
+
+def test_served_by_threads_interleaves_every_configuration(monkeypatch):
+    import torch
+    from omnibus.bench import offline
+
+    calls = []
+
+    def in_process(path, prompts, lengths):
+        calls.append(("in", torch.get_num_threads(), {}))
+        return 1.0
+
+    def served(path, prompts, lengths, env=None):
+        calls.append(("served", torch.get_num_threads(), env or {}))
+        return 2.0
+
+    monkeypatch.setattr(offline, "run_omnibus", in_process)
+    monkeypatch.setattr(offline, "run_served", served)
+    threads = torch.get_num_threads()
+    runs = offline.served_by_threads(None, [], [], rounds=2)
+    assert torch.get_num_threads() == threads  # restored
+    one_round = [("in", 2, {}), ("served", 2, {}), ("served", 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
+                 ("in", 1, {}), ("served", 1, {})]
+    assert calls == one_round * 2
+    assert list(runs.values()) == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
