@@ -40,9 +40,10 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
 
 @contextmanager
 def cluster(model: Path, logs: Path, name: str, engines: int, engine_flags: list[str],
-            router_flags: list[str]) -> Iterator[str]:
-    """`engines` engine workers and one router; yields the router's address."""
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // engines))}
+            router_flags: list[str], threads: int | None = None) -> Iterator[str]:
+    """`engines` engine workers (`threads` torch threads each; default: the cores split
+    between them) and one router; yields the router's address."""
+    env = {"OMP_NUM_THREADS": str(threads or max(1, (os.cpu_count() or 1) // engines))}
     procs: list[ServerProcess] = []
     try:
         for i in range(engines):
