@@ -32,6 +32,7 @@ KEYS = {"tenants": {"a": {"keys": ["sk-a"]}, "b": {"keys": ["sk-b"]}}}
 SEATS = 8  # engine --max-num-seqs in the noisy-neighbour and deadline runs
 STEP_TOKENS = 256  # --max-num-batched-tokens: short steps, so a short prefill waits little
 NOISY_STEP_TOKENS = (256, 64)  # the noisy-neighbour runs, at each of these step budgets
+ENGINE_THREADS: int | None = None  # --engine-threads: torch threads per engine process
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
@@ -40,10 +41,10 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
 
 @contextmanager
 def cluster(model: Path, logs: Path, name: str, engines: int, engine_flags: list[str],
-            router_flags: list[str], threads: int | None = None) -> Iterator[str]:
-    """`engines` engine workers (`threads` torch threads each; default: the cores split
+            router_flags: list[str]) -> Iterator[str]:
+    """`engines` engine workers (ENGINE_THREADS torch threads each; unset: the cores split
     between them) and one router; yields the router's address."""
-    env = {"OMP_NUM_THREADS": str(threads or max(1, (os.cpu_count() or 1) // engines))}
+    env = {"OMP_NUM_THREADS": str(ENGINE_THREADS or max(1, (os.cpu_count() or 1) // engines))}
     procs: list[ServerProcess] = []
     try:
         for i in range(engines):
@@ -317,7 +318,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--seconds", type=float, default=30.0, help="load per run")
     parser.add_argument("--only", choices=["noisy", "deadlines", "prefix"], default=None)
+    parser.add_argument("--engine-threads", type=int, default=None,
+                        help="torch threads per engine process (default: the cores split between the engines)")
     args = parser.parse_args(argv)
+    global ENGINE_THREADS
+    ENGINE_THREADS = args.engine_threads
     from omnibus.bench.offline import BENCH_MODEL
 
     vocab = BENCH_MODEL["vocab_size"]
