@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from omnibus.bench.processes import ServerProcess, engine_process, router_process
+from omnibus.bench.processes import ServerProcess, engine_process, router_process, torch_threads
 from omnibus.bench.serve import RunConfig, RunOutput, run_tenants, run_workload
 from omnibus.bench.stats import RequestResult, percentile
 from omnibus.bench.strategies import prepare_model
@@ -121,54 +121,54 @@ def noisy_in_process(model: Path, vocab: int, seconds: float) -> dict:
     how many engine steps B's request waits for its first token, and how long those
     steps take on this CPU. Tenant A keeps 16 requests (8 running, 8 waiting, as the
     router's cap of 16 leaves them); B arrives Poisson 2/s between steps."""
-    import torch
+    rng = random.Random(4)
+    with torch_threads(ENGINE_THREADS or os.cpu_count() or 1):  # as the engine processes
+        return {f"{budget} tok/step": _noisy_steps(model, budget, vocab, seconds, rng)
+                for budget in NOISY_STEP_TOKENS}
 
+
+def _noisy_steps(model: Path, budget: int, vocab: int, seconds: float, rng: random.Random) -> dict:
     from omnibus.engine.config import EngineConfig
     from omnibus.engine.engine import Engine
     from omnibus.engine.worker.sampling import SamplingParams
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    rng = random.Random(4)
-    out: dict = {}
-    for budget in NOISY_STEP_TOKENS:
-        engine = Engine(EngineConfig(model=str(model), max_num_seqs=SEATS, max_num_batched_tokens=budget))
-        engine.warmup()
-        ids = iter(range(10**9))
+    engine = Engine(EngineConfig(model=str(model), max_num_seqs=SEATS, max_num_batched_tokens=budget))
+    engine.warmup()
+    ids = iter(range(10**9))
 
-        def add(tenant: str, prompt: int, output: int, engine: Engine = engine) -> str:
-            rid = f"{tenant}{next(ids)}"
-            params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
-            engine.add_request(rid, list(_prompt(rng, prompt, vocab)), params, tenant=tenant)
-            return rid
+    def add(tenant: str, prompt: int, output: int) -> str:
+        rid = f"{tenant}{next(ids)}"
+        params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0.0)
+        engine.add_request(rid, list(_prompt(rng, prompt, vocab)), params, tenant=tenant)
+        return rid
 
-        for _ in range(2 * SEATS):
-            add("a", 256, 32)
-        waiting: dict[str, tuple[float, int]] = {}  # B's request -> (arrival, steps before)
-        ttfts: list[float] = []
-        waits: list[int] = []
-        steps: list[float] = []
-        now = time.monotonic()
-        end, next_b = now + seconds, now + rng.expovariate(2.0)
-        while time.monotonic() < end:
-            if time.monotonic() >= next_b:
-                waiting[add("b", 16, 8)] = (time.monotonic(), len(steps))
-                next_b = time.monotonic() + rng.expovariate(2.0)
-            t = time.perf_counter()
-            outputs = engine.step()
-            steps.append(time.perf_counter() - t)
-            for o in outputs:
-                if o.request_id in waiting and o.new_token_ids:
-                    arrived, before = waiting.pop(o.request_id)
-                    ttfts.append(time.monotonic() - arrived)
-                    waits.append(len(steps) - before)
-                if o.finished and o.request_id.startswith("a"):
-                    add("a", 256, 32)
-        out[f"{budget} tok/step"] = dict(
-            b_done=len(ttfts), b_steps_p50=percentile(waits, 50), b_steps_max=max(waits),
-            b_ttft_p50_ms=_ms(ttfts, 50), b_ttft_p99_ms=_ms(ttfts, 99),
-            step_p50_ms=_ms(steps, 50), step_max_ms=_ms(steps, 100),
-            preemptions=engine.scheduler.num_preemptions)
-    return out
+    for _ in range(2 * SEATS):
+        add("a", 256, 32)
+    waiting: dict[str, tuple[float, int]] = {}  # B's request -> (arrival, steps before)
+    ttfts: list[float] = []
+    waits: list[int] = []
+    steps: list[float] = []
+    now = time.monotonic()
+    end, next_b = now + seconds, now + rng.expovariate(2.0)
+    while time.monotonic() < end:
+        if time.monotonic() >= next_b:
+            waiting[add("b", 16, 8)] = (time.monotonic(), len(steps))
+            next_b = time.monotonic() + rng.expovariate(2.0)
+        t = time.perf_counter()
+        outputs = engine.step()
+        steps.append(time.perf_counter() - t)
+        for o in outputs:
+            if o.request_id in waiting and o.new_token_ids:
+                arrived, before = waiting.pop(o.request_id)
+                ttfts.append(time.monotonic() - arrived)
+                waits.append(len(steps) - before)
+            if o.finished and o.request_id.startswith("a"):
+                add("a", 256, 32)
+    return dict(
+        b_done=len(ttfts), b_steps_p50=percentile(waits, 50), b_steps_max=max(waits),
+        b_ttft_p50_ms=_ms(ttfts, 50), b_ttft_p99_ms=_ms(ttfts, 99),
+        step_p50_ms=_ms(steps, 50), step_max_ms=_ms(steps, 100),
+        preemptions=engine.scheduler.num_preemptions)
 
 
 # ---- deadlines -------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from omnibus.bench.processes import engine_and_router, engine_configs
+from omnibus.bench.processes import engine_and_router, engine_configs, torch_threads
 from omnibus.bench.report import replace_section
 from omnibus.bench.serve import RunConfig, run_workload
 from omnibus.bench.stats import percentile
@@ -138,18 +138,7 @@ def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
     unloaded TTFT of the three paths, measured first on the freshly started processes.
     The in-process engines run on one torch thread, as `omnibus-engine` runs the null
     model on a CPU (engine/serving/cli.py)."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _measure(repeats, streams, engine_seats, ttft_requests)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _measure(repeats: int, streams: tuple[int, ...], engine_seats: int, ttft_requests: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
+    with torch_threads(1), tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         model = build_model(tmp_path / "model")
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from omnibus.bench.processes import engine_and_router, engine_configs
+from omnibus.bench.processes import engine_and_router, engine_configs, torch_threads
 from omnibus.bench.report import replace_section
 
 BENCH_MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
@@ -260,27 +260,24 @@ def served_by_threads(path: Path, prompts, lengths, rounds: int = 3) -> dict[str
     OpenMP waiting), `rounds` interleaved rounds: how much of the served gap is the
     serving path and how much is the router, client and gRPC threads competing with the
     engine's compute threads for this machine's cores."""
-    threads = torch.get_num_threads()
+    def served(env: dict[str, str] | None = None):
+        return lambda: run_served(path, prompts, lengths, env)
 
-    def at(n: int, run):
-        torch.set_num_threads(n)
-        try:
-            return run()
-        finally:
-            torch.set_num_threads(threads)
+    def in_process():
+        return run_omnibus(path, prompts, lengths)
 
-    configs = {
-        "in process, 2 threads": lambda: at(2, lambda: run_omnibus(path, prompts, lengths)),
-        "served, engine 2 threads": lambda: at(2, lambda: run_served(path, prompts, lengths)),
-        "served, engine 2 threads, OMP_WAIT_POLICY=PASSIVE": lambda: at(
-            2, lambda: run_served(path, prompts, lengths, {"OMP_WAIT_POLICY": "PASSIVE"})),
-        "in process, 1 thread": lambda: at(1, lambda: run_omnibus(path, prompts, lengths)),
-        "served, engine 1 thread": lambda: at(1, lambda: run_served(path, prompts, lengths)),
+    configs = {  # name: (torch threads, run)
+        "in process, 2 threads": (2, in_process),
+        "served, engine 2 threads": (2, served()),
+        "served, engine 2 threads, OMP_WAIT_POLICY=PASSIVE": (2, served({"OMP_WAIT_POLICY": "PASSIVE"})),
+        "in process, 1 thread": (1, in_process),
+        "served, engine 1 thread": (1, served()),
     }
     out: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(rounds):
-        for name, run in configs.items():
-            out[name].append(run())
+        for name, (threads, run) in configs.items():
+            with torch_threads(threads):
+                out[name].append(run())
     return out
 
 

@@ -176,3 +176,17 @@ def engine_and_router(
         for child in (router, engine):
             if child is not None:
                 child.stop()
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """This process's torch intra-op threads set to `n` inside the block, restored after
+    (an in-process engine measured as an engine process with OMP_NUM_THREADS=n runs)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

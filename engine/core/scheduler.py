@@ -148,9 +148,10 @@ class Scheduler:
         head = self._waiting.peek() if prefills else None
         behind: list[Sequence] = []
         if head is not None:
-            cut = self._waiting.rank(head)
-            behind = [s for s in prefills if self._waiting.rank(s) > cut]
-            prefills = [s for s in prefills if self._waiting.rank(s) <= cut]
+            cut, ahead = self._waiting.rank(head), []
+            for s in prefills:
+                (behind if self._waiting.rank(s) > cut else ahead).append(s)
+            prefills = ahead
         idle = not self.running
         budget = self._plan_running(decodes + prefills, budget, out)
         budget = self._admit(out, budget, self._now)

@@ -129,19 +129,20 @@ class Dispatcher:
         passed: list[Ticket] = []  # no engine with their adapter has room: others go first
         try:
             while len(self.queue):
-                under = self.under_share()
-                if any(e.room() > 0 for e in self._engines):
+                overflow = not any(e.room() > 0 for e in self._engines)
+                if not overflow:
                     ticket = self.queue.pop()
-                elif under and any(e.overflow_room() > 0 for e in self._engines):
+                else:  # every engine is at its cap: only a tenant under its share passes it
+                    under = self.under_share()
+                    if not under or not any(e.overflow_room() > 0 for e in self._engines):
+                        break
                     try:
                         ticket = self.queue.pop(among=under)
                     except IndexError:  # only passed tickets of theirs were left
                         break
-                else:
-                    break
                 if ticket.future.done():  # its waiter gave up and has yet to withdraw it
                     continue
-                engine = self.best_engine(ticket, overflow=ticket.tenant in under)
+                engine = self.best_engine(ticket, overflow)
                 if engine is None:
                     passed.append(ticket)
                     continue
