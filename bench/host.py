@@ -16,7 +16,11 @@ submit to its first token (a) in this process, on an AsyncEngine built from the 
 process's own flags the way its server builds it, (b) over gRPC to the engine process's
 Session stream (the router's own EngineSession client), (c) through the router's public
 Generate; the three paths take turns request by request, so drift on a shared machine
-falls on all of them alike.
+falls on all of them alike. Taking turns with them, the transport floor: a bare grpc.aio
+server in its own process (uvloop, as the engine and router run) answering (d) one
+message on a long-lived bidi stream (the engine hop's floor) and (e) a unary-stream call
+with one small message (the public Generate's floor); b − a − d and c − b − e are what
+Omnibus adds above gRPC itself on each hop.
 """
 
 from __future__ import annotations
@@ -33,10 +37,17 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from omnibus.bench.processes import engine_and_router, engine_configs, torch_threads
+from omnibus.bench.processes import (
+    ServerProcess,
+    engine_and_router,
+    engine_configs,
+    free_port,
+    torch_threads,
+)
 from omnibus.bench.report import replace_section
 from omnibus.bench.serve import RunConfig, run_workload
 from omnibus.bench.stats import percentile
@@ -55,6 +66,7 @@ TTFT_MAX_TOKENS = 4
 # Pause after each request, so each finds idle engines (an engine checks its KV pool's
 # bookkeeping only after 0.25 s without a command, so the check never runs in between).
 TTFT_GAP_S = 0.03
+FLOOR_SERVICE = "omnibus.bench.Floor"  # the transport floor's bare server (serve_floor)
 TTFT_MARKER = "<!-- bench.host: unloaded TTFT; `--only ttft` rewrites from here to the end -->"
 NULL_CONFIG = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
@@ -146,8 +158,9 @@ def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
         result: dict = {}
         with engine_and_router(model, tmp_path, flags) as (engine, router):
             if ttft_requests:
-                result["ttft"] = unloaded_ttft(model, flags, engine.address, router.address,
-                                               vocab, ttft_requests)
+                with floor_process(tmp_path) as floor:
+                    result["ttft"] = unloaded_ttft(model, flags, engine.address, router.address,
+                                                   floor.address, vocab, ttft_requests)
             if streams:
                 pids = {"router": router.proc.pid, "engine": engine.proc.pid, "client": os.getpid()}
                 run_level(router.address, pids, 16, vocab, seed=999)  # warm-up: connections, caches
@@ -175,7 +188,48 @@ def in_process_rate(model: Path, vocab: int, seats: int, n: int = 256) -> dict:
             "cpu_us_per_token": cpu / tokens * 1e6}
 
 
-# ---- unloaded TTFT: in process, engine gRPC, router gRPC ------------------------------------
+# ---- unloaded TTFT: in process, engine gRPC, router gRPC, the transport floor ----------------
+
+
+async def serve_floor(port: int) -> None:
+    """The transport floor: a bare grpc.aio server (health aside, no interceptors, no
+    Omnibus code) whose Echo answers each message of a bidi stream with one small
+    message and whose First answers a unary-stream call with one. Raw bytes in and out;
+    the reply parses as an EngineGenerateResponse with one token id."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+    from omnibus.v1 import engine_pb2
+
+    reply = engine_pb2.EngineGenerateResponse(token_ids=[7]).SerializeToString()
+
+    async def echo(requests, context):
+        async for _ in requests:
+            yield reply
+
+    async def first(request, context):
+        yield reply
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(FLOOR_SERVICE, {
+        "Echo": grpc.stream_stream_rpc_method_handler(echo),
+        "First": grpc.unary_stream_rpc_method_handler(first),
+    }),))
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+@contextmanager
+def floor_process(log_dir: Path) -> Iterator[ServerProcess]:
+    """serve_floor in a child process (uvloop, as the engine and router run), SERVING."""
+    port = free_port()
+    floor = ServerProcess(["-m", "omnibus.bench.host", "--serve-floor", str(port)],
+                          log_dir / "floor.log", f"127.0.0.1:{port}")
+    try:
+        yield floor.wait_serving()
+    finally:
+        floor.stop()
 
 
 def serving_engine(model: Path, flags: tuple[str, ...]):
@@ -206,10 +260,11 @@ async def first_token_s(start: Callable[[], AsyncIterator], tokens: str) -> floa
     return first
 
 
-async def ttft_paths(aengine, engine_address: str, router_address: str, vocab: int, n: int,
-                     warmup: int = TTFT_WARMUP, gap: float = TTFT_GAP_S) -> dict[str, list[float]]:
+async def ttft_paths(aengine, engine_address: str, router_address: str, floor_address: str,
+                     vocab: int, n: int, warmup: int = TTFT_WARMUP,
+                     gap: float = TTFT_GAP_S) -> dict[str, list[float]]:
     """TTFT (s) of `n` requests per path, sent one at a time (`gap` s after the previous
-    one ended), the paths taking turns."""
+    one ended), the paths taking turns; the floor's calls count as paths."""
     import grpc
     from omnibus.common.sampling import SamplingParams
     from omnibus.router.dispatch.session import EngineSession
@@ -222,9 +277,18 @@ async def ttft_paths(aengine, engine_address: str, router_address: str, vocab: i
         return [rng.randrange(3, vocab) for _ in range(TTFT_PROMPT_LEN)]
 
     async with (grpc.aio.insecure_channel(engine_address) as engine_channel,
-                grpc.aio.insecure_channel(router_address) as router_channel):
+                grpc.aio.insecure_channel(router_address) as router_channel,
+                grpc.aio.insecure_channel(floor_address) as floor_channel):
         session = EngineSession(engine_pb2_grpc.EngineStub(engine_channel), engine_address)
         router = inference_pb2_grpc.InferenceStub(router_channel)
+        reply = engine_pb2.EngineGenerateResponse.FromString
+        echo = floor_channel.stream_stream(f"/{FLOOR_SERVICE}/Echo", response_deserializer=reply)()
+        first = floor_channel.unary_stream(f"/{FLOOR_SERVICE}/First", response_deserializer=reply)
+
+        async def echo_round_trip(rid: str) -> AsyncIterator:  # on the one open stream
+            await echo.write(rid.encode())
+            yield await echo.read()
+
         paths = {
             "in_process": (lambda rid: aengine.generate(rid, prompt(), params), "new_token_ids"),
             "engine_grpc": (lambda rid: session.generate(engine_pb2.EngineGenerateRequest(
@@ -235,29 +299,33 @@ async def ttft_paths(aengine, engine_address: str, router_address: str, vocab: i
                 sampling=inference_pb2.SamplingParams(
                     max_tokens=TTFT_MAX_TOKENS, temperature=0.0, ignore_eos=True))),
                 "token_ids"),
+            "floor_bidi": (echo_round_trip, "token_ids"),
+            "floor_unary_stream": (lambda rid: first(rid.encode()), "token_ids"),
         }
-        names = list(paths)
+        names, k = list(paths), len(paths)
         out: dict[str, list[float]] = {name: [] for name in names}
         try:
             for i in range(warmup + n):
-                for name in itertools.islice(itertools.cycle(names), i % 3, i % 3 + 3):
+                for name in itertools.islice(itertools.cycle(names), i % k, i % k + k):
                     start, tokens = paths[name]
                     ttft = await first_token_s(functools.partial(start, f"ttft-{name}-{i}"), tokens)
                     if i >= warmup:
                         out[name].append(ttft)
                     await asyncio.sleep(gap)
         finally:
+            echo.cancel()
             await session.close()
     return out
 
 
 def unloaded_ttft(model: Path, flags: tuple[str, ...], engine_address: str, router_address: str,
-                  vocab: int, n: int, warmup: int = TTFT_WARMUP) -> dict:
+                  floor_address: str, vocab: int, n: int, warmup: int = TTFT_WARMUP) -> dict:
     """p50 / p99 TTFT (ms) of each path (a fresh in-process engine built from `flags`, the
-    engine process's, for the first) and the differences between them."""
+    engine process's, for the first) and the differences between them (TTFT_DIFFS)."""
     aengine = serving_engine(model, flags)
     try:
-        ttfts = asyncio.run(ttft_paths(aengine, engine_address, router_address, vocab, n, warmup))
+        ttfts = asyncio.run(ttft_paths(aengine, engine_address, router_address, floor_address,
+                                       vocab, n, warmup))
     finally:
         aengine.shutdown()
     out: dict = {"requests": n, "warmup": warmup, "prompt_len": TTFT_PROMPT_LEN,
@@ -265,15 +333,33 @@ def unloaded_ttft(model: Path, flags: tuple[str, ...], engine_address: str, rout
     for name, values in ttfts.items():
         out[name] = {"n": len(values), "p50_ms": percentile(values, 50) * 1e3,
                      "p99_ms": percentile(values, 99) * 1e3}
+    out["diffs"] = ttft_diffs(out)
     return out
 
 
 TTFT_ROWS = (("in_process", "(a) in process: AsyncEngine on the engine's own config"),
              ("engine_grpc", "(b) engine gRPC: Session stream to the engine process"),
-             ("router_grpc", "(c) router gRPC: public Generate, router → engine"))
-TTFT_DIFFS = (("engine gRPC hop (b − a)", "engine_grpc", "in_process"),
-              ("router added (c − b)", "router_grpc", "engine_grpc"),
-              ("router + engine vs in process (c − a)", "router_grpc", "in_process"))
+             ("router_grpc", "(c) router gRPC: public Generate, router → engine"),
+             ("floor_bidi", "(d) gRPC floor, bidi: one message each way on an open stream"),
+             ("floor_unary_stream", "(e) gRPC floor, unary-stream: a call to its first message"))
+# (key, label, paths added, paths subtracted), in the JSON's "diffs" under the key
+TTFT_DIFFS = (
+    ("engine_hop", "engine gRPC hop (b − a)", ("engine_grpc",), ("in_process",)),
+    ("router_hop", "router added (c − b)", ("router_grpc",), ("engine_grpc",)),
+    ("both_hops", "router + engine vs in process (c − a)", ("router_grpc",), ("in_process",)),
+    ("floors", "the two hops' gRPC floor (d + e)", ("floor_bidi", "floor_unary_stream"), ()),
+    ("engine_hop_above_floor", "engine hop above its floor (b − a − d)", ("engine_grpc",),
+     ("in_process", "floor_bidi")),
+    ("router_hop_above_floor", "router hop above its floor (c − b − e)", ("router_grpc",),
+     ("engine_grpc", "floor_unary_stream")),
+)
+
+
+def ttft_diffs(t: dict) -> dict[str, dict[str, float]]:
+    """TTFT_DIFFS of one run's paths, p50 and p99 (ms), by key."""
+    return {key: {q: sum(t[k][q] for k in plus) - sum(t[k][q] for k in minus)
+                  for q in ("p50_ms", "p99_ms")}
+            for key, _, plus, minus in TTFT_DIFFS}
 
 
 def ttft_section(result: dict) -> str:
@@ -296,8 +382,24 @@ def ttft_section(result: dict) -> str:
     ]
     lines += [f"| {label} | {t[k]['p50_ms']:.3f} | {t[k]['p99_ms']:.3f} |"
               for k, label in TTFT_ROWS]
-    lines += [f"| {label} | {t[a]['p50_ms'] - t[b]['p50_ms']:+.3f} | "
-              f"{t[a]['p99_ms'] - t[b]['p99_ms']:+.3f} |" for label, a, b in TTFT_DIFFS]
+    diffs = ttft_diffs(t)
+    lines += [f"| {label} | {diffs[key]['p50_ms']:+.3f} | {diffs[key]['p99_ms']:+.3f} |"
+              for key, label, _, _ in TTFT_DIFFS]
+    d = {key: v["p50_ms"] for key, v in diffs.items()}
+    lines += [
+        "",
+        ("The floor (d, e) is a bare grpc.aio server in its own process (uvloop, as the engine "
+         "and router run; no interceptors, no Omnibus code) answering with one small message, "
+         f"timed by this client like the other paths: gRPC alone costs {d['floors']:.2f} ms "
+         f"of the two hops at p50, so #11's < 1 ms for c − a (here {d['both_hops']:.2f}) is "
+         "below what gRPC itself takes on this machine. Above the floor, Omnibus adds "
+         f"{d['engine_hop_above_floor']:.2f} ms on the engine hop (Session stream, the "
+         f"engine's server and step loop) and {d['router_hop_above_floor']:.2f} ms on the "
+         "router hop (validate, admit, queue, dispatch, the second hop's client, detokenize). "
+         "This client runs asyncio's own event loop and the router uvloop, so the router's "
+         "engine hop inside c can be quicker than b's, which lowers c − b − e. Differences "
+         "of p99s are mostly noise on a shared machine."),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -397,7 +499,13 @@ def main() -> None:
     ap.add_argument("--only", choices=["streams", "ttft"], default=None,
                     help="one part alone (default: both); --out then rewrites only its part")
     ap.add_argument("--ttft-requests", type=int, default=TTFT_REQUESTS, help="per path")
+    ap.add_argument("--serve-floor", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_floor:  # the child process of floor_process
+        import uvloop
+
+        uvloop.run(serve_floor(args.serve_floor))
+        return
     streams = () if args.only == "ttft" else tuple(int(x) for x in args.streams.split(","))
     ttft_requests = 0 if args.only == "streams" else args.ttft_requests
     result = measure(args.repeats, streams, args.engine_seats, ttft_requests)

@@ -5,22 +5,30 @@ Nothing here asserts on a timing: only that each path was measured and what was 
 import json
 import math
 
-from omnibus.bench.host import TTFT_MARKER, build_model, unloaded_ttft, write_markdown
+from omnibus.bench.host import (
+    TTFT_MARKER,
+    build_model,
+    floor_process,
+    unloaded_ttft,
+    write_markdown,
+)
 from omnibus.bench.processes import engine_and_router
 
-PATHS = ("in_process", "engine_grpc", "router_grpc")
+PATHS = ("in_process", "engine_grpc", "router_grpc", "floor_bidi", "floor_unary_stream")
 
 
 def test_unloaded_ttft_times_every_request_on_each_path(tmp_path):
     model = build_model(tmp_path / "model", vocab_size=300)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     flags = ("--load-format", "null", "--max-num-seqs", "8")
-    with engine_and_router(model, tmp_path, flags) as (engine, router):
-        out = unloaded_ttft(model, flags, engine.address, router.address, vocab, n=3, warmup=1)
+    with engine_and_router(model, tmp_path, flags) as (engine, router), floor_process(tmp_path) as floor:
+        out = unloaded_ttft(model, flags, engine.address, router.address, floor.address, vocab,
+                            n=3, warmup=1)
     assert (out["requests"], out["warmup"]) == (3, 1)
     for path in PATHS:
         assert out[path]["n"] == 3
         assert math.isfinite(out[path]["p50_ms"]) and out[path]["p99_ms"] >= out[path]["p50_ms"]
+    assert set(out["diffs"]) >= {"engine_hop_above_floor", "router_hop_above_floor"}
 
 
 def _ttft(label: str) -> dict:
@@ -38,6 +46,7 @@ def test_a_ttft_run_rewrites_only_its_section(tmp_path):
     assert text.startswith("# the stream tables\n\n| 64 | 19,792 |\n\n" + TTFT_MARKER)
     assert text.count(TTFT_MARKER) == 1 and "run-one" not in text
     assert "## Unloaded TTFT: run-two" in text and "| router added (c − b) | +0.000 | +0.000 |" in text
+    assert "| router hop above its floor (c − b − e) | -1.000 | -2.000 |" in text
 
 
 def test_a_streams_run_keeps_the_last_ttft_section(tmp_path):
