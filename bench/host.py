@@ -115,6 +115,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def step_loop_pid(engine_pid: int) -> int | None:
+    """The engine's step-loop process (`--step-loop process`), if it runs one."""
+    task = Path(f"/proc/{engine_pid}/task")
+    for t in task.iterdir():
+        for child in (t / "children").read_text().split():
+            if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    return None
+
+
 def requests(n: int, vocab: int, seed: int) -> list[BenchRequest]:
     rng = random.Random(seed)
     return [BenchRequest(tuple(rng.randrange(3, vocab) for _ in range(PROMPT_LEN)), OUTPUT_LEN)
@@ -127,6 +137,8 @@ def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int) 
     config = RunConfig(target=target, progress=False, timeout_s=600, request_id_prefix=f"host{seed}")
     out = asyncio.run(run_workload(requests(n, vocab, seed), config))
     cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    if "engine_core" in cpu:  # "engine" is all of the engine: its server and step-loop processes
+        cpu["engine"] += cpu["engine_core"]
     ok = [r for r in out.results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     itls = [x for r in ok for x in r.itls]
@@ -145,7 +157,7 @@ def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int) 
 
 
 def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
-            ttft_requests: int = 0) -> dict:
+            ttft_requests: int = 0, step_loop: str = "auto") -> dict:
     """The stream levels (none when `streams` is empty) and, when `ttft_requests`, the
     unloaded TTFT of the three paths, measured first on the freshly started processes.
     The in-process engines run on one torch thread, as `omnibus-engine` runs the null
@@ -154,7 +166,8 @@ def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
         tmp_path = Path(tmp)
         model = build_model(tmp_path / "model")
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        flags = ("--load-format", "null", "--max-num-seqs", str(engine_seats))
+        flags = ("--load-format", "null", "--max-num-seqs", str(engine_seats),
+                 "--step-loop", step_loop)
         result: dict = {}
         with engine_and_router(model, tmp_path, flags) as (engine, router):
             if ttft_requests:
@@ -163,6 +176,9 @@ def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
                                                    floor.address, vocab, ttft_requests)
             if streams:
                 pids = {"router": router.proc.pid, "engine": engine.proc.pid, "client": os.getpid()}
+                core = step_loop_pid(engine.proc.pid)
+                if core is not None:
+                    pids["engine_core"] = core
                 run_level(router.address, pids, 16, vocab, seed=999)  # warm-up: connections, caches
                 result["runs"] = [run_level(router.address, pids, n, vocab, seed=r)
                                   for n in streams for r in range(repeats)]
@@ -499,6 +515,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["streams", "ttft"], default=None,
                     help="one part alone (default: both); --out then rewrites only its part")
     ap.add_argument("--ttft-requests", type=int, default=TTFT_REQUESTS, help="per path")
+    ap.add_argument("--step-loop", default="auto", choices=["auto", "process", "thread"],
+                    help="the engine's --step-loop (the in-process TTFT path is a thread either way)")
     ap.add_argument("--serve-floor", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_floor:  # the child process of floor_process
@@ -508,7 +526,8 @@ def main() -> None:
         return
     streams = () if args.only == "ttft" else tuple(int(x) for x in args.streams.split(","))
     ttft_requests = 0 if args.only == "streams" else args.ttft_requests
-    result = measure(args.repeats, streams, args.engine_seats, ttft_requests)
+    result = measure(args.repeats, streams, args.engine_seats, ttft_requests, args.step_loop)
+    result["step_loop"] = args.step_loop
     result["label"] = args.label or git_label()
     print(json.dumps(result, indent=1))
     if args.save_json:

@@ -56,6 +56,7 @@ class EngineStats:
     adapter_salts: tuple[tuple[str, str], ...] = ()  # (adapter, its prefix-cache salt), sorted
     adapter_loads: int = 0  # adapters read from disk into host memory since start
     adapter_evictions: int = 0  # device slots refilled with another adapter since start
+    adapter_load_seconds: tuple[float, ...] = ()  # duration of each successful disk read
     # batching-study counters, cumulative over steps (core/study.py; 0 without --study-counters)
     slots_stepped: int = 0
     useful_tokens: int = 0
@@ -259,6 +260,7 @@ class Engine:
             adapter_salts=inventory.salts,
             adapter_loads=lora.loads,
             adapter_evictions=lora.evictions,
+            adapter_load_seconds=lora.load_seconds,
             slots_stepped=c.slots_stepped,
             useful_tokens=c.useful_tokens,
             kv_tokens_stored=c.kv_tokens_stored,

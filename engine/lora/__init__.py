@@ -11,6 +11,7 @@ from omnibus.engine.lora.adapters import (
     AdapterLoadError,
     AdapterStateError,
     UnknownAdapterError,
+    list_adapter_names,
     resolve_adapter_dir,
 )
 from omnibus.engine.lora.batch import LoraBatch
@@ -18,5 +19,6 @@ from omnibus.engine.lora.manager import AdapterInventory, Gate, LoraConfig, Lora
 
 __all__ = [
     "AdapterError", "AdapterInventory", "AdapterLoadError", "AdapterStateError", "Gate", "LoraBatch",
-    "LoraConfig", "LoraManager", "LoraStats", "UnknownAdapterError", "resolve_adapter_dir",
+    "LoraConfig", "LoraManager", "LoraStats", "UnknownAdapterError", "list_adapter_names",
+    "resolve_adapter_dir",
 ]

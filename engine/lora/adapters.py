@@ -45,7 +45,10 @@ class AdapterLoadError(AdapterStateError):
 
     def __init__(self, name: str, reason: str) -> None:
         super().__init__(f"adapter {name!r} failed to load: {reason}")
-        self.reason = reason
+        self.name, self.reason = name, reason
+
+    def __reduce__(self) -> tuple:  # it crosses to the server from a step-loop process
+        return type(self), (self.name, self.reason)
 
 
 def proj_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

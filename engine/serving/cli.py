@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -123,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--watchdog-exit-seconds", type=float, default=60.0,
                    help="still stalled this long past the limit: the process exits (code 70) "
                    "so the orchestrator restarts it")
+    p.add_argument(
+        "--step-loop", default="auto", choices=["auto", "process", "thread"],
+        help="where the step loop runs: process = a process of its own, so planning and "
+        "launching steps never waits for the GIL held by the gRPC server (one more hop per "
+        "message); thread = a thread of the server's process; auto = process on CUDA, thread "
+        "on a CPU (where the model's compute threads need the cores the extra process takes)",
+    )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0: off")
     p.add_argument(
         "--drain-seconds",
@@ -264,41 +270,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omnibus.common.logs import configure_logging
 
     configure_logging(args.log_level)
-    return _serve(config, server_config)
+    return _serve(config, server_config, args.step_loop, args.log_level)
 
 
-def _serve(config: EngineConfig, server_config: ServerConfig) -> int:
+def _serve(config: EngineConfig, server_config: ServerConfig, step_loop: str, log_level: str) -> int:
     import uvloop
 
-    from omnibus.engine.engine import Engine
-    from omnibus.engine.serving.server import preload, serve, warm_up
+    from omnibus.engine.serving.core import EngineLoadError, ProcessCore, load_engine
+    from omnibus.engine.serving.server import serve
 
-    if config.adapter_dir is not None and not Path(config.adapter_dir).is_dir():
-        print(f"error: --adapter-dir {config.adapter_dir} is not a directory", file=sys.stderr)
-        return 1
-    if config.load_format == "null" and config.device == "cpu":
-        import torch
-
-        # The null model's CPU tensors are a few hundred elements: more intra-op threads
-        # only add the CPU they spin on (on a GPU these ops are the device's), which would
-        # count against the host path the null model exists to measure.
-        torch.set_num_threads(1)
     try:
-        engine = Engine(config)
-    except (OSError, ValueError) as exc:  # ModelLoadError and AdapterError are ValueErrors
-        print(f"error: cannot load {config.model}: {exc}", file=sys.stderr)
-        return 1
-    except LookupError as exc:  # UnknownAdapterError: a --preload-adapters name
-        print(f"error: --preload-adapters: {exc}", file=sys.stderr)
-        return 1
-    warm_up(engine)
-    try:
-        preload(engine)
-    except ValueError as exc:
+        if step_loop == "auto":
+            step_loop = "thread" if config.device == "cpu" else "process"
+        core = ProcessCore(config, log_level) if step_loop == "process" else load_engine(config)
+    except EngineLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
-        uvloop.run(serve(engine, server_config))
+        uvloop.run(serve(core, server_config))
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,7 +1,8 @@
 """The engine worker's gRPC server: `omnibus.v1.Engine` over an `AsyncEngine`.
 
-The step loop runs on its own thread (AsyncEngine); this asyncio server only moves
-requests in and tokens out, so it never blocks on a step. Routers use Session: one
+The step loop runs on its own thread or in a process of its own (AsyncEngine over a
+ThreadCore or a ProcessCore, `--step-loop`); this asyncio server only moves requests in
+and tokens out, so it never blocks on a step. Routers use Session: one
 stream per router carries its adds and aborts in, and one update per step with every new
 token of its requests out (AsyncEngine delivers each step's outputs to the session in one
 call); Generate, one stream per request, stays for tools and tests. Both paths share one
@@ -14,7 +15,7 @@ LoRA adapters: Generate names one (loaded in the background on first use), load
 reports carry the adapters in device slots, in host memory and on disk (for the
 router's adapter-affine routing) and each known adapter's prefix-cache salt (for its
 prefix-aware routing), and LoadAdapter / UnloadAdapter / ListAdapters
-manage them at run time through the step thread (AsyncEngine).
+manage them at run time through the step loop (AsyncEngine).
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine, 
 from omnibus.engine.serving.batcher import BatcherConfig, QueueFullError, QueueTimeoutError
 from omnibus.engine.serving.watchdog import Watchdog, WatchdogConfig, exit_process
 from omnibus.engine.engine import Engine, EngineStats, UnknownAdapterError
-from omnibus.engine.lora import AdapterLoadError, LoraManager
+from omnibus.engine.config import EngineConfig
+from omnibus.engine.lora import list_adapter_names
+from omnibus.engine.serving.core import ProcessCore, ThreadCore
 from omnibus.engine.worker.sampling import SamplingParams
 from omnibus.engine.core.sequence import RequestOutput
 
@@ -60,7 +63,6 @@ HEARTBEAT_S = 1.0  # a report at least this often, changed or not: routers treat
 ABORT_WAIT_S = 2.0  # after the drain grace, how long aborted streams get to report ABORTED
 ADAPTER_LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 CATALOG_REFRESH_S = 2.0  # how often the adapter root is re-listed for load reports
-PRELOAD_TIMEOUT_S = 600.0
 STALLED = "the engine's step loop is stalled (watchdog); send the request to another engine"
 _FINISH = {
     "stop": inference_pb2.STOP,
@@ -266,16 +268,16 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily(
             "omnibus_engine_preemptions", "Sequences preempted", value=s.num_preemptions
         )
-        adapters = self._aengine.engine.adapters
-        if adapters is not None:
-            yield from _adapter_metrics(s, adapters)
+        config = self._aengine.config
+        if config.adapter_dir is not None:
+            yield from _adapter_metrics(s, config)
 
 
 def _adapter_metrics(
-    s: EngineStats, adapters: LoraManager
+    s: EngineStats, config: EngineConfig
 ) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
     gauges = {
-        "adapter_slots": ("Device adapter slots (--max-loras)", adapters.config.max_loras),
+        "adapter_slots": ("Device adapter slots (--max-loras)", config.max_loras),
         "adapters_resident": ("Adapters in device slots", len(s.resident_adapters)),
         "adapters_cached": ("Adapters in host memory (resident ones included)",
                             len(s.cached_adapters)),
@@ -294,7 +296,7 @@ def _adapter_metrics(
     )
     # One duration per successful disk load (a copy taken atomically); the histogram is
     # rebuilt from it at scrape time.
-    seconds = adapters.stats().load_seconds
+    seconds = s.adapter_load_seconds
     buckets = [(str(b), float(sum(1 for x in seconds if x <= b))) for b in ADAPTER_LOAD_BUCKETS]
     buckets.append(("+Inf", float(len(seconds))))
     yield HistogramMetricFamily(
@@ -310,16 +312,15 @@ class AdapterCatalog:
     is blocking I/O (the root may be a network mount), so it runs on a worker thread,
     every CATALOG_REFRESH_S and after each load or unload."""
 
-    def __init__(self, adapters: LoraManager | None) -> None:
-        self._adapters = adapters
-        self.names: tuple[str, ...] = tuple(adapters.available()) if adapters else ()
+    def __init__(self, root: str | Path | None) -> None:
+        self._root = None if root is None else Path(root)
+        self.names: tuple[str, ...] = tuple(list_adapter_names(self._root)) if self._root else ()
 
     async def refresh(self) -> None:
-        if self._adapters is None:
+        if self._root is None:
             return
         try:
-            # available() only lists the root: safe off the step thread.
-            self.names = tuple(await asyncio.to_thread(self._adapters.available))
+            self.names = tuple(await asyncio.to_thread(list_adapter_names, self._root))
         except OSError as exc:  # keep the last listing; say why it is stale
             log.warning("adapter_root_unreadable", error=str(exc))
 
@@ -335,7 +336,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     ) -> None:
         self._aengine = aengine
         self._metrics = metrics
-        self.catalog = catalog or AdapterCatalog(aengine.engine.adapters)
+        self.catalog = catalog or AdapterCatalog(aengine.config.adapter_dir)
         self._live: dict[str, _Live] = {}  # request id -> the request being served
         self._num_requests = 0
         self.draining = False
@@ -617,17 +618,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         except RuntimeError as exc:
             await self._adapter_refusal(context, "list", "", exc)
         await self.catalog.refresh()
-        adapters = self._aengine.engine.adapters
+        config = self._aengine.config
         reply = engine_pb2.ListAdaptersResponse(
             resident=inventory.resident,
             cached=inventory.cached,
             available=self.catalog.names,
-            enabled=adapters is not None,
+            enabled=config.adapter_dir is not None,
         )
-        if adapters is not None:
-            reply.max_loras = adapters.config.max_loras
-            reply.max_cpu_loras = adapters.config.max_cpu_loras
-            reply.max_lora_rank = adapters.config.max_lora_rank
+        if config.adapter_dir is not None:
+            reply.max_loras = config.max_loras
+            reply.max_cpu_loras = config.max_cpu_loras
+            reply.max_lora_rank = config.max_lora_rank
         return reply
 
     async def _adapter_refusal(
@@ -643,15 +644,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return self._report(self._aengine.stats())
 
     def _report(self, stats: EngineStats) -> engine_pb2.LoadReport:
-        engine = self._aengine.engine
+        config = self._aengine.config
         return engine_pb2.LoadReport(
             num_waiting=stats.num_waiting,
             num_running=stats.num_running,
             num_free_blocks=stats.num_free_blocks,
             num_total_blocks=stats.num_total_blocks,
-            max_num_seqs=engine.config.max_num_seqs,
-            block_size=engine.config.block_size,
-            max_model_len=engine.model_config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            block_size=config.block_size,
+            max_model_len=self._aengine.max_model_len,
             draining=self.draining,
             resident_adapters=sorted(stats.resident_adapters),
             cached_adapters=stats.cached_adapters,
@@ -704,25 +705,6 @@ def warm_up(engine: Engine) -> None:
     engine.warmup()
 
 
-def preload(engine: Engine, timeout: float = PRELOAD_TIMEOUT_S) -> None:
-    """Waits until the --preload-adapters (whose loads Engine() started) are in host
-    memory. Raises ValueError naming an adapter that failed to load. Runs before the
-    step thread starts, so polling the manager here is safe."""
-    adapters = engine.adapters
-    pending = list(engine.config.preload_adapters) if adapters is not None else []
-    end = time.monotonic() + timeout
-    while pending:
-        for name in list(pending):
-            try:
-                if adapters.ready(name):
-                    pending.remove(name)
-            except AdapterLoadError as exc:
-                raise ValueError(f"cannot preload adapter {name!r}: {exc.reason}") from exc
-        if pending and time.monotonic() > end:
-            raise ValueError(f"preloading {pending} took more than {timeout:.0f} s")
-        time.sleep(0.005)
-
-
 @dataclass
 class RunningServer:
     """An engine worker's gRPC server, started; `stop()` drains and shuts it down."""
@@ -743,14 +725,16 @@ class RunningServer:
 
 
 async def start(
-    engine: Engine, config: ServerConfig, watchdog_exit: Callable[[str], None] = exit_process
+    engine: Engine | ProcessCore, config: ServerConfig,
+    watchdog_exit: Callable[[str], None] = exit_process,
 ) -> RunningServer:
-    """Starts serving `engine` (already loaded and warmed up) on the running event loop.
-    `watchdog_exit` ends the process when a step stays stalled (tests record it instead)."""
+    """Starts serving `engine` (already loaded and warmed up; its step loop then runs on a
+    thread here) or a ProcessCore (the step loop in its own process) on the running event
+    loop. `watchdog_exit` ends the process when a step stays stalled (tests record it)."""
     aengine = AsyncEngine(engine, config.embed_batching)
     aengine.start()
     metrics = EngineMetrics(aengine)
-    catalog = AdapterCatalog(engine.adapters)
+    catalog = AdapterCatalog(aengine.config.adapter_dir)
     service = EngineService(aengine, metrics, catalog)
     health_servicer = health.aio.HealthServicer()
     engine_service = Service(service, engine_pb2_grpc.add_EngineServicer_to_server, SERVICE_NAME)
@@ -769,24 +753,25 @@ async def start(
     tasks.append(asyncio.create_task(watchdog.run(), name="watchdog"))
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     if config.metrics_port:
-        serve_metrics(metrics.registry, config.metrics_port, Path(engine.config.model).name)
+        serve_metrics(metrics.registry, config.metrics_port, Path(aengine.config.model).name)
     stats = aengine.stats()
     log.info(
         "engine_serving",
         port=config.port,
         **config.security.describe(),
-        model=engine.config.model,
+        model=aengine.config.model,
+        step_loop="thread" if isinstance(aengine.core, ThreadCore) else "process",
         kv_blocks=stats.num_total_blocks,
-        max_num_seqs=engine.config.max_num_seqs,
-        max_model_len=engine.model_config.max_model_len,
-        adapters=len(catalog.names) if engine.adapters else None,
+        max_num_seqs=aengine.config.max_num_seqs,
+        max_model_len=aengine.max_model_len,
+        adapters=len(catalog.names) if aengine.config.adapter_dir else None,
         cached_adapters=list(stats.cached_adapters),
     )
     return RunningServer(server, service, aengine, health_servicer, tasks)
 
 
-async def serve(engine: Engine, config: ServerConfig) -> None:
-    """Serves `engine` (already loaded and warmed up) until SIGTERM or SIGINT, then drains."""
+async def serve(engine: Engine | ProcessCore, config: ServerConfig) -> None:
+    """Serves `engine` (see `start`) until SIGTERM or SIGINT, then drains."""
     running = await start(engine, config)
     await wait_for_signal()
     log.info(

@@ -2,7 +2,7 @@
 kernel, a deadlocked collective, a driver fault) takes the engine out of service, and
 the process exits if it does not come back, so the orchestrator restarts it.
 
-The step thread beats a `Heartbeat` around each step; an asyncio task (`Watchdog`) on
+The step loop beats a `Heartbeat` around each step; an asyncio task (`Watchdog`) on
 the server's loop reads it. Past `stall_seconds` the server turns health NOT_SERVING and
 ends load reports UNAVAILABLE (routers stop sending); a step that ends puts it back;
 `exit_seconds` more of the same stall and the process exits with one clear log line.
@@ -13,10 +13,11 @@ CUDA graphs. Torch-free: it only reads clocks.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableSequence
 from dataclasses import dataclass
 
 import structlog
@@ -49,22 +50,34 @@ class WatchdogConfig:
 
 
 class Heartbeat:
-    """Written by the step thread only: when the running step began (None between steps)
-    and how many steps have ended. Both in one tuple, so a reader sees a consistent pair."""
+    """Written by the step loop only: when the running step began (NaN between steps) and
+    how many steps have ended. The three doubles live in `shared` when the step loop runs
+    in another process (a `multiprocessing.RawArray("d", 3)`); a sequence number, odd
+    while a write is under way, gives readers a consistent pair."""
 
-    def __init__(self) -> None:
-        self._state: tuple[float | None, int] = (None, 0)
+    def __init__(self, shared: MutableSequence[float] | None = None) -> None:
+        self._s = shared if shared is not None else [0.0, math.nan, 0.0]  # seq, began, done
+        self._s[1] = math.nan
+
+    def _write(self, began: float, done: float) -> None:
+        s = self._s
+        s[0] += 1
+        s[1], s[2] = began, done
+        s[0] += 1
 
     def begin(self) -> None:
-        self._state = (time.monotonic(), self._state[1])
+        self._write(time.monotonic(), self._s[2])
 
     def end(self) -> None:
-        self._state = (None, self._state[1] + 1)
+        self._write(math.nan, self._s[2] + 1)
 
     def running_for(self, now: float) -> tuple[float, int]:
         """(seconds the current step has run, 0 between steps; steps ended so far)."""
-        started, done = self._state
-        return (0.0 if started is None else now - started), done
+        s = self._s
+        while True:
+            seq, began, done = s[0], s[1], s[2]
+            if seq % 2 == 0 and s[0] == seq:
+                return (0.0 if math.isnan(began) else now - began), int(done)
 
 
 def exit_process(message: str) -> None:

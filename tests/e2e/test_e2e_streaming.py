@@ -48,7 +48,8 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory, request):
     logs = tmp_path_factory.mktemp("logs")
-    engine_b = engine_process(tiny_model, logs, "engine-b", *ENGINE_FLAGS)  # A's twin
+    # A's twin, with its step loop in a process of its own (A's runs on a thread, the CPU default)
+    engine_b = engine_process(tiny_model, logs, "engine-b", *ENGINE_FLAGS, "--step-loop", "process")
     procs = [engine_b]
     try:
         # Asked for only now, so that engine A (if no module started it yet) boots while B does.
@@ -118,6 +119,19 @@ def test_greedy_stream_equals_transformers_generate(cluster):
         prompt_tokens=len(prompt), completion_tokens=24, cached_prompt_tokens=0
     )
     assert 0 < last.timing.time_to_first_token_seconds <= last.timing.total_seconds
+
+
+def test_the_process_step_loop_streams_transformers_greedy_tokens(cluster):
+    """Engine B runs its step loop in a process of its own: the same tokens, and the last
+    message's usage, come back through the pipe and the server."""
+    prompt = cluster.tokenizer.encode("Once upon a time the quick brown fox").ids
+    replies = list(engine_stub(cluster.engine_b).Generate(
+        engine_request("process-core", prompt, max_tokens=20), timeout=30))
+    assert [t for r in replies for t in r.token_ids] == hf_greedy(load_hf(cluster.model), prompt, 20)
+    last = replies[-1]
+    assert (last.finish_reason, last.num_prompt_tokens, last.num_output_tokens) == (
+        pb.LENGTH, len(prompt), 20)
+    wait_idle_and_check_blocks(cluster.engine_b)
 
 
 def engine_outcome(cluster: Cluster, outcome: str) -> float:

@@ -33,7 +33,8 @@ from tokenizers import Tokenizer
 from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import Engine
-from omnibus.engine.serving.server import RunningServer, ServerConfig, preload, start
+from omnibus.engine.serving.core import preload
+from omnibus.engine.serving.server import RunningServer, ServerConfig, start
 from omnibus.router.admission.auth import KeyStore
 from omnibus.router.config import TenantLimits
 from omnibus.router.service.errors import RequestError
@@ -665,11 +666,7 @@ def test_copying_an_adapter_dir_is_picked_up_by_the_catalog(setup, tmp_path):
 
     root = tmp_path / "adapters"
     shutil.copytree(setup.adapters / "a-r2", root / "a-r2")
-    config = EngineConfig(
-        model=str(setup.model), dtype="float32", adapter_dir=str(root), num_kv_blocks=16
-    )
-    engine_ = Engine(config)
-    catalog = AdapterCatalog(engine_.adapters)
+    catalog = AdapterCatalog(root)
     assert catalog.names == ("a-r2",)
     shutil.copytree(setup.adapters / "c-r4", root / "c-r4")
     asyncio.run(catalog.refresh())

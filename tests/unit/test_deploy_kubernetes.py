@@ -194,7 +194,7 @@ def exported_names() -> set[str]:
     config = config_from_args(router_parser().parse_args(
         ["serve", "--engine", "e:1", "--model", "m", "--limits-store", "redis://r:6379/0"]))
     stats = EngineStats(0, 0, 1, 1, 0, 0, 0, 0)
-    aengine = SimpleNamespace(stats=lambda: stats, engine=SimpleNamespace(adapters=None))
+    aengine = SimpleNamespace(stats=lambda: stats, config=SimpleNamespace(adapter_dir=None))
     engine_text = generate_latest(exposition(EngineMetrics(aengine).registry, "demo"))
     names = set()
     for text in (asyncio.run(router_text()), engine_text):

@@ -38,9 +38,9 @@ async def test_a_request_that_fails_to_admit_does_not_kill_the_loop(tmp_path, mo
 async def test_an_idle_engine_proves_its_kv_bookkeeping_once_the_requests_stop(tmp_path, monkeypatch):
     import asyncio
 
-    from omnibus.engine.serving import async_engine
+    from omnibus.engine.serving import step_loop
 
-    monkeypatch.setattr(async_engine, "_IDLE_CHECK_AFTER_S", 0.0)
+    monkeypatch.setattr(step_loop, "IDLE_CHECK_AFTER_S", 0.0)
     engine = Engine(EngineConfig(model=str(make_checkpoint(tmp_path / "m")), num_kv_blocks=32))
     checks = []
     real = engine.check_integrity

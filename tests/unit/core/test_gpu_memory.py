@@ -124,7 +124,7 @@ def test_bind_device_sets_an_indexed_cuda_device_only(monkeypatch: pytest.Monkey
 
 def test_runner_and_step_thread_bind_the_engine_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from omnibus.engine.engine import Engine
-    from omnibus.engine.serving import async_engine
+    from omnibus.engine.serving import async_engine, step_loop
 
     calls: list[tuple[str, torch.device]] = []
 
@@ -132,7 +132,7 @@ def test_runner_and_step_thread_bind_the_engine_device(tmp_path: Path, monkeypat
         calls.append((threading.current_thread().name, device))
 
     monkeypatch.setattr(model_runner, "bind_device", spy)
-    monkeypatch.setattr(async_engine, "bind_device", spy)
+    monkeypatch.setattr(step_loop, "bind_device", spy)
     engine = Engine(EngineConfig(model=str(make_checkpoint(tmp_path / "m")), num_kv_blocks=32))
     aengine = async_engine.AsyncEngine(engine)
     aengine.start()

@@ -1,0 +1,281 @@
+"""The engine's step loop: applies commands between steps, runs steps, hands results over.
+
+It knows nothing of its transport: commands come from an `Inbox`, each step's outputs and
+the replies to calls go to an `Outlet`. `AsyncEngine` runs it on a thread of the server's
+process, or in a process of its own (engine/serving/core.py), where the loop that feeds
+the device never waits for the GIL held by the server's gRPC and asyncio work. Every
+command is plain picklable data.
+
+The LoRA manager belongs to this loop: adapter calls run here, between steps, so they
+never race a step that uses the device slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import structlog
+
+from omnibus.engine.core.sequence import RequestOutput
+from omnibus.engine.engine import Engine, EngineStats
+from omnibus.engine.lora import AdapterInventory, AdapterLoadError, AdapterStateError, UnknownAdapterError
+from omnibus.engine.serving.watchdog import Heartbeat
+from omnibus.engine.worker.model_runner import bind_device
+from omnibus.engine.worker.sampling import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+IDLE_POLL_S = 0.001  # how often a loop with only not-yet-admissible work re-plans
+# An idle engine proves its KV bookkeeping (an O(blocks) walk) once per idle spell, after
+# this long without a command, so a request arriving just after the last one finished
+# does not wait for the walk.
+IDLE_CHECK_AFTER_S = 0.25
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request the engine would not admit, delivered in place of its outputs."""
+
+    request_id: str
+    error: BaseException  # ValueError / LookupError (the request's fault) or RuntimeError
+
+
+Delivery = RequestOutput | Refused
+
+
+@dataclass
+class Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    adapter: str | None = None
+    tenant: str = ""
+    weight: float = 1.0
+    deadline: float | None = None  # time.monotonic() seconds (one clock for all processes)
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class Call:
+    """A command with one reply, `Outlet.reply(call_id, ...)`: op "load", "unload" or
+    "list" (adapters; args: the name) or "embed" (args: inputs, pooling, normalize)."""
+
+    call_id: int
+    op: str
+    args: tuple = ()
+    was_loaded: bool = False  # load: the adapter was in host memory when its load began
+
+
+@dataclass(frozen=True)
+class AdapterLoaded:
+    """The reply to a load call."""
+
+    adapter: str
+    resident: bool  # in a device slot now (False: every slot is held by running sequences)
+    was_loaded: bool  # it was in host memory already: no disk read
+
+
+Command = Add | Abort | Call | None  # None: stop
+
+
+class Inbox(Protocol):
+    def get(self, timeout: float | None) -> Command:
+        """The next command, waiting up to `timeout` s (None: forever); raises queue.Empty."""
+
+    def get_nowait(self) -> Command: ...
+
+
+class Outlet(Protocol):
+    def step(self, outputs: list[Delivery], stats: EngineStats, settled: bool) -> None:
+        """One step's outputs (or refusals) and the stats after it; `settled`: the engine
+        has no work left or its adapters changed (a snapshot worth sending now)."""
+
+    def reply(self, call_id: int, result: object, error: BaseException | None) -> None: ...
+
+    def crashed(self, error: BaseException) -> None:
+        """The loop died; nothing more comes."""
+
+
+class _Stop(Exception):
+    pass
+
+
+@dataclass
+class StepLoop:
+    engine: Engine
+    inbox: Inbox
+    outlet: Outlet
+    heartbeat: Heartbeat
+    _loads: list[Call] = field(default_factory=list)  # adapter loads waiting on the disk
+    _embeds: collections.deque[Call] = field(default_factory=collections.deque)  # one per step
+    _refused: list[Delivery] = field(default_factory=list)  # adds refused since the last step
+
+    def run(self) -> None:
+        """Until a None command (or a closed inbox); a crash is reported, not raised."""
+        engine = self.engine
+        bind_device(engine.runner.device)  # the current CUDA device is per thread
+        try:
+            checked = -1  # the step count at the last integrity check
+            while True:
+                idle = not engine.has_unfinished() and not self._embeds
+                if idle and not self._loads and checked != engine.num_steps:
+                    if not self._drain(timeout=IDLE_CHECK_AFTER_S):
+                        engine.check_integrity()
+                        checked = engine.num_steps
+                    continue
+                self._drain(timeout=None if idle and not self._loads else 0.0)
+                self.heartbeat.begin()
+                if self._embeds:  # one embedding batch between two generation steps
+                    self._run_embed(self._embeds.popleft())
+                steps = engine.num_steps
+                outputs = engine.step()
+                self.heartbeat.end()
+                if self._refused:
+                    outputs, self._refused = self._refused + outputs, []
+                self.outlet.step(outputs, engine.stats(), not engine.has_unfinished())
+                if self._loads:
+                    self._poll_loads()
+                if engine.num_steps == steps and (engine.has_unfinished() or self._loads):
+                    # waiting on a batch window, an adapter load or a busy adapter slot
+                    self._drain(timeout=IDLE_POLL_S)
+        except _Stop:
+            return
+        except BaseException as exc:  # the loop must report, not vanish
+            self.heartbeat.end()  # crashed, not stalled: requests get INTERNAL
+            log.exception("engine_step_loop_crashed")
+            self.outlet.crashed(exc)
+
+    def _drain(self, timeout: float | None) -> bool:
+        """Applies the queued commands, waiting up to `timeout` s for the first (0: not at
+        all); False if none came."""
+        try:
+            cmd = self.inbox.get_nowait() if timeout == 0.0 else self.inbox.get(timeout)
+        except queue.Empty:
+            return False
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+        if self._refused and not self.engine.has_unfinished():
+            # no step will carry them: hand them over now
+            refused, self._refused = self._refused, []
+            self.outlet.step(refused, self.engine.stats(), True)
+        return True
+
+    def _apply(self, cmd: Command) -> None:
+        if cmd is None:
+            raise _Stop
+        if isinstance(cmd, Abort):
+            self.engine.abort(cmd.request_id)
+        elif isinstance(cmd, Add):
+            self._add(cmd)
+        elif cmd.op == "embed":
+            self._embeds.append(cmd)
+        else:
+            self._adapter_call(cmd)
+
+    def _add(self, cmd: Add) -> None:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority,
+                                    cmd.adapter, cmd.tenant, cmd.weight, cmd.deadline)
+        except (ValueError, LookupError) as exc:
+            self._refused.append(Refused(cmd.request_id, exc))
+        except Exception as exc:  # e.g. an adapter file vanishing mid-read: refuse this request only
+            log.exception("add_request_failed", request_id=cmd.request_id)
+            error = RuntimeError(f"the engine could not admit the request: {exc!r}")
+            self._refused.append(Refused(cmd.request_id, error))
+
+    def _run_embed(self, cmd: Call) -> None:
+        try:
+            result = self.engine.embed(*cmd.args)
+        except Exception as exc:  # bad input: the caller gets it, the loop lives on
+            self.outlet.reply(cmd.call_id, None, exc)
+            return
+        self.outlet.reply(cmd.call_id, result, None)
+
+    # ---- adapters --------------------------------------------------------------
+
+    def _adapter_call(self, cmd: Call) -> None:
+        name = cmd.args[0] if cmd.args else ""
+        try:
+            if cmd.op == "list":
+                self.outlet.reply(cmd.call_id, self._inventory(), None)
+            elif cmd.op == "unload":
+                self.outlet.reply(cmd.call_id, self._unload(name), None)
+            elif cmd.op == "load":
+                self._start_load(cmd, name)
+            else:
+                raise ValueError(f"unknown engine call {cmd.op!r}")
+        except (ValueError, LookupError, AdapterStateError) as exc:  # AdapterError is a ValueError
+            self.outlet.reply(cmd.call_id, None, exc)
+        except OSError as exc:  # e.g. an unreadable adapter_config.json: the caller hears why
+            self.outlet.reply(cmd.call_id, None, AdapterStateError(f"cannot read adapter {name!r}: {exc}"))
+
+    def _inventory(self) -> AdapterInventory:
+        adapters = self.engine.adapters
+        return AdapterInventory((), ()) if adapters is None else adapters.inventory()
+
+    def _start_load(self, cmd: Call, name: str) -> None:
+        adapters = self.engine.adapters
+        if adapters is None:
+            raise AdapterStateError(
+                f"cannot load adapter {name!r}: this engine serves no adapters "
+                "(start it with --adapter-dir)")
+        cmd.was_loaded = adapters.load(name)
+        self._loads.append(cmd)
+
+    def _poll_loads(self) -> None:
+        """Answers the adapter loads whose disk read has ended (between two steps, so
+        filling a device slot never races a forward pass)."""
+        adapters = self.engine.adapters
+        assert adapters is not None  # loads are only started when adapters are served
+        pending, done = [], []
+        for cmd in self._loads:
+            name = cmd.args[0]
+            try:
+                resident = adapters.place(name)
+            except AdapterLoadError as exc:
+                done.append((cmd, None, exc))
+                continue
+            if resident is None:
+                pending.append(cmd)
+            else:
+                done.append((cmd, AdapterLoaded(name, resident, cmd.was_loaded), None))
+        self._loads = pending
+        if done:  # load reports show the new residents before the reply
+            self.outlet.step([], self.engine.stats(), True)
+        for cmd, result, exc in done:
+            self.outlet.reply(cmd.call_id, result, exc)
+
+    def _unload(self, name: str) -> bool:
+        adapters = self.engine.adapters
+        if adapters is None:
+            raise UnknownAdapterError(f"adapter {name!r} not found: this engine serves no adapters")
+        if not adapters.unload(name):
+            return False
+        self.outlet.step([], self.engine.stats(), True)
+        return True
+
+
+class QueueInbox:
+    """Commands from threads of the same process."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.put = self._queue.put
+
+    def get(self, timeout: float | None) -> Command:
+        return self._queue.get(timeout=timeout)
+
+    def get_nowait(self) -> Command:
+        return self._queue.get_nowait()

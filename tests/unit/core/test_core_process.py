@@ -1,0 +1,121 @@
+"""The step loop in a process of its own (`--step-loop process`): the same outputs as on
+a thread, refusals and call errors cross the pipe with their types, aborts free the KV,
+the shared heartbeat counts the child's steps, and a dead core fails its requests."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from omnibus.engine.config import EngineConfig
+from omnibus.engine.engine import Engine
+from omnibus.engine.lora import AdapterStateError
+from omnibus.engine.serving.async_engine import AsyncEngine
+from omnibus.engine.serving.core import EngineLoadError, ProcessCore
+from omnibus.engine.worker.sampling import SamplingParams
+from tests.checkpoints import make_checkpoint
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = {"a": [5, 6, 7], "b": [9, 10, 11, 12, 13], "c": [3] * 20}
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> EngineConfig:
+    model = make_checkpoint(tmp_path_factory.mktemp("core") / "m")
+    return EngineConfig(model=str(model), dtype="float32", num_kv_blocks=32)
+
+
+@pytest.fixture(scope="module")
+def core(config):
+    """One spawned core for the module's tests (a spawn costs seconds on this machine)."""
+    core = ProcessCore(config)
+    aengine = AsyncEngine(core)
+    aengine.start()
+    yield aengine
+    aengine.shutdown()
+
+
+async def _run_all(aengine: AsyncEngine) -> dict[str, list[int]]:
+    async def one(rid: str, prompt: list[int]) -> list[int]:
+        return [t async for out in aengine.generate(rid, prompt, GREEDY) for t in out.new_token_ids]
+
+    ids = await asyncio.gather(*(one(f"{rid}-{id(aengine)}", p) for rid, p in PROMPTS.items()))
+    return dict(zip(PROMPTS, ids))
+
+
+async def _settled(aengine: AsyncEngine) -> None:
+    for _ in range(500):
+        s = aengine.stats()
+        if s.num_running == 0 and s.num_waiting == 0:
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_the_process_core_streams_what_the_thread_core_does(config, core):
+    on_thread = AsyncEngine(Engine(config))
+    on_thread.start()
+    try:
+        expected = await _run_all(on_thread)
+    finally:
+        on_thread.shutdown()
+    assert await _run_all(core) == expected
+    assert all(len(ids) == GREEDY.max_tokens for ids in expected.values())
+    assert core.max_model_len == Engine(config).model_config.max_model_len
+    await _settled(core)
+    s = core.stats()
+    assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)
+
+
+async def test_refusals_and_call_errors_keep_their_types(core):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        async for _ in core.generate("oov", [10**6], GREEDY):
+            pass
+    with pytest.raises(AdapterStateError, match="serves no adapters"):
+        await core.load_adapter("x")
+    assert await core.list_adapters() == (await core.list_adapters())  # a reply per call
+    vectors = await core.embed([[5, 6, 7], [8, 9]])
+    assert len(vectors) == 2 and len(vectors[0]) == len(vectors[1]) > 0
+    with pytest.raises(ValueError):
+        await core.embed([[10**6]])
+
+
+async def test_an_abort_frees_the_kv_and_ends_the_stream(core):
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    stream = core.generate("long", [5] * 8, params)
+    first = await anext(stream)
+    assert first.new_token_ids
+    await stream.aclose()  # leaving early aborts it in the core
+    await _settled(core)
+    s = core.stats()
+    assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)
+
+
+async def test_the_shared_heartbeat_counts_the_core_s_steps(core):
+    _, before = core.heartbeat.running_for(0.0)
+    await _run_all(core)
+    _, after = core.heartbeat.running_for(0.0)
+    assert after - before >= GREEDY.max_tokens  # at least one step per token
+
+
+def test_a_core_that_cannot_load_says_why(tmp_path):
+    with pytest.raises(EngineLoadError, match="cannot load"):
+        ProcessCore(EngineConfig(model=str(tmp_path / "missing")))
+
+
+async def test_a_killed_core_fails_its_requests_and_refuses_new_ones(config):
+    aengine = AsyncEngine(ProcessCore(config))
+    aengine.start()
+    try:
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        stream = aengine.generate("doomed", [5, 6], params)
+        await anext(stream)
+        os.kill(aengine.core.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="core process exited"):
+            async for _ in stream:
+                pass
+        assert isinstance(aengine.error, RuntimeError) and not aengine.is_alive
+        with pytest.raises(RuntimeError, match="not running"):
+            aengine.add("late", [5], params, dest=None)  # type: ignore[arg-type]
+    finally:
+        aengine.shutdown()
