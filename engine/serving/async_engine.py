@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from omnibus.engine.core.sequence import RequestOutput
@@ -193,9 +193,10 @@ class AsyncEngine:
 
     # ---- the outlet: called by the step loop's thread or the core's reader ---
 
-    def step(self, outputs: list[Delivery], stats: EngineStats | None, settled: bool) -> None:
+    def step(self, outputs: list[Delivery], stats: Callable[[], EngineStats] | None,
+             settled: bool) -> None:
         if stats is not None:
-            self._stats = stats
+            self._stats = stats()
         if outputs:
             self._deliver(outputs)
 

@@ -23,6 +23,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -198,7 +199,7 @@ class ProcessCore:
                     _, packed, refused, stats, settled = msg
                     outputs: list[Delivery] = refused  # refusals come before the step's outputs
                     outputs += [RequestOutput(*fields) for fields in packed]
-                    outlet.step(outputs, stats, settled)
+                    outlet.step(outputs, None if stats is None else (lambda s=stats: s), settled)
                 elif kind == "reply":
                     outlet.reply(msg[1], msg[2], msg[3])
                 else:  # "crashed"
@@ -254,13 +255,12 @@ class _PipeOutlet:
         self._conn = conn
         self._stats_sent = 0.0
 
-    def step(self, outputs: list[Delivery], stats: EngineStats, settled: bool) -> None:
+    def step(self, outputs: list[Delivery], stats: Callable[[], EngineStats], settled: bool) -> None:
         now = time.monotonic()
+        snapshot = None
         if settled or now - self._stats_sent >= STATS_EVERY_S:
-            self._stats_sent = now
-        elif outputs:
-            stats = None
-        else:
+            self._stats_sent, snapshot = now, stats()
+        elif not outputs:
             return
         packed, refused = [], []
         for out in outputs:
@@ -268,7 +268,7 @@ class _PipeOutlet:
                 refused.append(out)
             else:
                 packed.append(_fields(out))
-        self._send(("step", packed, refused, stats, settled))
+        self._send(("step", packed, refused, snapshot, settled))
 
     def reply(self, call_id: int, result: object, error: BaseException | None) -> None:
         self._send(("reply", call_id, result, _portable(error)))

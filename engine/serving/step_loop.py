@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -94,9 +95,11 @@ class Inbox(Protocol):
 
 
 class Outlet(Protocol):
-    def step(self, outputs: list[Delivery], stats: EngineStats, settled: bool) -> None:
-        """One step's outputs (or refusals) and the stats after it; `settled`: the engine
-        has no work left or its adapters changed (a snapshot worth sending now)."""
+    def step(self, outputs: list[Delivery], stats: Callable[[], EngineStats], settled: bool) -> None:
+        """One step's outputs (or refusals); `stats()` snapshots the engine after it (an
+        outlet calls it when it wants one: on the step thread every step, a process core
+        at most every STATS_EVERY_S); `settled`: the engine has no work left or its
+        adapters changed (a snapshot worth publishing now)."""
 
     def reply(self, call_id: int, result: object, error: BaseException | None) -> None: ...
 
@@ -140,7 +143,7 @@ class StepLoop:
                 self.heartbeat.end()
                 if self._refused:
                     outputs, self._refused = self._refused + outputs, []
-                self.outlet.step(outputs, engine.stats(), not engine.has_unfinished())
+                self.outlet.step(outputs, engine.stats, not engine.has_unfinished())
                 if self._loads:
                     self._poll_loads()
                 if engine.num_steps == steps and (engine.has_unfinished() or self._loads):
@@ -169,7 +172,7 @@ class StepLoop:
         if self._refused and not self.engine.has_unfinished():
             # no step will carry them: hand them over now
             refused, self._refused = self._refused, []
-            self.outlet.step(refused, self.engine.stats(), True)
+            self.outlet.step(refused, self.engine.stats, True)
         return True
 
     def _apply(self, cmd: Command) -> None:
@@ -253,7 +256,7 @@ class StepLoop:
                 done.append((cmd, AdapterLoaded(name, resident, cmd.was_loaded), None))
         self._loads = pending
         if done:  # load reports show the new residents before the reply
-            self.outlet.step([], self.engine.stats(), True)
+            self.outlet.step([], self.engine.stats, True)
         for cmd, result, exc in done:
             self.outlet.reply(cmd.call_id, result, exc)
 
@@ -263,7 +266,7 @@ class StepLoop:
             raise UnknownAdapterError(f"adapter {name!r} not found: this engine serves no adapters")
         if not adapters.unload(name):
             return False
-        self.outlet.step([], self.engine.stats(), True)
+        self.outlet.step([], self.engine.stats, True)
         return True
 
 
