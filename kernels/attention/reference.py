@@ -5,18 +5,25 @@ Cache layout (per layer): ``k_cache``/``v_cache`` of shape (num_blocks, block_si
 A token's slot is ``block_id * block_size + offset``; block 0 is a reserved null block whose
 content is garbage (it may hold NaN or inf), so it must never reach an output.
 
-CPU speed notes, measured on a small VM (see the report in the PR):
-- K/V are gathered per token with ``index_select`` on the flattened cache, into buffers of a
-  few MiB reused across chunks of sequences. Gathering a whole 64-sequence batch at once
-  allocates tens of MiB per call, and fresh pages cost more than the attention itself.
-- Positions past a sequence's end are redirected to the slot of its position 0 instead of
-  being zeroed afterwards: the causal mask already hides them, and real (finite) data keeps
-  ``0 * v`` at zero where a garbage inf/NaN would not. A masked_fill pass over the gathered
-  buffer cost more than the gather and the attention together.
+CPU speed notes, measured on a small VM (docs/benchmarks/offline.md):
+- K/V are gathered a whole block at a time (``index_select`` over block ids: block_size times
+  fewer indices than per token, each a contiguous copy) into buffers of a few MiB reused
+  across chunks of decodes; a float32 cache is gathered straight into them, with no copy
+  after. Gathering a whole 64-sequence batch at once allocates tens of MiB per call, and
+  fresh pages cost more than the attention itself.
+- Garbage never reaches the attention: a prefill cuts its gathered rows at its length; a
+  decode chunk redirects block-table entries past a sequence's last block to a real full
+  block and zeroes the few rows past the sequence's end in its last block (index_fill, at
+  most block_size - 1 rows per sequence). The mask hides all of them, and finite values keep
+  ``0 * v`` at zero where a garbage inf/NaN would not. A masked_fill pass over the whole
+  gathered buffer cost more than the gather and the attention together.
+- Decodes run SDPA with each KV head's group of query heads as its query rows, so no GQA
+  expansion of K/V, and every per-batch index is built once, not per chunk.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -117,12 +124,13 @@ def _attend_one(
 ) -> torch.Tensor:
     """Attention of one sequence's q_len query tokens (its last ones) over kv_len positions."""
     q_len = q.shape[0]
-    slots = _token_slots(block_table[None], [kv_len], kv_len, k_cache.shape[1])  # (1, L)
-    k = _gather(k_cache, slots)  # (1, L, KVH, D)
-    v = _gather(v_cache, slots)
+    blocks = block_table[: -(-kv_len // k_cache.shape[1])].long()
+    # Whole blocks, cut at kv_len: the rest of the last block is never read.
+    k = k_cache.index_select(0, blocks).flatten(0, 1)[:kv_len].float()  # (L, KVH, D)
+    v = v_cache.index_select(0, blocks).flatten(0, 1)[:kv_len].float()
     q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)  # (Q,)
     visible = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]  # (Q, L)
-    o = _sdpa(q.float().transpose(0, 1)[None], k, v, visible[None, None], scale)  # (1, H, Q, D)
+    o = _sdpa(q.float().transpose(0, 1)[None], k[None], v[None], visible[None, None], scale)
     return o[0].transpose(0, 1).to(q.dtype)  # (Q, H, D)
 
 
@@ -137,85 +145,104 @@ def _attend_decodes(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Attention of all single-token sequences, batched in chunks of similar length."""
-    _, num_kv_heads, head_dim = k_cache.shape[1:]
+    """Attention of all single-token sequences, batched in chunks of similar length.
+
+    Everything a chunk needs but its K/V is worked out once for the whole batch; a chunk then
+    costs two block gathers, two small fills, one SDPA and one output copy.
+    """
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads, dev = q.shape[1], q.device
     # Longest first, so a chunk's first sequence bounds its padded length; sorting also keeps
     # the padding inside each chunk small.
     decodes = sorted(decodes, key=lambda i: -kv_lens[i])
-    bytes_per_pos = num_kv_heads * head_dim * 4
+    lens = [kv_lens[i] for i in decodes]
+    num_blocks = [-(-n // block_size) for n in lens]
+    lens_t = torch.tensor(lens, device=dev)  # (n,)
+    tables = _decode_tables(block_tables, decodes, num_blocks)  # (n, nb)
+    tail_seq, tail_pos = _tail_rows(lens_t, block_size)  # (m,), (m,)
+    tail_ends = [0, *itertools.accumulate(-n % block_size for n in lens)]
+    visible = torch.arange(num_blocks[0] * block_size, device=dev) < lens_t[:, None]  # (n, L)
+    rows = torch.tensor([starts[i] for i in decodes], device=dev)
+    # Query head h reads KV head h // group: (n, KVH, group, D), the group as SDPA's query rows.
+    qs = q.index_select(0, rows).float().view(len(decodes), num_kv_heads, -1, head_dim)
+    block_bytes = block_size * num_kv_heads * head_dim * 4
     # One set of buffers for all chunks: fresh multi-MiB allocations per chunk page-fault.
-    max_rows = max(_CHUNK_BYTES // bytes_per_pos, kv_lens[decodes[0]])
-    k_bufs = _GatherBuffers.allocate(k_cache, max_rows)
-    v_bufs = _GatherBuffers.allocate(v_cache, max_rows)
+    max_blocks = max(_CHUNK_BYTES // block_bytes, num_blocks[0])
+    k_bufs = _GatherBuffers.allocate(k_cache, max_blocks)
+    v_bufs = _GatherBuffers.allocate(v_cache, max_blocks)
     i = 0
     while i < len(decodes):
-        chunk = max(1, _CHUNK_BYTES // (bytes_per_pos * max(1, kv_lens[decodes[i]])))
-        ids = decodes[i : i + chunk]
-        i += len(ids)
-        lens = [kv_lens[j] for j in ids]
-        num_pos = lens[0]
-        idx = torch.tensor(ids, device=block_tables.device)
-        slots = _token_slots(block_tables[idx], lens, num_pos, k_cache.shape[1])  # (n, L)
-        k = _gather(k_cache, slots, k_bufs)  # (n, L, KVH, D)
-        v = _gather(v_cache, slots, v_bufs)
-        rows = torch.tensor([starts[j] for j in ids], device=q.device)
-        visible = slots.new_tensor(lens)[:, None] > torch.arange(num_pos, device=q.device)  # (n, L)
-        qc = q[rows].float()[:, :, None]  # (n, H, 1, D)
-        o = _sdpa(qc, k, v, visible[:, None, None], scale)  # (n, H, 1, D)
-        out[rows] = o[:, :, 0].to(out.dtype)
+        nb = num_blocks[i]
+        j = min(len(decodes), i + max(1, _CHUNK_BYTES // (block_bytes * nb)))
+        index = tables[i:j, :nb].flatten()
+        a, b = tail_ends[i], tail_ends[j]
+        tail = (tail_seq[a:b] - i) * (nb * block_size) + tail_pos[a:b]
+        k = _gather_blocks(k_cache, index, tail, k_bufs).view(j - i, -1, num_kv_heads, head_dim)
+        v = _gather_blocks(v_cache, index, tail, v_bufs).view(j - i, -1, num_kv_heads, head_dim)
+        mask = visible[i:j, : nb * block_size][:, None, None]  # (c, 1, 1, L)
+        o = _sdpa(qs[i:j], k, v, mask, scale)  # (c, KVH, group, D)
+        out.index_copy_(0, rows[i:j], o.reshape(j - i, num_heads, head_dim).to(out.dtype))
+        i = j
 
 
-def _token_slots(
-    block_tables: torch.Tensor, kv_lens: list[int], num_pos: int, block_size: int
+def _decode_tables(
+    block_tables: torch.Tensor, decodes: list[int], num_blocks: list[int]
 ) -> torch.Tensor:
-    """Cache slot of positions 0..num_pos-1 of each sequence: (n, num_pos) int64.
+    """Block ids of the sequences ``decodes`` (longest first, ``num_blocks`` each): int64
+    (n, num_blocks[0]). Entries past a sequence's last block (null or stale) point at the
+    first block of the longest sequence, which is real and full whenever any sequence has
+    more than one block, so every gathered block but the sequences' own last ones is finite."""
+    order = torch.tensor(decodes, device=block_tables.device)
+    tables = block_tables.index_select(0, order)[:, : num_blocks[0]].long()
+    col = torch.arange(num_blocks[0], device=block_tables.device)
+    past = col[None, :] >= order.new_tensor(num_blocks)[:, None]
+    return torch.where(past, tables[:1, :1], tables)
 
-    Positions at or past a sequence's length point at its position 0, so the gathered values
-    there are finite; the attention mask hides them.
-    """
-    pos = torch.arange(num_pos, device=block_tables.device)  # (L,)
-    blocks = block_tables[:, : -(-num_pos // block_size)].long()  # (n, nb)
-    slots = blocks[:, pos // block_size] * block_size + pos % block_size  # (n, L)
-    inside = pos[None, :] < pos.new_tensor(kv_lens)[:, None]  # (n, L)
-    return torch.where(inside, slots, slots[:, :1])
+
+def _tail_rows(lens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions past each sequence's end inside its last block, the cache rows that may
+    hold garbage after a block gather: (sequence, position) pairs, sequences ascending."""
+    last_start = (lens - 1) // block_size * block_size  # (n,)
+    offsets = torch.arange(block_size, device=lens.device)
+    seq, off = (offsets[None, :] >= (lens - last_start)[:, None]).nonzero(as_tuple=True)
+    return seq, last_start[seq] + off
 
 
 @dataclass
 class _GatherBuffers:
-    """Scratch rows reused by successive gathers: ``raw`` in the cache dtype, and ``f32`` for
-    the float32 copy when the cache is not float32 already."""
+    """Scratch blocks reused by successive gathers: ``raw`` in the cache dtype, and ``f32``
+    for the float32 copy when the cache is not float32 already."""
 
-    raw: torch.Tensor  # (rows, KVH, D) cache dtype
-    f32: torch.Tensor | None  # (rows, KVH, D) float32
+    raw: torch.Tensor  # (blocks, block_size, KVH, D) cache dtype
+    f32: torch.Tensor | None  # (blocks * block_size, KVH, D) float32
 
     @classmethod
-    def allocate(cls, cache: torch.Tensor, rows: int) -> _GatherBuffers:
-        raw = cache.new_empty(rows, *cache.shape[2:])
-        f32 = None if cache.dtype == torch.float32 else raw.float()
+    def allocate(cls, cache: torch.Tensor, blocks: int) -> _GatherBuffers:
+        raw = cache.new_empty(blocks, *cache.shape[1:])
+        f32 = None if cache.dtype == torch.float32 else raw.flatten(0, 1).float()
         return cls(raw, f32)
 
 
-def _gather(
-    cache: torch.Tensor, slots: torch.Tensor, bufs: _GatherBuffers | None = None
+def _gather_blocks(
+    cache: torch.Tensor, index: torch.Tensor, zero_rows: torch.Tensor, bufs: _GatherBuffers
 ) -> torch.Tensor:
-    """Rows of ``cache`` at ``slots`` (n, L) as float32 (n, L, KVH, D), written into the
-    start of ``bufs`` when given (the result is then only valid until their next use)."""
-    flat = cache.reshape(-1, *cache.shape[2:])  # (num_blocks * block_size, KVH, D)
-    index = slots.flatten()
-    if bufs is None:
-        rows = torch.index_select(flat, 0, index).float()
-    else:
-        rows = torch.index_select(flat, 0, index, out=bufs.raw[: index.numel()])
-        if bufs.f32 is not None:
-            rows = bufs.f32[: index.numel()].copy_(rows)
-    return rows.view(*slots.shape, *cache.shape[2:])
+    """Blocks ``index`` of ``cache`` as float32 rows (len(index) * block_size, KVH, D), rows
+    ``zero_rows`` set to 0, in the start of ``bufs`` (valid until their next use). A float32
+    cache is gathered straight into the result, with no extra copy."""
+    raw = torch.index_select(cache, 0, index, out=bufs.raw[: index.numel()]).flatten(0, 1)
+    raw.index_fill_(0, zero_rows, 0)
+    if bufs.f32 is None:
+        return raw
+    return bufs.f32[: raw.shape[0]].copy_(raw)
 
 
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """SDPA with grouped KV heads. q: (n, H, Q, D); k, v: (n, L, KVH, D); visible: bool
-    broadcastable to (n, H, Q, L). Returns (n, H, Q, D)."""
+    broadcastable to (n, H, Q, L). Returns (n, H, Q, D). Decodes pass H = KVH, each KV
+    head's group of query heads as its Q rows. The one place attention is computed (tests
+    substitute it)."""
     return F.scaled_dot_product_attention(
         q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible, scale=scale,
         enable_gqa=q.shape[1] != k.shape[2],

@@ -156,6 +156,48 @@ def test_reference_leaves_unused_rows_of_out() -> None:
     assert rel_err(out[:-2], dense_attention(b)) < 1e-5
 
 
+def decode_specs(bs: int) -> list[tuple[int, int]]:
+    """Ragged decodes: lengths 1, on and around block boundaries, and several blocks long."""
+    return [(1, n) for n in (1, bs - 1, bs, bs + 1, 2 * bs, 3 * bs - 1, 5 * bs, 7, 4 * bs + 3)]
+
+
+def _stale_tables(b: PagedBatch) -> None:
+    """Point the unused block-table entries (null block 0) at unused NaN blocks instead:
+    stale ids left by a freed sequence must not be read either."""
+    used = set(b.block_tables.flatten().tolist()) - {0}
+    spare = [i for i in range(1, b.k_cache.shape[0]) if i not in used]
+    b.block_tables[b.block_tables == 0] = spare[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,head_dim,block_size", LAYOUTS)
+@pytest.mark.parametrize("kind", ["decode", "short-decode", "mixed"])
+def test_reference_decode_chunks(
+    monkeypatch: pytest.MonkeyPatch, kind: str, group: int, head_dim: int, block_size: int,
+    dtype: torch.dtype,
+) -> None:
+    """The batched decode path against the per-sequence dense loop: chunks forced small (so
+    chunks of different widths and single-sequence chunks occur), stale table entries,
+    decodes that all fit one block ("short-decode"), decodes among prefills, into ``out``."""
+    from omnibus.kernels.attention import reference
+
+    specs = {
+        "decode": decode_specs(block_size),
+        "short-decode": [(1, 1), (1, block_size), (1, 3), (1, block_size - 1)],
+        "mixed": [s for pair in zip(decode_specs(block_size), mixed_specs(block_size))
+                  for s in pair],
+    }[kind]
+    row_bytes = NUM_KV_HEADS * head_dim * 4
+    monkeypatch.setattr(reference, "_CHUNK_BYTES", 3 * block_size * row_bytes)
+    b = make_batch(specs, group, head_dim, block_size, seed=block_size + group, dtype=dtype)
+    _stale_tables(b)
+    out = torch.full_like(b.q, float("nan"))
+    got = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.query_start_loc,
+                              b.seq_lens, b.scale, out=out)
+    assert got is out and not out.isnan().any()
+    assert rel_err(out, dense_attention(b)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @needs_triton
 @pytest.mark.parametrize("group,head_dim,block_size", LAYOUTS)
 def test_triton_matches_reference(group: int, head_dim: int, block_size: int) -> None:
