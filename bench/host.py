@@ -157,7 +157,7 @@ def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int) 
 
 
 def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
-            ttft_requests: int = 0, step_loop: str = "auto") -> dict:
+            ttft_requests: int = 0, step_loop: str = "auto", stream_interval: int = 1) -> dict:
     """The stream levels (none when `streams` is empty) and, when `ttft_requests`, the
     unloaded TTFT of the three paths, measured first on the freshly started processes.
     The in-process engines run on one torch thread, as `omnibus-engine` runs the null
@@ -169,7 +169,8 @@ def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
         flags = ("--load-format", "null", "--max-num-seqs", str(engine_seats),
                  "--step-loop", step_loop)
         result: dict = {}
-        with engine_and_router(model, tmp_path, flags) as (engine, router):
+        router_flags = ("--stream-interval", str(stream_interval))
+        with engine_and_router(model, tmp_path, flags, router_flags) as (engine, router):
             if ttft_requests:
                 with floor_process(tmp_path) as floor:
                     result["ttft"] = unloaded_ttft(model, flags, engine.address, router.address,
@@ -517,6 +518,7 @@ def main() -> None:
     ap.add_argument("--ttft-requests", type=int, default=TTFT_REQUESTS, help="per path")
     ap.add_argument("--step-loop", default="auto", choices=["auto", "process", "thread"],
                     help="the engine's --step-loop (the in-process TTFT path is a thread either way)")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the router's --stream-interval")
     ap.add_argument("--serve-floor", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_floor:  # the child process of floor_process
@@ -526,8 +528,9 @@ def main() -> None:
         return
     streams = () if args.only == "ttft" else tuple(int(x) for x in args.streams.split(","))
     ttft_requests = 0 if args.only == "streams" else args.ttft_requests
-    result = measure(args.repeats, streams, args.engine_seats, ttft_requests, args.step_loop)
-    result["step_loop"] = args.step_loop
+    result = measure(args.repeats, streams, args.engine_seats, ttft_requests, args.step_loop,
+                     args.stream_interval)
+    result["step_loop"], result["stream_interval"] = args.step_loop, args.stream_interval
     result["label"] = args.label or git_label()
     print(json.dumps(result, indent=1))
     if args.save_json:

@@ -239,6 +239,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "reading) has its engine work aborted and its seat freed (outcome client_stalled)",
     )
     g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=_DEFAULTS["stream_interval"],
+        help="send a client message once this many new tokens are ready (the first token and "
+        "the finish go at once): fewer, larger messages cost the router less CPU per token; "
+        "1: every engine update as it arrives",
+    )
+    g.add_argument(
         "--drain-seconds",
         type=float,
         default=_DEFAULTS["drain_seconds"],

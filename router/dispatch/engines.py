@@ -99,7 +99,7 @@ class EngineClient:
         would. Closing the generator early aborts the request (its KV freed in a step)."""
         if self._session is None or self._session.closed:
             self._session = EngineSession(self.stub, self.address)
-        return self._session.generate(request, timeout)
+        return self._session.generate(request, timeout, self._config.stream_interval)
 
     # ---- capacity ------------------------------------------------------------
 

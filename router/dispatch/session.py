@@ -34,12 +34,15 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 class _Slot:
     """One open request's outputs between the session reader and its consumer: at most
-    one pending output (later ones are merged into it) and then, perhaps, an error."""
+    one pending output (later ones are merged into it) and then, perhaps, an error. The
+    consumer takes it once it holds `interval` tokens, its first token or its finish."""
 
-    __slots__ = ("request_id", "pending", "error", "waiter")
+    __slots__ = ("request_id", "interval", "started", "pending", "error", "waiter")
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, interval: int = 1) -> None:
         self.request_id = request_id
+        self.interval = interval
+        self.started = False  # a token has been taken
         self.pending: EngineOutput | None = None
         self.error: grpc.aio.AioRpcError | None = None
         self.waiter: asyncio.Future[None] | None = None
@@ -49,7 +52,13 @@ class _Slot:
             self.pending = out
         else:  # not taken yet: token ids and logprobs append, counts and finish update
             self.pending.MergeFrom(out)
-        self._wake()
+        if self._ready():
+            self._wake()
+
+    def _ready(self) -> bool:
+        out = self.pending
+        return out is not None and (
+            not self.started or out.finish_reason != 0 or len(out.token_ids) >= self.interval)
 
     def fail(self, error: grpc.aio.AioRpcError) -> None:
         if self.error is None:
@@ -61,12 +70,15 @@ class _Slot:
             self.waiter.set_result(None)
 
     async def next(self) -> EngineOutput:
-        while self.pending is None:
+        while not self._ready():
             if self.error is not None:
+                if self.pending is not None:
+                    break  # the tokens it has first (a continuation resumes after them)
                 raise self.error
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
         out, self.pending = self.pending, None
+        self.started = self.started or bool(out.token_ids)
         return out
 
 
@@ -88,17 +100,19 @@ class EngineSession:
         return len(self._slots)
 
     async def generate(
-        self, request: engine_pb2.EngineGenerateRequest, timeout: float | None = None
+        self, request: engine_pb2.EngineGenerateRequest, timeout: float | None = None,
+        interval: int = 1,
     ) -> AsyncGenerator[EngineOutput, None]:
         """Runs `request` (its request_id unique on the engine) and yields its outputs;
-        the last has finish_reason set. `timeout`: seconds left of its deadline. Closing
-        the generator early aborts the request on the engine."""
+        the last has finish_reason set. `timeout`: seconds left of its deadline;
+        `interval`: after the first token, outputs are held until they carry this many
+        tokens (or the finish). Closing the generator early aborts the request."""
         if self.closed:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"the session to {self._address} has ended")
         if timeout is not None and timeout <= 0:
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         handle = self._handle()
-        slot = self._slots[handle] = _Slot(request.request_id)
+        slot = self._slots[handle] = _Slot(request.request_id, interval)
         request.handle = handle
         timer = None
         if timeout is not None:

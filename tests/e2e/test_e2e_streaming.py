@@ -303,3 +303,24 @@ async def test_cancelling_200_streams_at_random_moments_frees_every_kv_block(clu
     wait_idle_and_check_blocks(*engines)
     reached = sum(engine_stats(e.address).num_requests for e in engines) - before
     assert 0 < reached < 200  # some were cancelled before leaving the router's queue
+
+
+def test_a_stream_interval_sends_fewer_larger_messages_with_the_same_tokens(cluster, tmp_path):
+    """--stream-interval 4: after the first message (its token is never held: see
+    test_session), messages of at least four tokens until the last; the tokens and text
+    are the ones every update would have carried."""
+    router = router_process(cluster.model, [cluster.engine_a.address], tmp_path, "router-interval",
+                            "--stream-interval", "4")
+    try:
+        router.wait_serving()
+        text = "Once upon a time the quick brown fox"
+        responses = list(stub(router).Generate(pb.GenerateRequest(text=text, sampling=greedy(24))))
+    finally:
+        router.stop()
+    ids = [t for r in responses for t in r.token_ids]
+    prompt = cluster.tokenizer.encode(text).ids
+    assert ids == hf_greedy(load_hf(cluster.model), prompt, 24)
+    assert "".join(r.text for r in responses) == cluster.tokenizer.decode(ids)
+    sizes = [len(r.token_ids) for r in responses]
+    assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 1 + 23 // 4 + 1
+    assert responses[-1].finish_reason == pb.LENGTH and responses[-1].usage.completion_tokens == 24

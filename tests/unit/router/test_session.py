@@ -31,3 +31,36 @@ async def test_an_error_follows_the_tokens_before_it():
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await slot.next()
     assert (err.value.code(), err.value.details()) == (grpc.StatusCode.UNAVAILABLE, "engine gone")
+
+
+async def test_a_stream_interval_holds_tokens_after_the_first_until_it_has_enough():
+    import asyncio
+
+    slot = _Slot("r", interval=3)
+
+    async def taken_now() -> list[int] | None:
+        """The output next() returns at once, or None when it waits."""
+        task = asyncio.ensure_future(slot.next())
+        await asyncio.sleep(0)
+        if task.done():
+            return list(task.result().token_ids)
+        task.cancel()
+        return None
+
+    slot.push(Out(token_ids=[5], num_output_tokens=1))
+    assert await taken_now() == [5]  # the first token goes at once (TTFT)
+    slot.push(Out(token_ids=[6], num_output_tokens=2))
+    slot.push(Out(token_ids=[7], num_output_tokens=3))
+    assert await taken_now() is None  # two of three
+    slot.push(Out(token_ids=[8], num_output_tokens=4))
+    assert await taken_now() == [6, 7, 8]
+    slot.push(Out(token_ids=[9], num_output_tokens=5, finish_reason=2))
+    assert await taken_now() == [9]  # the finish goes at once
+    held = _Slot("h", interval=4)
+    held.push(Out(token_ids=[1]))
+    await held.next()
+    held.push(Out(token_ids=[2]))
+    held.fail(rpc_error(grpc.StatusCode.UNAVAILABLE, "engine gone"))
+    assert list((await held.next()).token_ids) == [2]  # an error releases what is held first
+    with pytest.raises(grpc.aio.AioRpcError):
+        await held.next()
