@@ -21,6 +21,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -119,7 +120,9 @@ class ThreadCore:
 
 class ProcessCore:
     """The step loop in a spawned process of its own. Building it loads the engine there
-    (model, warm-up, preloads) and raises EngineLoadError if that fails."""
+    (model, warm-up, preloads) and raises EngineLoadError if that fails. Build it on a
+    thread that lives as long as the server (the main thread): on Linux the process is
+    killed when the thread that started it ends."""
 
     def __init__(self, config: EngineConfig, log_level: str = "info") -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -127,7 +130,8 @@ class ProcessCore:
         self._conn, child = ctx.Pipe()
         shared = ctx.RawArray("d", 3)
         self.heartbeat = Heartbeat(shared)
-        self._process = ctx.Process(target=_core_main, args=(config, child, shared, log_level),
+        self._process = ctx.Process(target=_core_main,
+                                    args=(config, child, shared, log_level, os.getpid()),
                                     name="omnibus-engine-core", daemon=True)
         self._process.start()
         child.close()
@@ -217,10 +221,11 @@ class ProcessCore:
 
 
 def _core_main(config: EngineConfig, conn: multiprocessing.connection.Connection,
-               shared, log_level: str) -> None:
+               shared, log_level: str, server_pid: int) -> None:
     from omnibus.common.logs import configure_logging
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the server drains, then stops us
+    _die_with(server_pid)
     configure_logging(log_level)
     try:
         engine = load_engine(config)
@@ -232,6 +237,19 @@ def _core_main(config: EngineConfig, conn: multiprocessing.connection.Connection
         return
     conn.send(("ready", engine.model_config.max_model_len, engine.stats()))
     StepLoop(engine, _PipeInbox(conn), _PipeOutlet(conn), Heartbeat(shared)).run()
+
+
+def _die_with(server_pid: int) -> None:
+    """SIGKILL this process when the server process dies, however it dies (Linux): after
+    the watchdog exits the server over a hung step, the step's process must not keep the
+    device. The pipe's end covers a server that merely stops."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != server_pid:  # it died before the prctl
+        os._exit(1)
 
 
 class _PipeInbox:

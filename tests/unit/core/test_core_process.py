@@ -119,3 +119,37 @@ async def test_a_killed_core_fails_its_requests_and_refuses_new_ones(config):
             aengine.add("late", [5], params, dest=None)  # type: ignore[arg-type]
     finally:
         aengine.shutdown()
+
+
+def test_the_core_dies_with_its_server_process(config):
+    """A server killed outright (or exited by its watchdog over a hung step) leaves no
+    step-loop process holding the device."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import sys, time\n"
+        "from omnibus.engine.config import EngineConfig\n"
+        "from omnibus.engine.serving.core import ProcessCore\n"
+        f"core = ProcessCore(EngineConfig(model={config.model!r}, num_kv_blocks=32))\n"
+        "print(core.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(server.stdout.readline())
+        os.kill(core_pid, signal.SIGSTOP)  # as if hung in a step: it cannot see the pipe close
+    finally:
+        server.kill()
+        server.wait()
+    for _ in range(500):
+        try:
+            os.kill(core_pid, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{core_pid}/stat") as f:  # a zombie of init's is gone for good
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"the step-loop process {core_pid} outlived its server")
