@@ -35,3 +35,27 @@ def test_cuda_graphs_and_kernels_match_eager_and_transformers(tmp_path):
         assert 0.0 <= meter.idle_share < 1.0 and meter.busy_ms > 0
         engine.check_integrity()
     assert outs[True, True] == outs[True, False] == outs[False, False] == expected
+
+
+async def test_the_process_step_loop_on_cuda_streams_transformers_tokens(tmp_path):
+    """`--step-loop auto` puts the step loop in its own process on CUDA: the spawned process
+    builds the engine on the device (graphs, overlap) and its tokens come back exact."""
+    from omnibus.engine.serving.async_engine import AsyncEngine
+    from omnibus.engine.serving.core import ProcessCore
+
+    path = make_checkpoint(tmp_path / "m", "llama")
+    prompts = [[5 + (i * 11 + j) % 300 for j in range(n)] for i, n in enumerate((3, 17, 64))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    hf = load_hf(path)
+    expected = [hf_greedy(hf, p, 12) for p in prompts]
+    aengine = AsyncEngine(ProcessCore(EngineConfig(model=str(path), device="cuda", dtype="float32",
+                                                   kv_cache_memory=64 << 20)))
+    aengine.start()
+    try:
+        got = []
+        for i, prompt in enumerate(prompts):
+            got.append([t async for out in aengine.generate(f"g{i}", prompt, params)
+                        for t in out.new_token_ids])
+        assert got == expected
+    finally:
+        aengine.shutdown()
