@@ -111,6 +111,9 @@ class AsyncEngine:
         self._dests[request_id] = dest
         self.core.send(Add(request_id, list(prompt_token_ids), params, priority, adapter, tenant,
                            weight, deadline))
+        if self.error is not None and self._dests.pop(request_id, None) is not None:
+            # the loop died after the check and before `crashed` saw this destination
+            raise RuntimeError("the engine step loop is not running")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, adapter: str | None = None, tenant: str = "",
@@ -195,10 +198,10 @@ class AsyncEngine:
 
     def step(self, outputs: list[Delivery], stats: Callable[[], EngineStats] | None,
              settled: bool) -> None:
+        if outputs:  # before the stats: whoever sees the engine settled has its outputs queued
+            self._deliver(outputs)
         if stats is not None:
             self._stats = stats()
-        if outputs:
-            self._deliver(outputs)
 
     def _deliver(self, items: list[Delivery]) -> None:
         """One call per destination; a finished or refused request's destination is dropped."""
@@ -216,13 +219,13 @@ class AsyncEngine:
                 else:
                     batch.append(item)
         for dest, batch in batches.items():
-            dest.loop.call_soon_threadsafe(dest.deliver, batch)
+            _call_soon(dest.loop, dest.deliver, batch)
 
     def reply(self, call_id: int, result: object, error: BaseException | None) -> None:
         call = self._calls.get(call_id)
         if call is not None:
             loop, future = call
-            loop.call_soon_threadsafe(_settle, future, result, error)
+            _call_soon(loop, _settle, future, result, error)
 
     def crashed(self, error: BaseException) -> None:
         self.error = error
@@ -230,6 +233,15 @@ class AsyncEngine:
         self._deliver([Refused(rid, failure) for rid in list(self._dests)])
         for call_id in list(self._calls):
             self.reply(call_id, None, failure)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: object) -> None:
+    """`fn(*args)` on `loop`; nothing if that loop has closed (its caller is gone), which
+    must not kill the thread handing outputs over."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed"
+        pass
 
 
 def _settle(future: asyncio.Future, result: object, exc: BaseException | None) -> None:

@@ -171,18 +171,18 @@ class ProcessCore:
         self._reader.start()
 
     def send(self, cmd: Command) -> None:
-        with self._send_lock:
-            self._conn.send(cmd)
+        try:
+            with self._send_lock:
+                self._conn.send(cmd)
+        except OSError:  # the core is gone: its reader reports that (crashed) to everyone
+            pass
 
     def is_alive(self) -> bool:
         return self._process.is_alive() and self._reader is not None and self._reader.is_alive()
 
     def stop(self, timeout: float) -> None:
         self._stopping = True
-        try:
-            self.send(None)
-        except OSError:  # already gone
-            pass
+        self.send(None)
         self._process.join(timeout)
         if self._process.is_alive():
             log.warning("engine_core_kill", pid=self._process.pid)

@@ -153,3 +153,29 @@ def test_the_core_dies_with_its_server_process(config):
                 return
         time.sleep(0.01)
     raise AssertionError(f"the step-loop process {core_pid} outlived its server")
+
+
+def test_a_closed_loop_s_destination_does_not_stop_the_others():
+    """A caller whose event loop has closed (it left) must not kill the thread that hands
+    outputs over: the next destinations still get theirs, in one call each."""
+    import types
+
+    from omnibus.engine.core.sequence import RequestOutput
+
+    core = types.SimpleNamespace(config=None, max_model_len=0, heartbeat=None, first_stats=None)
+    aengine = AsyncEngine(core)  # type: ignore[arg-type]
+    gone, alive = asyncio.new_event_loop(), asyncio.new_event_loop()
+    gone.close()
+    got: list = []
+
+    class Dest:  # hashable, as the server's sessions and sinks are
+        def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+            self.loop, self.deliver = loop, got.append
+
+    aengine._dests.update(old=Dest(gone), new=Dest(alive))
+    aengine.step([RequestOutput("old", [1], finished=True), RequestOutput("new", [2])], None, False)
+    alive.call_soon(alive.stop)
+    alive.run_forever()
+    alive.close()
+    assert [[o.request_id for o in batch] for batch in got] == [["new"]]
+    assert "old" not in aengine._dests and "new" in aengine._dests
