@@ -19,7 +19,7 @@ from omnibus.common.grpc_server import (
     Service,
     build_server,
     set_health,
-    wait_for_signal,
+    stop_on_signal,
 )
 from omnibus.router.admission.auth import KeyStore
 from omnibus.router.admission.validation import ModelLimits, load_tokenizer
@@ -126,6 +126,7 @@ class _HealthTracker:
 
 async def serve(config: RouterConfig) -> None:
     """Runs the router until SIGTERM or SIGINT, then drains for config.drain_seconds."""
+    stop = stop_on_signal()
     tokenizer = load_tokenizer(config.model)
     limits = ModelLimits.load(config)
     chat = ChatTemplate.load(config.model) if config.http_port else None
@@ -167,7 +168,7 @@ async def serve(config: RouterConfig) -> None:
         tenants=[t.name for t in keys.tenants],
         admin_api=keys.admin_enabled,
     )
-    await wait_for_signal()
+    await stop.wait()
     log.info("router_draining", seconds=config.drain_seconds)
     tracker.draining = True
     tracker.update()

@@ -123,10 +123,12 @@ async def set_health(
         await servicer.set(name, status)
 
 
-async def wait_for_signal() -> None:
-    """Returns at the first SIGTERM or SIGINT (what starts a drain)."""
+def stop_on_signal() -> asyncio.Event:
+    """An event set at the first SIGTERM or SIGINT (what starts a drain). The handlers are
+    on the running loop from now on: call it before starting, so a signal that comes while
+    the server starts is a drain once it has started, not a traceback."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
