@@ -135,8 +135,9 @@ class _Live:
 
 
 class _Session:
-    """One router's Session stream. `deliver` (from the step thread, once per step) turns
-    its requests' outputs into entries of the pending update; the stream's writer sends
+    """One router's Session stream. `deliver` (handed each step's outputs by the step loop,
+    run on this server's event loop) turns its requests' outputs into entries of the
+    pending update; the stream's writer sends
     whatever is pending when it can, so steps the router has not read yet are merged."""
 
     def __init__(self, service: EngineService, loop: asyncio.AbstractEventLoop) -> None:

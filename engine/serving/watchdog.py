@@ -81,7 +81,8 @@ class Heartbeat:
 
 
 def exit_process(message: str) -> None:
-    """Leaves now: the step thread cannot be stopped, and a clean shutdown would wait on it."""
+    """Leaves now: a stalled step cannot be stopped, and a clean shutdown would wait on it
+    (a step-loop process dies with this one: engine/serving/core.py)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(EXIT_CODE)
