@@ -149,9 +149,9 @@ def _noisy_steps(model: Path, budget: int, vocab: int, seconds: float, rng: rand
     waits: list[int] = []
     steps: list[float] = []
     now = time.monotonic()
-    end, next_b = now + seconds, now + rng.expovariate(2.0)
-    while time.monotonic() < end:
-        if time.monotonic() >= next_b:
+    end, next_b = now + seconds, now  # B's first request comes at once, then Poisson (2/s)
+    while time.monotonic() < end or waiting:  # past the end: only until B's last first token
+        if next_b <= time.monotonic() < end:
             waiting[add("b", 16, 8)] = (time.monotonic(), len(steps))
             next_b = time.monotonic() + rng.expovariate(2.0)
         t = time.perf_counter()
@@ -284,8 +284,9 @@ b_router_queue_p99_ms: B's time in the router's queue (the response's timing).
 {_table(n, ['b_done', 'b_ttft_p50_ms', 'b_ttft_p99_ms', 'b_router_queue_p99_ms', 'a_done', 'a_tok_s'])}
 
 The same mix against the engine alone, in process (no router, client or gRPC on the
-cores; `--waiting-order slo`): A keeps {2 * SEATS} requests, B arrives Poisson 2/s between
-steps. b_steps: engine steps from B's arrival to its first token (1: the next step).
+cores; `--waiting-order slo`): A keeps {2 * SEATS} requests, B's first request comes at the
+start and the rest Poisson 2/s between steps; the run goes on past its end until B's last
+request has its first token. b_steps: engine steps from B's arrival to its first token (1: the next step).
 
 {_table(r['noisy_steps'], ['b_done', 'b_steps_p50', 'b_steps_max', 'b_ttft_p50_ms', 'b_ttft_p99_ms', 'step_p50_ms', 'step_max_ms', 'preemptions'])}
 

@@ -67,7 +67,6 @@ class AsyncEngine:
         self._call_ids = itertools.count()
         self._embed_config = embed_batching or BatcherConfig()
         self._batcher: DynamicBatcher | None = None
-        self._started = False
         self.error: BaseException | None = None  # set if the step loop died
 
     @property
@@ -78,7 +77,6 @@ class AsyncEngine:
         return self.core.engine
 
     def start(self) -> None:
-        self._started = True
         self.core.start(self)
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -95,7 +93,7 @@ class AsyncEngine:
         return self._stats
 
     def _check_running(self) -> None:
-        if self.error is not None or not self._started or not self.core.is_alive():
+        if self.error is not None or not self.core.is_alive():  # not started, or gone
             raise RuntimeError("the engine step loop is not running")
 
     def abort(self, request_id: str) -> None:

@@ -150,13 +150,11 @@ class ProcessCore:
         return self._process.pid
 
     def _wait_ready(self) -> tuple[int, EngineStats]:
-        while not self._conn.poll(0.5):
-            if not self._process.is_alive():
-                raise EngineLoadError(
-                    f"the engine core process exited (code {self._process.exitcode}) while loading")
+        while not self._conn.poll(0.5) and self._process.is_alive():
+            pass
         try:
             msg = self._conn.recv()
-        except EOFError:
+        except EOFError:  # it died without a word (killed, or a crash below Python)
             self._process.join(5.0)
             raise EngineLoadError(
                 f"the engine core process exited (code {self._process.exitcode}) while loading"

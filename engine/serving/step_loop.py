@@ -119,7 +119,7 @@ class StepLoop:
     heartbeat: Heartbeat
     _loads: list[Call] = field(default_factory=list)  # adapter loads waiting on the disk
     _embeds: collections.deque[Call] = field(default_factory=collections.deque)  # one per step
-    _refused: list[Delivery] = field(default_factory=list)  # adds refused since the last step
+    _refused: list[Delivery] = field(default_factory=list)  # adds refused by this drain
 
     def run(self) -> None:
         """Until a None command (or a closed inbox); a crash is reported, not raised."""
@@ -141,8 +141,6 @@ class StepLoop:
                 steps = engine.num_steps
                 outputs = engine.step()
                 self.heartbeat.end()
-                if self._refused:
-                    outputs, self._refused = self._refused + outputs, []
                 self.outlet.step(outputs, engine.stats, not engine.has_unfinished())
                 if self._loads:
                     self._poll_loads()
@@ -169,10 +167,9 @@ class StepLoop:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 break
-        if self._refused and not self.engine.has_unfinished():
-            # no step will carry them: hand them over now
+        if self._refused:  # at once, not with the next step's outputs
             refused, self._refused = self._refused, []
-            self.outlet.step(refused, self.engine.stats, True)
+            self.outlet.step(refused, self.engine.stats, not self.engine.has_unfinished())
         return True
 
     def _apply(self, cmd: Command) -> None:

@@ -1,11 +1,10 @@
 """Late binding of queued requests to engines.
 
-Requests wait in the router's queue until some engine has room; the matching is one
-synchronous pass, so two requests never race for the same slot. It runs whenever
-something changes (a request arrives, a request finishes, an engine reports; a request
-into an empty queue is matched at once, in its own task) and hands each request,
-best-ranked first, the engine with the most room. A request for a LoRA adapter goes
-only to engines that have the adapter, preferring the one where it is
+Requests wait in the router's queue until some engine has room; one task owns the
+matching, so two requests never race for the same slot. It runs whenever something
+changes (a request arrives, a request finishes, an engine reports) and hands each
+request, best-ranked first, the engine with the most room. A request for a LoRA
+adapter goes only to engines that have the adapter, preferring the one where it is
 most ready (adapter affinity: in a device slot, then in host memory, then on disk),
 then the best score; while no engine with its adapter has room, requests behind it
 that can run elsewhere pass it.
@@ -107,14 +106,9 @@ class Dispatcher:
         self._wake.set()
 
     def submit(self, ticket: Ticket) -> None:
-        """Queues `ticket`; into an empty queue it is matched at once (its future may be
-        done on return), which spares the loop pass of waking the dispatcher's task."""
         self._weights[ticket.tenant] = ticket.weight
         self.queue.push(ticket, ticket.priority, ticket.cost, ticket.arrival, ticket.tenant)
-        if len(self.queue) == 1:
-            self._match()
-        else:
-            self.notify()
+        self.notify()
 
     def withdraw(self, ticket: Ticket) -> None:
         """The request stopped waiting (cancel, deadline): forget it, and give back the
