@@ -45,10 +45,11 @@ from omnibus.bench.processes import (
     ServerProcess,
     engine_and_router,
     engine_configs,
+    engine_process,
     free_port,
+    router_process,
     torch_threads,
 )
-from omnibus.bench.report import replace_section
 from omnibus.bench.serve import RunConfig, run_workload
 from omnibus.bench.stats import percentile
 from omnibus.bench.workloads import BenchRequest
@@ -68,6 +69,11 @@ TTFT_MAX_TOKENS = 4
 TTFT_GAP_S = 0.03
 FLOOR_SERVICE = "omnibus.bench.Floor"  # the transport floor's bare server (serve_floor)
 TTFT_MARKER = "<!-- bench.host: unloaded TTFT; `--only ttft` rewrites from here to the end -->"
+PACED_MARKER = "<!-- bench.host: GPU-paced; `--only paced` rewrites from here to the TTFT part -->"
+PACED_STREAMS = 256
+# A step time at which PACED_STREAMS sequences decode ASSUMED_GPU_TOKENS_S tokens/s.
+PACED_STEP_MS = round(1000 * PACED_STREAMS / ASSUMED_GPU_TOKENS_S, 2)
+PACED_INTERVALS = (1, 4)  # router --stream-interval values measured at that pace
 NULL_CONFIG = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -131,12 +137,25 @@ def requests(n: int, vocab: int, seed: int) -> list[BenchRequest]:
             for _ in range(n)]
 
 
-def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int) -> dict:
-    """One run of `n` concurrent streams; what the client saw and each process's CPU."""
+def engine_steps(address: str) -> int:
+    """Steps the engine at `address` has run since it started (its Stats)."""
+    import grpc
+    from omnibus.v1 import engine_pb2, engine_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=30).num_steps
+
+
+def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int,
+              engine_address: str | None = None) -> dict:
+    """One run of `n` concurrent streams; what the client saw, each process's CPU and,
+    given the engine's address, the tokens its steps carried on average."""
+    steps = engine_steps(engine_address) if engine_address else 0
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     config = RunConfig(target=target, progress=False, timeout_s=600, request_id_prefix=f"host{seed}")
     out = asyncio.run(run_workload(requests(n, vocab, seed), config))
     cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    steps = engine_steps(engine_address) - steps if engine_address else 0
     if "engine_core" in cpu:  # "engine" is all of the engine: its server and step-loop processes
         cpu["engine"] += cpu["engine_core"]
     ok = [r for r in out.results if r.ok]
@@ -151,7 +170,9 @@ def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int) 
         "streams": n, "ok": len(ok), "errors": errors, "tokens": tokens, "duration_s": out.duration,
         "tokens_per_s": tokens / out.duration,
         "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
-        "itl_p99_ms": percentile(itls, 99) * 1e3,
+        "itl_p50_ms": percentile(itls, 50) * 1e3, "itl_p99_ms": percentile(itls, 99) * 1e3,
+        "tokens_per_message": tokens / max(1, sum(len(r.token_counts) for r in ok)),
+        "tokens_per_step": tokens / steps if steps else None,
         "cpu_us_per_token": {name: s / tokens * 1e6 for name, s in cpu.items()},
     }
 
@@ -181,7 +202,8 @@ def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
                 if core is not None:
                     pids["engine_core"] = core
                 run_level(router.address, pids, 16, vocab, seed=999)  # warm-up: connections, caches
-                result["runs"] = [run_level(router.address, pids, n, vocab, seed=r)
+                result["runs"] = [run_level(router.address, pids, n, vocab, seed=r,
+                                            engine_address=engine.address)
                                   for n in streams for r in range(repeats)]
         if streams:
             result["in_process"] = in_process_rate(model, vocab, engine_seats)
@@ -205,19 +227,137 @@ def in_process_rate(model: Path, vocab: int, seats: int, n: int = 256) -> dict:
             "cpu_us_per_token": cpu / tokens * 1e6}
 
 
+# ---- at a GPU's pace: the null model's steps take a GPU's step time --------------------------
+
+
+async def floor_stream(address: str, pid: int, n: int, count: int) -> dict:
+    """`n` concurrent calls to the floor's Stream, `count` messages each: messages/s and
+    the floor process's CPU µs per message."""
+    import grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.unary_stream(f"/{FLOOR_SERVICE}/Stream")
+
+        async def one() -> int:
+            return sum([1 async for _ in call(str(count).encode())])
+
+        await asyncio.gather(*(one() for _ in range(16)))  # warm-up
+        c0, t0 = cpu_seconds(pid), time.perf_counter()
+        messages = sum(await asyncio.gather(*(one() for _ in range(n))))
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - c0
+    return {"streams": n, "messages": messages, "messages_per_s": messages / wall,
+            "cpu_us_per_message": cpu / messages * 1e6}
+
+
+def measure_paced(repeats: int, step_ms: float, intervals: tuple[int, ...],
+                  streams: int = PACED_STREAMS, engine_seats: int = 1024,
+                  step_loop: str = "auto") -> dict:
+    """`streams` streams through a router in front of a null-model engine whose every
+    forward also waits `step_ms` (--null-step-ms), as a GPU step would: one router per
+    --stream-interval in `intervals`, all in front of the one engine, taking turns run by
+    run; after each round, the floor's bare server streaming as many messages."""
+    with torch_threads(1), tempfile.TemporaryDirectory() as tmp:
+        tmp_path = Path(tmp)
+        model = build_model(tmp_path / "model")
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        flags = ("--load-format", "null", "--null-step-ms", str(step_ms),
+                 "--max-num-seqs", str(engine_seats), "--step-loop", step_loop)
+        engine = engine_process(model, tmp_path, "engine", *flags)
+        routers: dict[int, ServerProcess] = {}
+        try:
+            for k in intervals:
+                routers[k] = router_process(model, [engine.address], tmp_path, f"router-{k}",
+                                            "--stream-interval", str(k))
+            engine.wait_serving()
+            for router in routers.values():
+                router.wait_serving()
+            core = step_loop_pid(engine.proc.pid)
+            runs, floors = [], []
+            with floor_process(tmp_path) as floor:
+                for k, router in routers.items():  # warm-up: connections, caches
+                    run_level(router.address, {}, 16, vocab, seed=999)
+                for rep in range(repeats):
+                    for k, router in routers.items():
+                        pids = {"router": router.proc.pid, "engine": engine.proc.pid,
+                                "client": os.getpid()}
+                        if core is not None:
+                            pids["engine_core"] = core
+                        run = run_level(router.address, pids, streams, vocab, seed=rep,
+                                        engine_address=engine.address)
+                        runs.append({**run, "stream_interval": k})
+                    floors.append(asyncio.run(floor_stream(floor.address, floor.proc.pid,
+                                                           streams, OUTPUT_LEN)))
+        finally:
+            for child in (*routers.values(), engine):
+                child.stop()
+    return {"step_ms": step_ms, "streams": streams, "intervals": list(intervals),
+            "runs": runs, "floor": floors}
+
+
+def paced_section(result: dict) -> str:
+    p = result["paced"]
+    lines = [
+        PACED_MARKER, "", f"## At a GPU's pace: {result['label']}", "",
+        (f"`python -m omnibus.bench.host --only paced`. The null model's every forward pass "
+         f"also waits {p['step_ms']:g} ms (`--null-step-ms`; sleeping, as a step waits on a "
+         f"device), the step time at which {p['streams']} sequences decode "
+         f"{ASSUMED_GPU_TOKENS_S:,} tok/s, the H200 rate assumed above. Without it the null "
+         "model steps as fast as the host goes: the router takes a burst of calls in one at a "
+         "time, so few sequences are on the engine at once and its steps carry a few tokens "
+         "each (tokens/step above), unlike a GPU's. "
+         f"{p['streams']} streams sent at once, {PROMPT_LEN}-token prompts, {OUTPUT_LEN} "
+         "output tokens; one router per `--stream-interval`, both in front of the one engine, "
+         "taking turns run by run. CPU µs per streamed token as above. The floor, below the "
+         f"table: the bare grpc.aio server of the TTFT part streaming {OUTPUT_LEN} pre-serialized one-token "
+         f"GenerateResponses on each of {p['streams']} calls at once (its µs per message; its "
+         "client is this benchmark). Values: median (min–max) over the rounds."),
+        "",
+        "| router --stream-interval | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | "
+        "tokens/step | tokens/message | router µs/tok | engine µs/tok | client µs/tok | "
+        "router-core tok/s | engine-process tok/s | failed |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for k in p["intervals"]:
+        runs = [r for r in p["runs"] if r["stream_interval"] == k]
+        cpu = {name: [r["cpu_us_per_token"][name] for r in runs] for name in ("router", "engine", "client")}
+        cols = [
+            spread([r["tokens_per_s"] for r in runs]), spread([r["ttft_p50_ms"] for r in runs]),
+            spread([r["itl_p50_ms"] for r in runs], "{:,.1f}"),
+            spread([r["itl_p99_ms"] for r in runs], "{:,.1f}"),
+            spread([r["tokens_per_step"] for r in runs], "{:,.0f}"),
+            spread([r["tokens_per_message"] for r in runs], "{:.2f}"),
+            spread(cpu["router"], "{:.1f}"), spread(cpu["engine"], "{:.1f}"),
+            spread(cpu["client"], "{:.1f}"),
+            spread([1e6 / x for x in cpu["router"]]), spread([1e6 / x for x in cpu["engine"]]),
+            f"{sum(p['streams'] - r['ok'] for r in runs)} of {p['streams'] * len(runs)}",
+        ]
+        lines.append(f"| {k} | " + " | ".join(cols) + " |")
+    floors = p["floor"]
+    lines += [
+        "",
+        (f"Floor: a bare grpc.aio server streaming one-token messages to {p['streams']} calls "
+         f"at once spent {spread([f['cpu_us_per_message'] for f in floors], '{:.1f}')} CPU µs "
+         f"per message ({spread([f['messages_per_s'] for f in floors])} messages/s). At one "
+         "token per message that is what gRPC alone costs a router per token on this machine."),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 # ---- unloaded TTFT: in process, engine gRPC, router gRPC, the transport floor ----------------
 
 
 async def serve_floor(port: int) -> None:
     """The transport floor: a bare grpc.aio server (health aside, no interceptors, no
     Omnibus code) whose Echo answers each message of a bidi stream with one small
-    message and whose First answers a unary-stream call with one. Raw bytes in and out;
-    the reply parses as an EngineGenerateResponse with one token id."""
+    message, whose First answers a unary-stream call with one (an EngineGenerateResponse
+    with one token id) and whose Stream answers one with as many GenerateResponses of one
+    token as the request's ASCII digits say, serialized once. Raw bytes in and out."""
     import grpc
     from grpc_health.v1 import health, health_pb2_grpc
-    from omnibus.v1 import engine_pb2
+    from omnibus.v1 import engine_pb2, inference_pb2
 
     reply = engine_pb2.EngineGenerateResponse(token_ids=[7]).SerializeToString()
+    token = inference_pb2.GenerateResponse(request_id="floor", text=" word", token_ids=[7]).SerializeToString()
 
     async def echo(requests, context):
         async for _ in requests:
@@ -226,10 +366,15 @@ async def serve_floor(port: int) -> None:
     async def first(request, context):
         yield reply
 
+    async def stream(request, context):  # the request: how many messages, in ASCII digits
+        for _ in range(int(request)):
+            yield token
+
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(FLOOR_SERVICE, {
         "Echo": grpc.stream_stream_rpc_method_handler(echo),
         "First": grpc.unary_stream_rpc_method_handler(first),
+        "Stream": grpc.unary_stream_rpc_method_handler(stream),
     }),))
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -432,16 +577,19 @@ def spread(values: list[float], fmt: str = "{:,.0f}") -> str:
 
 
 def table(result: dict) -> list[str]:
-    lines = ["| streams | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | router µs/tok | "
-             "engine µs/tok | client µs/tok | router-core tok/s | engine-process tok/s | failed |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| streams | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p99 ms | tokens/step | "
+             "router µs/tok | engine µs/tok | client µs/tok | router-core tok/s | "
+             "engine-process tok/s | failed |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for n in sorted({r["streams"] for r in result["runs"]}):
         runs = [r for r in result["runs"] if r["streams"] == n]
         cpu = {k: [r["cpu_us_per_token"][k] for r in runs] for k in ("router", "engine", "client")}
+        per_step = [r["tokens_per_step"] for r in runs if r.get("tokens_per_step")]
         cols = [
             spread([r["tokens_per_s"] for r in runs]),
             spread([r["ttft_p50_ms"] for r in runs]), spread([r["ttft_p99_ms"] for r in runs]),
             spread([r["itl_p99_ms"] for r in runs], "{:,.1f}"),
+            spread(per_step, "{:,.0f}") if per_step else "–",
             spread(cpu["router"], "{:.1f}"), spread(cpu["engine"], "{:.1f}"),
             spread(cpu["client"], "{:.1f}"),
             spread([1e6 / x for x in cpu["router"]]), spread([1e6 / x for x in cpu["engine"]]),
@@ -456,15 +604,26 @@ def table(result: dict) -> list[str]:
 
 
 def write_markdown(out: Path, result: dict, baseline: dict | None) -> None:
-    """The whole report from a run with stream levels; from a TTFT-only run, the TTFT
-    section of the existing report (the rest kept as it is)."""
+    """The report's parts this run measured (the stream levels, the GPU-paced runs, the
+    unloaded TTFT); the parts it did not measure are kept from the existing report."""
     old = out.read_text() if out.exists() else ""
-    text = stream_report(result, baseline) if "runs" in result else old
-    if "ttft" in result:
-        text = replace_section(text, TTFT_MARKER, ttft_section(result))
-    elif TTFT_MARKER in old:  # a streams-only run keeps the last TTFT section
-        text = replace_section(text, TTFT_MARKER, old[old.index(TTFT_MARKER):])
-    out.write_text(text)
+    markers = [m for m in (PACED_MARKER, TTFT_MARKER) if m in old]
+    cut = min((old.index(m) for m in markers), default=len(old))
+    head = stream_report(result, baseline) if "runs" in result else old[:cut]
+    paced = paced_section(result) if "paced" in result else _part(old, PACED_MARKER, TTFT_MARKER)
+    ttft = ttft_section(result) if "ttft" in result else _part(old, TTFT_MARKER, None)
+    parts = [x.strip("\n") for x in (head, paced, ttft) if x.strip()]
+    out.write_text("\n\n".join(parts) + "\n")
+
+
+def _part(text: str, start: str, end: str | None) -> str:
+    """`text` from the marker `start` to the marker `end` (None, or absent: to the end);
+    "" without `start`."""
+    begin = text.find(start)
+    if begin < 0:
+        return ""
+    stop = text.find(end, begin) if end is not None else -1
+    return text[begin:stop if stop >= 0 else len(text)]
 
 
 def stream_report(result: dict, baseline: dict | None) -> str:
@@ -513,8 +672,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--streams", default=",".join(map(str, STREAMS)))
     ap.add_argument("--engine-seats", type=int, default=1024, help="engine --max-num-seqs")
-    ap.add_argument("--only", choices=["streams", "ttft"], default=None,
-                    help="one part alone (default: both); --out then rewrites only its part")
+    ap.add_argument("--only", choices=["streams", "paced", "ttft"], default=None,
+                    help="one part alone (default: all); --out then rewrites only its part")
+    ap.add_argument("--paced-step-ms", type=float, default=PACED_STEP_MS,
+                    help="the paced part's --null-step-ms (default: the step time at which "
+                    f"{PACED_STREAMS} sequences decode {ASSUMED_GPU_TOKENS_S:,} tok/s)")
+    ap.add_argument("--paced-intervals", default=",".join(map(str, PACED_INTERVALS)),
+                    help="the paced part's router --stream-interval values")
     ap.add_argument("--ttft-requests", type=int, default=TTFT_REQUESTS, help="per path")
     ap.add_argument("--step-loop", default="auto", choices=["auto", "process", "thread"],
                     help="the engine's --step-loop (the in-process TTFT path is a thread either way)")
@@ -526,10 +690,16 @@ def main() -> None:
 
         uvloop.run(serve_floor(args.serve_floor))
         return
-    streams = () if args.only == "ttft" else tuple(int(x) for x in args.streams.split(","))
-    ttft_requests = 0 if args.only == "streams" else args.ttft_requests
-    result = measure(args.repeats, streams, args.engine_seats, ttft_requests, args.step_loop,
-                     args.stream_interval)
+    streams = tuple(int(x) for x in args.streams.split(",")) if args.only in (None, "streams") else ()
+    ttft_requests = args.ttft_requests if args.only in (None, "ttft") else 0
+    result = {}
+    if streams or ttft_requests:
+        result = measure(args.repeats, streams, args.engine_seats, ttft_requests, args.step_loop,
+                         args.stream_interval)
+    if args.only in (None, "paced"):
+        intervals = tuple(int(x) for x in args.paced_intervals.split(","))
+        result["paced"] = measure_paced(max(args.repeats, 3), args.paced_step_ms, intervals,
+                                        engine_seats=args.engine_seats, step_loop=args.step_loop)
     result["step_loop"], result["stream_interval"] = args.step_loop, args.stream_interval
     result["label"] = args.label or git_label()
     print(json.dumps(result, indent=1))

@@ -171,6 +171,10 @@ class EngineConfig:
     # "dummy": random weights from config.json alone (benchmarks); "null": no weights and a
     # near-free forward picking a fixed token pattern (model/null.py: host-path measurements)
     load_format: str = "safetensors"
+    # "null" only: each forward pass also waits this long (sleeping, no CPU), as a step
+    # waits on a device, so the host path can be measured at a GPU's step rate and batch
+    # size (0: as fast as the host goes)
+    null_step_ms: float = 0.0
     decode_graphs: bool | None = None  # pad decode steps to bucket sizes (CUDA graphs); None: on for CUDA
     # Plan and launch step N+1 before reading step N's tokens back, so the GPU need not wait
     # on Python. Outputs then arrive one step later; on a CPU (no separate device to keep
@@ -192,6 +196,9 @@ class EngineConfig:
         _check(self.batching in BATCHING_POLICIES, "batching", " | ".join(BATCHING_POLICIES), self.batching)
         _check(self.max_batch_size >= 1, "max_batch_size", ">= 1", self.max_batch_size)
         _check(self.load_format in LOAD_FORMATS, "load_format", " | ".join(LOAD_FORMATS), self.load_format)
+        _check(self.null_step_ms >= 0, "null_step_ms", ">= 0", self.null_step_ms)
+        _check(self.null_step_ms == 0 or self.load_format == "null", "null_step_ms",
+               "0 unless load_format is null (a real model's steps take what they take)", self.null_step_ms)
         _check(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
         _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras ({self.max_loras})", self.max_cpu_loras)
         _check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "in [1, 512]", self.max_lora_rank)

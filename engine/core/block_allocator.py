@@ -18,6 +18,7 @@ This module is the one place that frees blocks.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ class BlockAllocator:
         # Blocks with ref count 0, front = evicted first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> block
+        self.keys: dict[bytes, int] = {}  # hash -> its block_key, in `cached`'s order (load reports)
         self.num_cached_free = 0  # blocks in free_queue that hold a hash (kept, not counted per step)
         self.num_cache_hits = 0  # blocks served from the prefix cache since start
         self.num_evictions = 0
@@ -104,7 +106,7 @@ class BlockAllocator:
                 self.hashes[block] = None
                 self.num_cached_free -= 1
                 if self.cached.get(h) == block:
-                    del self.cached[h]
+                    del self.cached[h], self.keys[h]
                     self.cache_generation += 1
                 self.num_evictions += 1
             self.ref_counts[block] = 1
@@ -144,6 +146,7 @@ class BlockAllocator:
         if self.hashes[block] is None and h not in self.cached:
             self.hashes[block] = h
             self.cached[h] = block
+            self.keys[h] = block_key(h)
             self.cache_generation += 1
 
     def _hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
@@ -155,13 +158,9 @@ class BlockAllocator:
 
     def cached_keys(self, limit: int) -> list[int]:
         """Keys (omnibus.common.prefix.block_key) of at most `limit` cached blocks, the
-        most recently registered first: what load reports tell routers. O(limit)."""
-        keys = []
-        for h in reversed(self.cached):
-            if len(keys) == limit:
-                break
-            keys.append(block_key(h))
-        return keys
+        most recently registered first: what load reports tell routers. O(limit), at C
+        speed (each key was computed once, when its block was registered)."""
+        return list(itertools.islice(reversed(self.keys.values()), limit))
 
     # ---- integrity -----------------------------------------------------------
 
@@ -190,6 +189,8 @@ class BlockAllocator:
                 problems.append(f"cache index points at block {b}, which holds another hash")
         if sum(h is not None for h in self.hashes) != len(self.cached):
             problems.append("blocks carry hashes missing from the cache index")
+        if list(self.keys) != list(self.cached) or any(k != block_key(h) for h, k in self.keys.items()):
+            problems.append("the load reports' block keys differ from the cache index")
         counts = self.counts()
         actual_cached = sum(1 for b in self.free_queue if self.hashes[b] is not None)
         if actual_cached != counts.cached:

@@ -38,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         "that picks a fixed token pattern (measures the host path: server, scheduler, KV "
         "allocator, sampler)",
     )
+    p.add_argument(
+        "--null-step-ms", type=float, default=0.0,
+        help="with --load-format null: each forward pass also waits this long (sleeping, as a "
+        "step waits on a GPU), so the host path is measured at a GPU's step rate and batch size",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
         "--kv-cache-memory",
@@ -227,6 +232,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
         device=args.device,
         dtype=args.dtype,
         load_format=args.load_format,
+        null_step_ms=args.null_step_ms,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,

@@ -61,7 +61,7 @@ class ModelRunner:
         self.adapters = adapters  # None when the engine serves no adapters
         self.sampler = Sampler(seed=config.seed)  # before sizing: the warm-up samples
         if config.load_format == "null":
-            self.model = NullModel(model_config, self.device)
+            self.model = NullModel(model_config, self.device, config.null_step_ms / 1000)
         elif config.load_format == "dummy":
             self.model = random_model(model_config, self.dtype, self.device, model_config.max_model_len, config.seed)
         else:

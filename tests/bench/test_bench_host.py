@@ -1,14 +1,18 @@
-"""`make bench-host`'s unloaded-TTFT part at a tiny size, against real engine and router
-processes on the null model, and the report writer that rewrites only its own section.
+"""`make bench-host`'s unloaded-TTFT and GPU-paced parts at a tiny size, against real
+engine and router processes on the null model, and the report writer that rewrites only
+the part a run measured.
 Nothing here asserts on a timing: only that each path was measured and what was kept."""
 
 import json
 import math
 
 from omnibus.bench.host import (
+    OUTPUT_LEN,
+    PACED_MARKER,
     TTFT_MARKER,
     build_model,
     floor_process,
+    measure_paced,
     unloaded_ttft,
     write_markdown,
 )
@@ -59,3 +63,39 @@ def test_a_streams_run_keeps_the_last_ttft_section(tmp_path):
     assert text.startswith("# Host path") and "## Now: streams" in text
     assert text.index("## Now: streams") < text.index(TTFT_MARKER)
     assert "## Unloaded TTFT: kept" in text
+
+
+def test_paced_runs_measure_each_interval_and_the_streaming_floor():
+    out = measure_paced(repeats=1, step_ms=2.0, intervals=(1, 3), streams=4, engine_seats=8)
+    assert out["step_ms"] == 2.0 and [r["stream_interval"] for r in out["runs"]] == [1, 3]
+    for run in out["runs"]:
+        assert run["ok"] == 4 and run["tokens"] == 4 * OUTPUT_LEN and not run["errors"]
+        assert 1 <= run["tokens_per_step"] <= 4  # 4 sequences at most in a step
+        assert set(run["cpu_us_per_token"]) >= {"router", "engine", "client"}
+    interval_1, interval_3 = out["runs"]
+    assert interval_1["tokens_per_message"] < interval_3["tokens_per_message"] <= 3
+    [floor] = out["floor"]
+    assert floor["messages"] == 4 * OUTPUT_LEN and floor["cpu_us_per_message"] > 0
+
+
+def _paced(label: str) -> dict:
+    run = {"stream_interval": 1, "ok": 2, "tokens_per_s": 10.0, "ttft_p50_ms": 1.0,
+           "itl_p50_ms": 1.0, "itl_p99_ms": 2.0, "tokens_per_step": 2.0, "tokens_per_message": 1.0,
+           "cpu_us_per_token": {"router": 50.0, "engine": 20.0, "client": 40.0}}
+    floor = {"streams": 2, "messages": 400, "messages_per_s": 1e4, "cpu_us_per_message": 25.0}
+    return {"label": label, "paced": {"step_ms": 10.24, "streams": 2, "intervals": [1],
+                                      "runs": [run], "floor": [floor]}}
+
+
+def test_a_paced_run_rewrites_only_its_part_between_the_others(tmp_path):
+    doc = tmp_path / "host.md"
+    doc.write_text("# the stream tables\n")
+    write_markdown(doc, _ttft("ttft-kept"), None)
+    write_markdown(doc, _paced("paced-one"), None)
+    write_markdown(doc, _paced("paced-two"), None)
+    text = doc.read_text()
+    assert text.startswith("# the stream tables\n\n" + PACED_MARKER)
+    assert text.count(PACED_MARKER) == 1 and "paced-one" not in text
+    assert text.index("## At a GPU's pace: paced-two") < text.index("## Unloaded TTFT: ttft-kept")
+    assert "| 1 | 10 | 1 | 1.0 | 2.0 | 2 | 1.00 | 50.0 | 20.0 | 40.0 | 20,000 | 50,000 | 0 of 2 |" in text
+    assert "spent 25.0 CPU µs per message" in text

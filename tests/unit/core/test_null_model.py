@@ -2,6 +2,7 @@
 forward. Tokens follow its fixed pattern and every KV block comes back."""
 
 import json
+import time
 
 import grpc
 import pytest
@@ -53,6 +54,27 @@ def test_in_process_engine_generates_the_pattern_and_frees_every_block(config_on
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_free_blocks == stats.num_total_blocks == 63, counts
+
+
+def test_null_step_ms_paces_each_forward_without_changing_the_tokens(config_only):
+    engine = Engine(EngineConfig(model=str(config_only), load_format="null", num_kv_blocks=64,
+                                 max_num_seqs=8, null_step_ms=25))
+    engine.warmup()
+    steps, start = engine.num_steps, time.monotonic()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert engine.generate([[5, 6, 7], [9] * 20], params) == [expected(3, 6), expected(20, 6)]
+    steps = engine.num_steps - steps
+    assert steps >= 6  # a prefill, then a decode step per token after the first
+    assert time.monotonic() - start >= steps * 0.025
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(load_format="null", null_step_ms=-1), "null_step_ms must be >= 0"),
+    (dict(load_format="dummy", null_step_ms=5), "null_step_ms must be 0 unless load_format is null"),
+])
+def test_null_step_ms_is_refused_where_it_means_nothing(config_only, fields, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=str(config_only), **fields)
 
 
 def test_served_engine_streams_the_pattern_and_frees_every_block(config_only, tmp_path):
