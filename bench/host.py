@@ -68,8 +68,9 @@ TTFT_MAX_TOKENS = 4
 # bookkeeping only after 0.25 s without a command, so the check never runs in between).
 TTFT_GAP_S = 0.03
 FLOOR_SERVICE = "omnibus.bench.Floor"  # the transport floor's bare server (serve_floor)
-TTFT_MARKER = "<!-- bench.host: unloaded TTFT; `--only ttft` rewrites from here to the end -->"
+TTFT_MARKER = "<!-- bench.host: unloaded TTFT; `--only ttft` rewrites from here to the notes -->"
 PACED_MARKER = "<!-- bench.host: GPU-paced; `--only paced` rewrites from here to the TTFT part -->"
+NOTES_MARKER = "<!-- written by hand below: kept whenever bench.host rewrites this file -->"
 PACED_STREAMS = 256
 # A step time at which PACED_STREAMS sequences decode ASSUMED_GPU_TOKENS_S tokens/s.
 PACED_STEP_MS = round(1000 * PACED_STREAMS / ASSUMED_GPU_TOKENS_S, 2)
@@ -230,23 +231,24 @@ def in_process_rate(model: Path, vocab: int, seats: int, n: int = 256) -> dict:
 # ---- at a GPU's pace: the null model's steps take a GPU's step time --------------------------
 
 
-async def floor_stream(address: str, pid: int, n: int, count: int) -> dict:
-    """`n` concurrent calls to the floor's Stream, `count` messages each: messages/s and
-    the floor process's CPU µs per message."""
+async def floor_stream(address: str, pid: int, n: int, count: int, step_ms: float = 0.0) -> dict:
+    """`n` concurrent calls to the floor's Stream, `count` messages each, one per `step_ms`
+    (0: as fast as it goes): messages/s and the floor process's CPU µs per message."""
     import grpc
 
     async with grpc.aio.insecure_channel(address) as channel:
         call = channel.unary_stream(f"/{FLOOR_SERVICE}/Stream")
+        request = f"{count}:{step_ms}".encode()
 
         async def one() -> int:
-            return sum([1 async for _ in call(str(count).encode())])
+            return sum([1 async for _ in call(request)])
 
         await asyncio.gather(*(one() for _ in range(16)))  # warm-up
         c0, t0 = cpu_seconds(pid), time.perf_counter()
         messages = sum(await asyncio.gather(*(one() for _ in range(n))))
         wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - c0
-    return {"streams": n, "messages": messages, "messages_per_s": messages / wall,
-            "cpu_us_per_message": cpu / messages * 1e6}
+    return {"streams": n, "step_ms": step_ms, "messages": messages,
+            "messages_per_s": messages / wall, "cpu_us_per_message": cpu / messages * 1e6}
 
 
 def measure_paced(repeats: int, step_ms: float, intervals: tuple[int, ...],
@@ -255,7 +257,8 @@ def measure_paced(repeats: int, step_ms: float, intervals: tuple[int, ...],
     """`streams` streams through a router in front of a null-model engine whose every
     forward also waits `step_ms` (--null-step-ms), as a GPU step would: one router per
     --stream-interval in `intervals`, all in front of the one engine, taking turns run by
-    run; after each round, the floor's bare server streaming as many messages."""
+    run; after each round, the floor's bare server streaming as many messages, one per
+    step on the same clock and as fast as it goes."""
     with torch_threads(1), tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         model = build_model(tmp_path / "model")
@@ -285,8 +288,9 @@ def measure_paced(repeats: int, step_ms: float, intervals: tuple[int, ...],
                         run = run_level(router.address, pids, streams, vocab, seed=rep,
                                         engine_address=engine.address)
                         runs.append({**run, "stream_interval": k})
-                    floors.append(asyncio.run(floor_stream(floor.address, floor.proc.pid,
-                                                           streams, OUTPUT_LEN)))
+                    for pace in (step_ms, 0.0):
+                        floors.append(asyncio.run(floor_stream(
+                            floor.address, floor.proc.pid, streams, OUTPUT_LEN, pace)))
         finally:
             for child in (*routers.values(), engine):
                 child.stop()
@@ -332,13 +336,19 @@ def paced_section(result: dict) -> str:
             f"{sum(p['streams'] - r['ok'] for r in runs)} of {p['streams'] * len(runs)}",
         ]
         lines.append(f"| {k} | " + " | ".join(cols) + " |")
-    floors = p["floor"]
+    paced = [f for f in p["floor"] if f["step_ms"]]
+    busy = [f for f in p["floor"] if not f["step_ms"]]
+    us = lambda fs: spread([f["cpu_us_per_message"] for f in fs], "{:.1f}")  # noqa: E731
     lines += [
         "",
-        (f"Floor: a bare grpc.aio server streaming one-token messages to {p['streams']} calls "
-         f"at once spent {spread([f['cpu_us_per_message'] for f in floors], '{:.1f}')} CPU µs "
-         f"per message ({spread([f['messages_per_s'] for f in floors])} messages/s). At one "
-         "token per message that is what gRPC alone costs a router per token on this machine."),
+        (f"Floor: the bare grpc.aio server streaming one-token messages to {p['streams']} calls "
+         f"at once spent {us(paced)} CPU µs per message when it sent one per stream every "
+         f"{p['step_ms']:g} ms, on one clock for all streams (as a router does at "
+         f"`--stream-interval 1` behind an engine at that pace: "
+         f"{spread([f['messages_per_s'] for f in paced])} messages/s), and {us(busy)} when it "
+         "sent them as fast as it could (many completions per event-loop wake-up). At one "
+         "token per message the first is what gRPC alone costs a router per token at a "
+         "GPU's pace on this machine."),
     ]
     return "\n".join(lines) + "\n"
 
@@ -351,7 +361,8 @@ async def serve_floor(port: int) -> None:
     Omnibus code) whose Echo answers each message of a bidi stream with one small
     message, whose First answers a unary-stream call with one (an EngineGenerateResponse
     with one token id) and whose Stream answers one with as many GenerateResponses of one
-    token as the request's ASCII digits say, serialized once. Raw bytes in and out."""
+    token (serialized once) as the request says, b"<count>" as fast as it can, b"<count>:<ms>"
+    one per <ms> step, every stream on one shared clock. Raw bytes in and out."""
     import grpc
     from grpc_health.v1 import health, health_pb2_grpc
     from omnibus.v1 import engine_pb2, inference_pb2
@@ -366,8 +377,30 @@ async def serve_floor(port: int) -> None:
     async def first(request, context):
         yield reply
 
-    async def stream(request, context):  # the request: how many messages, in ASCII digits
-        for _ in range(int(request)):
+    loop = asyncio.get_running_loop()
+    ticks: dict[float, asyncio.Future] = {}  # step seconds -> the next step's end
+    tickers: dict[float, asyncio.Task] = {}
+
+    async def ticker(step: float) -> None:
+        while True:
+            await asyncio.sleep(step)
+            tick = ticks.pop(step, None)
+            if tick is not None:
+                tick.set_result(None)
+
+    def next_tick(step: float) -> asyncio.Future:
+        if step not in ticks:
+            ticks[step] = loop.create_future()
+            if step not in tickers:
+                tickers[step] = loop.create_task(ticker(step))
+        return ticks[step]
+
+    async def stream(request, context):  # the request: b"<messages>[:<step ms>]"
+        count, _, ms = request.decode().partition(":")
+        step = float(ms or 0) / 1000
+        for _ in range(int(count)):
+            if step:  # one message per step, as a router sends a token per engine step
+                await next_tick(step)
             yield token
 
     server = grpc.aio.server()
@@ -605,25 +638,27 @@ def table(result: dict) -> list[str]:
 
 def write_markdown(out: Path, result: dict, baseline: dict | None) -> None:
     """The report's parts this run measured (the stream levels, the GPU-paced runs, the
-    unloaded TTFT); the parts it did not measure are kept from the existing report."""
+    unloaded TTFT); the parts it did not measure are kept from the existing report, and
+    so is everything after NOTES_MARKER."""
     old = out.read_text() if out.exists() else ""
-    markers = [m for m in (PACED_MARKER, TTFT_MARKER) if m in old]
+    markers = [m for m in (PACED_MARKER, TTFT_MARKER, NOTES_MARKER) if m in old]
     cut = min((old.index(m) for m in markers), default=len(old))
     head = stream_report(result, baseline) if "runs" in result else old[:cut]
     paced = paced_section(result) if "paced" in result else _part(old, PACED_MARKER, TTFT_MARKER)
-    ttft = ttft_section(result) if "ttft" in result else _part(old, TTFT_MARKER, None)
-    parts = [x.strip("\n") for x in (head, paced, ttft) if x.strip()]
+    ttft = ttft_section(result) if "ttft" in result else _part(old, TTFT_MARKER, NOTES_MARKER)
+    notes = _part(old, NOTES_MARKER, None)
+    parts = [x.strip("\n") for x in (head, paced, ttft, notes) if x.strip()]
     out.write_text("\n\n".join(parts) + "\n")
 
 
 def _part(text: str, start: str, end: str | None) -> str:
-    """`text` from the marker `start` to the marker `end` (None, or absent: to the end);
-    "" without `start`."""
+    """`text` from the marker `start` up to the next of `end` and NOTES_MARKER (to the end
+    without them); "" without `start`."""
     begin = text.find(start)
     if begin < 0:
         return ""
-    stop = text.find(end, begin) if end is not None else -1
-    return text[begin:stop if stop >= 0 else len(text)]
+    stops = [i for m in {end, NOTES_MARKER} - {None, start} if (i := text.find(m, begin)) >= 0]
+    return text[begin:min(stops, default=len(text))]
 
 
 def stream_report(result: dict, baseline: dict | None) -> str:

@@ -7,6 +7,7 @@ import json
 import math
 
 from omnibus.bench.host import (
+    NOTES_MARKER,
     OUTPUT_LEN,
     PACED_MARKER,
     TTFT_MARKER,
@@ -74,17 +75,21 @@ def test_paced_runs_measure_each_interval_and_the_streaming_floor():
         assert set(run["cpu_us_per_token"]) >= {"router", "engine", "client"}
     interval_1, interval_3 = out["runs"]
     assert interval_1["tokens_per_message"] < interval_3["tokens_per_message"] <= 3
-    [floor] = out["floor"]
-    assert floor["messages"] == 4 * OUTPUT_LEN and floor["cpu_us_per_message"] > 0
+    assert [f["step_ms"] for f in out["floor"]] == [2.0, 0.0]  # one per step, then flat out
+    for floor in out["floor"]:
+        assert floor["messages"] == 4 * OUTPUT_LEN and floor["cpu_us_per_message"] > 0
+    paced, busy = out["floor"]
+    assert paced["messages_per_s"] < busy["messages_per_s"]  # 4 streams at 500 steps/s at most
 
 
 def _paced(label: str) -> dict:
     run = {"stream_interval": 1, "ok": 2, "tokens_per_s": 10.0, "ttft_p50_ms": 1.0,
            "itl_p50_ms": 1.0, "itl_p99_ms": 2.0, "tokens_per_step": 2.0, "tokens_per_message": 1.0,
            "cpu_us_per_token": {"router": 50.0, "engine": 20.0, "client": 40.0}}
-    floor = {"streams": 2, "messages": 400, "messages_per_s": 1e4, "cpu_us_per_message": 25.0}
+    floors = [{"streams": 2, "step_ms": ms, "messages": 400, "messages_per_s": 1e4,
+               "cpu_us_per_message": us} for ms, us in ((10.24, 40.0), (0.0, 25.0))]
     return {"label": label, "paced": {"step_ms": 10.24, "streams": 2, "intervals": [1],
-                                      "runs": [run], "floor": [floor]}}
+                                      "runs": [run], "floor": floors}}
 
 
 def test_a_paced_run_rewrites_only_its_part_between_the_others(tmp_path):
@@ -98,4 +103,18 @@ def test_a_paced_run_rewrites_only_its_part_between_the_others(tmp_path):
     assert text.count(PACED_MARKER) == 1 and "paced-one" not in text
     assert text.index("## At a GPU's pace: paced-two") < text.index("## Unloaded TTFT: ttft-kept")
     assert "| 1 | 10 | 1 | 1.0 | 2.0 | 2 | 1.00 | 50.0 | 20.0 | 40.0 | 20,000 | 50,000 | 0 of 2 |" in text
-    assert "spent 25.0 CPU µs per message" in text
+    assert "spent 40.0 CPU µs per message when it sent one per stream every 10.24 ms" in text
+    assert "and 25.0 when it sent them as fast as it could" in text
+
+
+def test_notes_after_their_marker_survive_every_rewrite(tmp_path):
+    doc = tmp_path / "host.md"
+    write_markdown(doc, _paced("paced-one") | _ttft("ttft-one"), None)
+    doc.write_text(doc.read_text() + "\n" + NOTES_MARKER + "\n\nWhat the numbers mean.\n")
+    write_markdown(doc, _ttft("ttft-two"), None)
+    write_markdown(doc, _paced("paced-two"), None)
+    text = doc.read_text()
+    assert text.index("paced-two") < text.index("ttft-two") < text.index(NOTES_MARKER)
+    assert text.endswith(NOTES_MARKER + "\n\nWhat the numbers mean.\n")
+    assert "paced-one" not in text and "ttft-one" not in text
+    assert "and 25.0 when it sent them as fast as it could" in text
