@@ -26,19 +26,25 @@ _SEED_MAX = 2**64 - 1
 
 
 def _int_field(name: str, value: object, allowed: str, lo: int, hi: int | None = None) -> int:
+    if type(value) is int:  # the common case, without the ABC check (every request, twice)
+        v = value
     # bool is an int subclass, but `max_tokens=True` is a caller bug, not a count.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
-    v = int(value)
+    else:
+        v = int(value)
     if v < lo or (hi is not None and v > hi):
         raise ValueError(f"{name} must be {allowed}, got {v}")
     return v
 
 
 def _float_field(name: str, value: object, allowed: str, ok: Callable[[float], bool]) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if type(value) is float or type(value) is int:  # the common cases, without the ABC check
+        v = float(value)
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
-    v = float(value)
+    else:
+        v = float(value)
     if not math.isfinite(v) or not ok(v):
         raise ValueError(f"{name} must be a finite number {allowed}, got {v}")
     return v
