@@ -47,8 +47,9 @@ soak: setup
 
 # On a CUDA host: kernels at real shapes, CUDA graphs vs eager. These use the host's own
 # Python (GPU_PY) with its CUDA torch and triton (the venv's torch is the CPU build): a
-# venv over its site-packages gets omnibus (editable) and the pure-Python wheels that
-# `make gpu-wheels` fetched into .whl/ here (the GPU host has no network).
+# venv over its site-packages gets omnibus (editable) and the wheels that `make gpu-wheels`
+# fetched into .whl/ here (the GPU host has no network): grpcio and protobuf at the versions
+# the committed generated code checks for on import, and the pure-Python ones it lacks.
 GPU_PY ?= python3
 GPU_VENV := .gpu-venv
 gpu-env:
@@ -63,7 +64,7 @@ test-gpu: gpu-env
 gpu-wheels: setup
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
-	  $$(grep -E '^(structlog|pytest-asyncio|grpcio-health-checking|grpcio-reflection|hypothesis|setuptools|sortedcontainers|attrs)==' requirements.txt)
+	  $$(grep -E '^(grpcio|protobuf|structlog|pytest-asyncio|grpcio-health-checking|grpcio-reflection|hypothesis|setuptools|sortedcontainers|attrs)==' requirements.txt)
 
 # `make run`: one engine worker and the router on localhost, serving MODEL (by default
 # the demo checkpoint, built on first use without any download; delete models/demo to
