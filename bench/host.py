@@ -144,7 +144,8 @@ def engine_steps(address: str) -> int:
     from omnibus.v1 import engine_pb2, engine_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
-        return engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=30).num_steps
+        stats = engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=30)
+    return stats.num_steps
 
 
 def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int,
@@ -312,9 +313,10 @@ def paced_section(result: dict) -> str:
          f"{p['streams']} streams sent at once, {PROMPT_LEN}-token prompts, {OUTPUT_LEN} "
          "output tokens; one router per `--stream-interval`, both in front of the one engine, "
          "taking turns run by run. CPU µs per streamed token as above. The floor, below the "
-         f"table: the bare grpc.aio server of the TTFT part streaming {OUTPUT_LEN} pre-serialized one-token "
-         f"GenerateResponses on each of {p['streams']} calls at once (its µs per message; its "
-         "client is this benchmark). Values: median (min–max) over the rounds."),
+         f"table: the bare grpc.aio server of the TTFT part streaming {OUTPUT_LEN} "
+         f"pre-serialized one-token GenerateResponses on each of {p['streams']} calls at once "
+         "(its µs per message; its client is this benchmark). Values: median (min–max) over "
+         "the rounds."),
         "",
         "| router --stream-interval | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | "
         "tokens/step | tokens/message | router µs/tok | engine µs/tok | client µs/tok | "
@@ -323,7 +325,8 @@ def paced_section(result: dict) -> str:
     ]
     for k in p["intervals"]:
         runs = [r for r in p["runs"] if r["stream_interval"] == k]
-        cpu = {name: [r["cpu_us_per_token"][name] for r in runs] for name in ("router", "engine", "client")}
+        cpu = {name: [r["cpu_us_per_token"][name] for r in runs]
+               for name in ("router", "engine", "client")}
         cols = [
             spread([r["tokens_per_s"] for r in runs]), spread([r["ttft_p50_ms"] for r in runs]),
             spread([r["itl_p50_ms"] for r in runs], "{:,.1f}"),
@@ -368,7 +371,8 @@ async def serve_floor(port: int) -> None:
     from omnibus.v1 import engine_pb2, inference_pb2
 
     reply = engine_pb2.EngineGenerateResponse(token_ids=[7]).SerializeToString()
-    token = inference_pb2.GenerateResponse(request_id="floor", text=" word", token_ids=[7]).SerializeToString()
+    token = inference_pb2.GenerateResponse(
+        request_id="floor", text=" word", token_ids=[7]).SerializeToString()
 
     async def echo(requests, context):
         async for _ in requests:
@@ -725,7 +729,8 @@ def main() -> None:
 
         uvloop.run(serve_floor(args.serve_floor))
         return
-    streams = tuple(int(x) for x in args.streams.split(",")) if args.only in (None, "streams") else ()
+    streams = () if args.only not in (None, "streams") else tuple(
+        int(x) for x in args.streams.split(","))
     ttft_requests = args.ttft_requests if args.only in (None, "ttft") else 0
     result = {}
     if streams or ttft_requests:
