@@ -682,7 +682,10 @@ def stream_report(result: dict, baseline: dict | None) -> str:
         f"Projection basis (an assumption, not a measurement): an 8B model decodes about "
         f"{ASSUMED_GPU_TOKENS_S:,} tok/s on one H200 at batch 256. A serving path keeps up "
         f"when router-core and engine-process tok/s both exceed it; #11's targets: router "
-        f"≤ 15 µs/token (66,667 tok/s per core), engine host ≤ 10 µs/token (100,000 tok/s).",
+        f"≤ 15 µs/token (66,667 tok/s per core), engine host ≤ 10 µs/token (100,000 tok/s). "
+        "Here the null model steps far faster than a GPU, so steps and client messages "
+        "carry other numbers of tokens than at a GPU's rate (tokens/step); the paced part "
+        "below measures at that rate, and its columns are the ones to project from.",
         "",
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         "shared with other work (noisy).",
