@@ -75,6 +75,7 @@ PACED_STREAMS = 256
 # A step time at which PACED_STREAMS sequences decode ASSUMED_GPU_TOKENS_S tokens/s.
 PACED_STEP_MS = round(1000 * PACED_STREAMS / ASSUMED_GPU_TOKENS_S, 2)
 PACED_INTERVALS = (1, 4)  # router --stream-interval values measured at that pace
+PACED_OVERLAP = (False, True)  # the engine in lockstep, and with overlapped scheduling
 NULL_CONFIG = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -175,6 +176,7 @@ def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int,
         "itl_p50_ms": percentile(itls, 50) * 1e3, "itl_p99_ms": percentile(itls, 99) * 1e3,
         "tokens_per_message": tokens / max(1, sum(len(r.token_counts) for r in ok)),
         "tokens_per_step": tokens / steps if steps else None,
+        "ms_per_step": out.duration * 1e3 / steps if steps else None,
         "cpu_us_per_token": {name: s / tokens * 1e6 for name, s in cpu.items()},
     }
 
@@ -253,82 +255,97 @@ async def floor_stream(address: str, pid: int, n: int, count: int, step_ms: floa
 
 
 def measure_paced(repeats: int, step_ms: float, intervals: tuple[int, ...],
-                  streams: int = PACED_STREAMS, engine_seats: int = 1024,
-                  step_loop: str = "auto") -> dict:
-    """`streams` streams through a router in front of a null-model engine whose every
-    forward also waits `step_ms` (--null-step-ms), as a GPU step would: one router per
-    --stream-interval in `intervals`, all in front of the one engine, taking turns run by
-    run; after each round, the floor's bare server streaming as many messages, one per
-    step on the same clock and as fast as it goes."""
+                  overlap: tuple[bool, ...] = PACED_OVERLAP, streams: int = PACED_STREAMS,
+                  engine_seats: int = 1024, step_loop: str = "auto") -> dict:
+    """`streams` streams through a router in front of a null-model engine whose steps run
+    `step_ms` on its simulated device (--null-step-ms), as on a GPU: an engine per
+    scheduling mode in `overlap` (lockstep, overlapped), in front of each a router per
+    --stream-interval in `intervals`, the configurations taking turns run by run; after
+    each round, the floor's bare server streaming as many messages, one per step on the
+    same clock and as fast as it goes."""
     with torch_threads(1), tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         model = build_model(tmp_path / "model")
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
         flags = ("--load-format", "null", "--null-step-ms", str(step_ms),
                  "--max-num-seqs", str(engine_seats), "--step-loop", step_loop)
-        engine = engine_process(model, tmp_path, "engine", *flags)
-        routers: dict[int, ServerProcess] = {}
+        engines: dict[bool, ServerProcess] = {}
+        routers: dict[tuple[bool, int], ServerProcess] = {}
         try:
-            for k in intervals:
-                routers[k] = router_process(model, [engine.address], tmp_path, f"router-{k}",
-                                            "--stream-interval", str(k))
-            engine.wait_serving()
-            for router in routers.values():
-                router.wait_serving()
-            core = step_loop_pid(engine.proc.pid)
+            for o in overlap:
+                engines[o] = engine_process(
+                    model, tmp_path, f"engine-{_SCHEDULING[o]}", *flags,
+                    "--overlap-scheduling" if o else "--no-overlap-scheduling")
+            for o, k in itertools.product(overlap, intervals):
+                routers[o, k] = router_process(model, [engines[o].address], tmp_path,
+                                               f"router-{_SCHEDULING[o]}-{k}",
+                                               "--stream-interval", str(k))
+            for child in (*engines.values(), *routers.values()):
+                child.wait_serving()
+            cores = {o: step_loop_pid(e.proc.pid) for o, e in engines.items()}
             runs, floors = [], []
             with floor_process(tmp_path) as floor:
-                for k, router in routers.items():  # warm-up: connections, caches
+                for router in routers.values():  # warm-up: connections, caches
                     run_level(router.address, {}, 16, vocab, seed=999)
                 for rep in range(repeats):
-                    for k, router in routers.items():
+                    for (o, k), router in routers.items():
+                        engine = engines[o]
                         pids = {"router": router.proc.pid, "engine": engine.proc.pid,
                                 "client": os.getpid()}
-                        if core is not None:
-                            pids["engine_core"] = core
+                        if cores[o] is not None:
+                            pids["engine_core"] = cores[o]
                         run = run_level(router.address, pids, streams, vocab, seed=rep,
                                         engine_address=engine.address)
-                        runs.append({**run, "stream_interval": k})
+                        runs.append({**run, "overlap": o, "stream_interval": k})
                     for pace in (step_ms, 0.0):
                         floors.append(asyncio.run(floor_stream(
                             floor.address, floor.proc.pid, streams, OUTPUT_LEN, pace)))
         finally:
-            for child in (*routers.values(), engine):
+            for child in (*routers.values(), *engines.values()):
                 child.stop()
     return {"step_ms": step_ms, "streams": streams, "intervals": list(intervals),
-            "runs": runs, "floor": floors}
+            "overlap": list(overlap), "runs": runs, "floor": floors}
+
+
+_SCHEDULING = {False: "lockstep", True: "overlapped"}
 
 
 def paced_section(result: dict) -> str:
     p = result["paced"]
     lines = [
         PACED_MARKER, "", f"## At a GPU's pace: {result['label']}", "",
-        (f"`python -m omnibus.bench.host --only paced`. The null model's every forward pass "
-         f"also waits {p['step_ms']:g} ms (`--null-step-ms`; sleeping, as a step waits on a "
-         f"device), the step time at which {p['streams']} sequences decode "
+        (f"`python -m omnibus.bench.host --only paced`. The null model's steps run "
+         f"{p['step_ms']:g} ms each on a simulated device (`--null-step-ms`: a step's tokens "
+         "are ready that long after the device is free to run it; the host sleeps while it "
+         f"waits for them), the step time at which {p['streams']} sequences decode "
          f"{ASSUMED_GPU_TOKENS_S:,} tok/s, the H200 rate assumed above. Without it the null "
          "model steps as fast as the host goes: the router takes a burst of calls in one at a "
          "time, so few sequences are on the engine at once and its steps carry a few tokens "
          "each (tokens/step above), unlike a GPU's. "
          f"{p['streams']} streams sent at once, {PROMPT_LEN}-token prompts, {OUTPUT_LEN} "
-         "output tokens; one router per `--stream-interval`, both in front of the one engine, "
-         "taking turns run by run. CPU µs per streamed token as above. The floor, below the "
+         "output tokens; one engine in lockstep and one with overlapped scheduling (it plans "
+         "and launches step N+1 while step N runs on the device, as on CUDA by default), in "
+         "front of each a router per `--stream-interval`, the configurations taking turns run "
+         "by run. ms/step: the run's duration over the engine's steps in it (ramp-up and "
+         "tail included). CPU µs per streamed token as above. The floor, below the "
          f"table: the bare grpc.aio server of the TTFT part streaming {OUTPUT_LEN} "
          f"pre-serialized one-token GenerateResponses on each of {p['streams']} calls at once "
          "(its µs per message; its client is this benchmark). Values: median (min–max) over "
          "the rounds."),
         "",
-        "| router --stream-interval | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | "
-        "tokens/step | tokens/message | router µs/tok | engine µs/tok | client µs/tok | "
-        "router-core tok/s | engine-process tok/s | failed |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| engine | router --stream-interval | output tok/s | ms/step | TTFT p50 ms | "
+        "ITL p50 ms | ITL p99 ms | tokens/step | tokens/message | router µs/tok | "
+        "engine µs/tok | client µs/tok | router-core tok/s | engine-process tok/s | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for k in p["intervals"]:
-        runs = [r for r in p["runs"] if r["stream_interval"] == k]
+    for o, k in itertools.product(p["overlap"], p["intervals"]):
+        runs = [r for r in p["runs"] if r["overlap"] == o and r["stream_interval"] == k]
         cpu = {name: [r["cpu_us_per_token"][name] for r in runs]
                for name in ("router", "engine", "client")}
         cols = [
-            spread([r["tokens_per_s"] for r in runs]), spread([r["ttft_p50_ms"] for r in runs]),
+            spread([r["tokens_per_s"] for r in runs]),
+            spread([r["ms_per_step"] for r in runs], "{:.1f}"),
+            spread([r["ttft_p50_ms"] for r in runs]),
             spread([r["itl_p50_ms"] for r in runs], "{:,.1f}"),
             spread([r["itl_p99_ms"] for r in runs], "{:,.1f}"),
             spread([r["tokens_per_step"] for r in runs], "{:,.0f}"),
@@ -338,7 +355,7 @@ def paced_section(result: dict) -> str:
             spread([1e6 / x for x in cpu["router"]]), spread([1e6 / x for x in cpu["engine"]]),
             f"{sum(p['streams'] - r['ok'] for r in runs)} of {p['streams'] * len(runs)}",
         ]
-        lines.append(f"| {k} | " + " | ".join(cols) + " |")
+        lines.append(f"| {_SCHEDULING[o]} | {k} | " + " | ".join(cols) + " |")
     paced = [f for f in p["floor"] if f["step_ms"]]
     busy = [f for f in p["floor"] if not f["step_ms"]]
     us = lambda fs: spread([f["cpu_us_per_message"] for f in fs], "{:.1f}")  # noqa: E731
@@ -721,6 +738,8 @@ def main() -> None:
                     f"{PACED_STREAMS} sequences decode {ASSUMED_GPU_TOKENS_S:,} tok/s)")
     ap.add_argument("--paced-intervals", default=",".join(map(str, PACED_INTERVALS)),
                     help="the paced part's router --stream-interval values")
+    ap.add_argument("--paced-scheduling", default="lockstep,overlapped",
+                    help="the paced part's engines: lockstep, overlapped or both")
     ap.add_argument("--ttft-requests", type=int, default=TTFT_REQUESTS, help="per path")
     ap.add_argument("--step-loop", default="auto", choices=["auto", "process", "thread"],
                     help="the engine's --step-loop (the in-process TTFT path is a thread either way)")
@@ -741,7 +760,12 @@ def main() -> None:
                          args.stream_interval)
     if args.only in (None, "paced"):
         intervals = tuple(int(x) for x in args.paced_intervals.split(","))
+        modes = args.paced_scheduling.split(",")
+        if not set(modes) <= set(_SCHEDULING.values()):
+            ap.error(f"--paced-scheduling takes lockstep and/or overlapped, got {args.paced_scheduling}")
+        overlap = tuple(x == "overlapped" for x in modes)
         result["paced"] = measure_paced(max(args.repeats, 3), args.paced_step_ms, intervals,
+                                        overlap,
                                         engine_seats=args.engine_seats, step_loop=args.step_loop)
     result["step_loop"], result["stream_interval"] = args.step_loop, args.stream_interval
     result["label"] = args.label or git_label()

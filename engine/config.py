@@ -171,9 +171,10 @@ class EngineConfig:
     # "dummy": random weights from config.json alone (benchmarks); "null": no weights and a
     # near-free forward picking a fixed token pattern (model/null.py: host-path measurements)
     load_format: str = "safetensors"
-    # "null" only: each forward pass also waits this long (sleeping, no CPU), as a step
-    # waits on a device, so the host path can be measured at a GPU's step rate and batch
-    # size (0: as fast as the host goes)
+    # "null" only: each step runs this long on a simulated device (its picks are ready that
+    # long after the device is free; the host sleeps when it waits for them), so the host
+    # path can be measured at a GPU's step rate and batch size, lockstep or overlapped
+    # (0: no device time, as fast as the host goes)
     null_step_ms: float = 0.0
     decode_graphs: bool | None = None  # pad decode steps to bucket sizes (CUDA graphs); None: on for CUDA
     # Plan and launch step N+1 before reading step N's tokens back, so the GPU need not wait

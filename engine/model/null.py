@@ -5,14 +5,13 @@ forward pass that costs next to nothing, so that path can be measured on a CPU.
 the KV pool is sized and allocated as for the real model, and each step's logits have the
 real shape (S, vocab) and pick a fixed token pattern, so greedy decoding is deterministic:
 the token after position p is ``pattern[(p * 7919) % len(pattern)]``, where the pattern is
-every id except the EOS and BOS ids. `--null-step-ms` makes each forward pass also wait
-(sleeping, no CPU, the GIL released) as a step waits on a device: the host path measured at
-a GPU's step rate, with the batches such a rate builds up.
+every id except the EOS and BOS ids. `--null-step-ms` gives it a simulated device: the
+model runner makes each step's picks ready that long after the device is free to run it
+(worker/model_runner.py), so the host path is measured at a GPU's step rate, with the
+batches such a rate builds up, in lockstep or with overlapped scheduling.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 from omnibus.engine.config import ModelConfig
@@ -26,10 +25,9 @@ class NullModel(nn.Module):
     """Same call interface as LlamaForCausalLM; hidden states are (T, 1): each token's
     position, from which `compute_logits` derives the next token."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, step_s: float = 0.0) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device) -> None:
         super().__init__()
         self.cfg = cfg
-        self.step_s = step_s
         excluded = {*cfg.eos_token_ids, cfg.bos_token_id}
         ids = [i for i in range(cfg.vocab_size) if i not in excluded]
         self.register_buffer("pattern", torch.tensor(ids, dtype=torch.long, device=device))
@@ -38,8 +36,6 @@ class NullModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
         """(T, 1) float32 positions; writes no KV (nothing ever reads it)."""
         del kv_caches
-        if self.step_s:
-            time.sleep(self.step_s)
         return batch.positions.to(torch.float32)[:, None]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--null-step-ms", type=float, default=0.0,
-        help="with --load-format null: each forward pass also waits this long (sleeping, as a "
-        "step waits on a GPU), so the host path is measured at a GPU's step rate and batch size",
+        help="with --load-format null: each step runs this long on a simulated device (its "
+        "picks are ready that long after the device is free), so the host path is measured at "
+        "a GPU's step rate and batch size, in lockstep or with --overlap-scheduling",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(

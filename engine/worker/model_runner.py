@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -61,7 +62,7 @@ class ModelRunner:
         self.adapters = adapters  # None when the engine serves no adapters
         self.sampler = Sampler(seed=config.seed)  # before sizing: the warm-up samples
         if config.load_format == "null":
-            self.model = NullModel(model_config, self.device, config.null_step_ms / 1000)
+            self.model = NullModel(model_config, self.device)
         elif config.load_format == "dummy":
             self.model = random_model(model_config, self.dtype, self.device, model_config.max_model_len, config.seed)
         else:
@@ -80,6 +81,10 @@ class ModelRunner:
                                        -(-model_config.max_model_len // self.block_size), self.device,
                                        capture=self.device.type == "cuda")
         self.idle_meter = GpuIdleMeter() if self.device.type == "cuda" else None
+        # The null model's simulated device (--null-step-ms): a step's picks are ready this
+        # long after the device is free to run it; steps run on it one after another.
+        self.null_step_s = config.null_step_ms / 1000
+        self._device_free_at = 0.0
         log.info("model_loaded", model=config.model, dtype=str(self.dtype), device=str(self.device),
                  kv_blocks=self.num_blocks, block_size=self.block_size)
 
@@ -295,7 +300,11 @@ class ModelRunner:
             sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
         if self.idle_meter is not None:
             self.idle_meter.step_ended()
-        return Step(plan, sampled)
+        step = Step(plan, sampled)
+        if self.null_step_s:
+            step.ready_at = self._device_free_at = (
+                max(time.monotonic(), self._device_free_at) + self.null_step_s)
+        return step
 
     def execute(self, plan: SchedulerOutput) -> SamplerOutput:
         """Run one step to completion: launch it and wait for its picks."""
@@ -309,6 +318,7 @@ class Step:
     plan: SchedulerOutput
     sampled: SampledBatch  # on the device; the next step's prepare() may read it
     host: SampledBatch | None = None
+    ready_at: float = 0.0  # the null model's simulated device: monotonic time its picks are ready
 
     def __post_init__(self) -> None:
         self.host = self.sampled.to_host()  # the copy starts now and completes on its own
@@ -326,6 +336,9 @@ class Step:
 
     def result(self) -> SamplerOutput:
         """The picks on the host (waits for the step to finish on the device)."""
+        wait = self.ready_at - time.monotonic() if self.ready_at else 0.0
+        if wait > 0:
+            time.sleep(wait)
         return self.host.output()
 
 

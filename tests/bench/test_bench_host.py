@@ -66,15 +66,18 @@ def test_a_streams_run_keeps_the_last_ttft_section(tmp_path):
     assert "## Unloaded TTFT: kept" in text
 
 
-def test_paced_runs_measure_each_interval_and_the_streaming_floor():
+def test_paced_runs_measure_each_engine_and_interval_and_the_streaming_floor():
     out = measure_paced(repeats=1, step_ms=2.0, intervals=(1, 3), streams=4, engine_seats=8)
-    assert out["step_ms"] == 2.0 and [r["stream_interval"] for r in out["runs"]] == [1, 3]
+    assert out["step_ms"] == 2.0 and out["overlap"] == [False, True]
+    assert [(r["overlap"], r["stream_interval"]) for r in out["runs"]] == [
+        (False, 1), (False, 3), (True, 1), (True, 3)]
     for run in out["runs"]:
         assert run["ok"] == 4 and run["tokens"] == 4 * OUTPUT_LEN and not run["errors"]
         assert 1 <= run["tokens_per_step"] <= 4  # 4 sequences at most in a step
+        assert run["ms_per_step"] >= 2.0  # the simulated device runs one step at a time
         assert set(run["cpu_us_per_token"]) >= {"router", "engine", "client"}
-    interval_1, interval_3 = out["runs"]
-    assert interval_1["tokens_per_message"] < interval_3["tokens_per_message"] <= 3
+    lockstep_1, lockstep_3 = out["runs"][:2]
+    assert lockstep_1["tokens_per_message"] < lockstep_3["tokens_per_message"]
     assert [f["step_ms"] for f in out["floor"]] == [2.0, 0.0]  # one per step, then flat out
     for floor in out["floor"]:
         assert floor["messages"] == 4 * OUTPUT_LEN and floor["cpu_us_per_message"] > 0
@@ -83,13 +86,14 @@ def test_paced_runs_measure_each_interval_and_the_streaming_floor():
 
 
 def _paced(label: str) -> dict:
-    run = {"stream_interval": 1, "ok": 2, "tokens_per_s": 10.0, "ttft_p50_ms": 1.0,
-           "itl_p50_ms": 1.0, "itl_p99_ms": 2.0, "tokens_per_step": 2.0, "tokens_per_message": 1.0,
+    run = {"overlap": True, "stream_interval": 1, "ok": 2, "tokens_per_s": 10.0,
+           "ms_per_step": 10.5, "ttft_p50_ms": 1.0, "itl_p50_ms": 1.0, "itl_p99_ms": 2.0,
+           "tokens_per_step": 2.0, "tokens_per_message": 1.0,
            "cpu_us_per_token": {"router": 50.0, "engine": 20.0, "client": 40.0}}
     floors = [{"streams": 2, "step_ms": ms, "messages": 400, "messages_per_s": 1e4,
                "cpu_us_per_message": us} for ms, us in ((10.24, 40.0), (0.0, 25.0))]
     return {"label": label, "paced": {"step_ms": 10.24, "streams": 2, "intervals": [1],
-                                      "runs": [run], "floor": floors}}
+                                      "overlap": [True], "runs": [run], "floor": floors}}
 
 
 def test_a_paced_run_rewrites_only_its_part_between_the_others(tmp_path):
@@ -102,7 +106,8 @@ def test_a_paced_run_rewrites_only_its_part_between_the_others(tmp_path):
     assert text.startswith("# the stream tables\n\n" + PACED_MARKER)
     assert text.count(PACED_MARKER) == 1 and "paced-one" not in text
     assert text.index("## At a GPU's pace: paced-two") < text.index("## Unloaded TTFT: ttft-kept")
-    assert "| 1 | 10 | 1 | 1.0 | 2.0 | 2 | 1.00 | 50.0 | 20.0 | 40.0 | 20,000 | 50,000 | 0 of 2 |" in text
+    assert ("| overlapped | 1 | 10 | 10.5 | 1 | 1.0 | 2.0 | 2 | 1.00 | 50.0 | 20.0 | 40.0 | "
+            "20,000 | 50,000 | 0 of 2 |") in text
     assert "spent 40.0 CPU µs per message when it sent one per stream every 10.24 ms" in text
     assert "and 25.0 when it sent them as fast as it could" in text
 

@@ -68,6 +68,25 @@ def test_null_step_ms_paces_each_forward_without_changing_the_tokens(config_only
     assert time.monotonic() - start >= steps * 0.025
 
 
+def test_null_step_ms_is_a_device_that_overlapped_scheduling_plans_ahead_of(config_only):
+    engine = Engine(EngineConfig(model=str(config_only), load_format="null", num_kv_blocks=64,
+                                 max_num_seqs=8, null_step_ms=25, overlap_scheduling=True))
+    engine.warmup()
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", [5, 6, 7], params)
+    assert engine.step() == []  # the prefill is launched, not reported
+    launched = engine._in_flight
+    assert launched is not None and launched.ready_at > time.monotonic()  # still on the device
+    outputs = engine.step()  # launches the next step, then reports the prefill's token
+    assert [out.new_token_ids for out in outputs] == [expected(3, 1)]
+    assert engine._in_flight.ready_at >= launched.ready_at + 0.025  # one step after another
+    tokens = outputs[0].new_token_ids
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert tokens == expected(3, 6)
+    assert engine.check_integrity().free == 63
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(load_format="null", null_step_ms=-1), "null_step_ms must be >= 0"),
     (dict(load_format="dummy", null_step_ms=5), "null_step_ms must be 0 unless load_format is null"),
