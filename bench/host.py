@@ -76,6 +76,7 @@ PACED_STREAMS = 256
 PACED_STEP_MS = round(1000 * PACED_STREAMS / ASSUMED_GPU_TOKENS_S, 2)
 PACED_INTERVALS = (1, 4)  # router --stream-interval values measured at that pace
 PACED_OVERLAP = (False, True)  # the engine in lockstep, and with overlapped scheduling
+_SCHEDULING = {False: "lockstep", True: "overlapped"}
 NULL_CONFIG = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -307,9 +308,6 @@ def measure_paced(repeats: int, step_ms: float, intervals: tuple[int, ...],
             "overlap": list(overlap), "runs": runs, "floor": floors}
 
 
-_SCHEDULING = {False: "lockstep", True: "overlapped"}
-
-
 def paced_section(result: dict) -> str:
     p = result["paced"]
     lines = [
@@ -450,14 +448,13 @@ def floor_process(log_dir: Path) -> Iterator[ServerProcess]:
 
 def serving_engine(model: Path, flags: tuple[str, ...]):
     """An AsyncEngine in this process, built from the engine process's flags as its
-    server builds it: the CLI's configs, Engine, warm-up, the step thread started."""
-    from omnibus.engine.engine import Engine
+    server builds it: the CLI's configs, the engine loaded and warmed up, the step thread
+    started."""
     from omnibus.engine.serving.async_engine import AsyncEngine
-    from omnibus.engine.serving.server import warm_up
+    from omnibus.engine.serving.core import load_engine
 
     config, server = engine_configs(model, *flags)
-    engine = Engine(config)
-    warm_up(engine)
+    engine = load_engine(config)
     aengine = AsyncEngine(engine, server.embed_batching)
     aengine.start()
     return aengine

@@ -14,9 +14,10 @@ batches such a rate builds up, in lockstep or with overlapped scheduling.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from omnibus.engine.config import ModelConfig
 from omnibus.engine.model.llama import ForwardBatch
-from torch import nn
 
 _STRIDE = 7919  # a prime: consecutive positions pick scattered ids, so the text varies
 

@@ -194,12 +194,11 @@ class AsyncEngine:
 
     # ---- the outlet: called by the step loop's thread or the core's reader ---
 
-    def step(self, outputs: list[Delivery], stats: Callable[[], EngineStats] | None,
-             settled: bool) -> None:
+    def step(self, outputs: list[Delivery], stats: EngineStats | None, settled: bool) -> None:
         if outputs:  # before the stats: whoever sees the engine settled has its outputs queued
             self._deliver(outputs)
         if stats is not None:
-            self._stats = stats()
+            self._stats = stats
 
     def _deliver(self, items: list[Delivery]) -> None:
         """One call per destination; a finished or refused request's destination is dropped."""

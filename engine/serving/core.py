@@ -4,7 +4,7 @@ process of its own (`ProcessCore`, `omnibus-engine serve --step-loop process`).
 In its own process the loop that feeds the device shares no GIL with the server's gRPC
 and asyncio work (as vLLM v1's EngineCore and SGLang's scheduler run): commands go down a
 pipe as pickled dataclasses, and each step comes back as one message with every output
-of that step (and, at most every STATS_EVERY_S or when the engine settles, its stats). A
+of that step (and, when the step loop publishes them, its stats). A
 reader thread in the server's process hands them to `AsyncEngine`. The step loop beats
 the watchdog's heartbeat in shared memory. The process is spawned, not forked, so CUDA
 starts clean in it; it ignores SIGINT (the server drains and then stops it) and exits
@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -37,7 +36,6 @@ from omnibus.engine.serving.watchdog import Heartbeat
 
 log = structlog.get_logger(__name__)
 
-STATS_EVERY_S = 0.005  # a busy core sends its stats this often (the router reads them every 50 ms)
 PRELOAD_TIMEOUT_S = 300.0
 
 
@@ -201,7 +199,7 @@ class ProcessCore:
                     _, packed, refused, stats, settled = msg
                     outputs: list[Delivery] = refused  # refusals come before the step's outputs
                     outputs += [RequestOutput(*fields) for fields in packed]
-                    outlet.step(outputs, None if stats is None else (lambda s=stats: s), settled)
+                    outlet.step(outputs, stats, settled)
                 elif kind == "reply":
                     outlet.reply(msg[1], msg[2], msg[3])
                 else:  # "crashed"
@@ -269,22 +267,15 @@ class _PipeInbox:
 class _PipeOutlet:
     def __init__(self, conn: multiprocessing.connection.Connection) -> None:
         self._conn = conn
-        self._stats_sent = 0.0
 
-    def step(self, outputs: list[Delivery], stats: Callable[[], EngineStats], settled: bool) -> None:
-        now = time.monotonic()
-        snapshot = None
-        if settled or now - self._stats_sent >= STATS_EVERY_S:
-            self._stats_sent, snapshot = now, stats()
-        elif not outputs:
-            return
+    def step(self, outputs: list[Delivery], stats: EngineStats | None, settled: bool) -> None:
         packed, refused = [], []
         for out in outputs:
             if isinstance(out, Refused):
                 refused.append(out)
             else:
                 packed.append(_fields(out))
-        self._send(("step", packed, refused, snapshot, settled))
+        self._send(("step", packed, refused, stats, settled))
 
     def reply(self, call_id: int, result: object, error: BaseException | None) -> None:
         self._send(("reply", call_id, result, _portable(error)))

@@ -700,12 +700,6 @@ async def _wait_until(done: Callable[[], bool], timeout: float, poll: float = 0.
     return True
 
 
-def warm_up(engine: Engine) -> None:
-    """One prefill and one decode step before serving, so the first request does not pay
-    for lazy initialization (allocator, kernels, CUDA context)."""
-    engine.warmup()
-
-
 @dataclass
 class RunningServer:
     """An engine worker's gRPC server, started; `stop()` drains and shuts it down."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import queue
-from collections.abc import Callable
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,6 +34,7 @@ IDLE_POLL_S = 0.001  # how often a loop with only not-yet-admissible work re-pla
 # this long without a command, so a request arriving just after the last one finished
 # does not wait for the walk.
 IDLE_CHECK_AFTER_S = 0.25
+STATS_EVERY_S = 0.005  # a busy loop publishes its stats this often (routers read them every 50 ms)
 
 
 @dataclass(frozen=True)
@@ -95,11 +96,10 @@ class Inbox(Protocol):
 
 
 class Outlet(Protocol):
-    def step(self, outputs: list[Delivery], stats: Callable[[], EngineStats], settled: bool) -> None:
-        """One step's outputs (or refusals); `stats()` snapshots the engine after it (an
-        outlet calls it when it wants one: on the step thread every step, a process core
-        at most every STATS_EVERY_S); `settled`: the engine has no work left or its
-        adapters changed (a snapshot worth publishing now)."""
+    def step(self, outputs: list[Delivery], stats: EngineStats | None, settled: bool) -> None:
+        """One step's outputs (or refusals), and a snapshot of the engine after it at most
+        every STATS_EVERY_S and whenever it settles (None otherwise); `settled`: the engine
+        has no work left or its adapters changed."""
 
     def reply(self, call_id: int, result: object, error: BaseException | None) -> None: ...
 
@@ -120,6 +120,7 @@ class StepLoop:
     _loads: list[Call] = field(default_factory=list)  # adapter loads waiting on the disk
     _embeds: collections.deque[Call] = field(default_factory=collections.deque)  # one per step
     _refused: list[Delivery] = field(default_factory=list)  # adds refused by this drain
+    _stats_at: float = 0.0  # when the outlet last got the engine's stats
 
     def run(self) -> None:
         """Until a None command (or a closed inbox); a crash is reported, not raised."""
@@ -141,7 +142,7 @@ class StepLoop:
                 steps = engine.num_steps
                 outputs = engine.step()
                 self.heartbeat.end()
-                self.outlet.step(outputs, engine.stats, not engine.has_unfinished())
+                self._publish(outputs, not engine.has_unfinished())
                 if self._loads:
                     self._poll_loads()
                 if engine.num_steps == steps and (engine.has_unfinished() or self._loads):
@@ -169,8 +170,17 @@ class StepLoop:
                 break
         if self._refused:  # at once, not with the next step's outputs
             refused, self._refused = self._refused, []
-            self.outlet.step(refused, self.engine.stats, not self.engine.has_unfinished())
+            self._publish(refused, not self.engine.has_unfinished())
         return True
+
+    def _publish(self, outputs: list[Delivery], settled: bool) -> None:
+        """Hands `outputs` over, with the engine's stats when they are due."""
+        stats = None
+        now = time.monotonic()
+        if settled or now - self._stats_at >= STATS_EVERY_S:
+            self._stats_at, stats = now, self.engine.stats()
+        if outputs or stats is not None:
+            self.outlet.step(outputs, stats, settled)
 
     def _apply(self, cmd: Command) -> None:
         if cmd is None:
@@ -253,7 +263,7 @@ class StepLoop:
                 done.append((cmd, AdapterLoaded(name, resident, cmd.was_loaded), None))
         self._loads = pending
         if done:  # load reports show the new residents before the reply
-            self.outlet.step([], self.engine.stats, True)
+            self._publish([], settled=True)
         for cmd, result, exc in done:
             self.outlet.reply(cmd.call_id, result, exc)
 
@@ -263,7 +273,7 @@ class StepLoop:
             raise UnknownAdapterError(f"adapter {name!r} not found: this engine serves no adapters")
         if not adapters.unload(name):
             return False
-        self.outlet.step([], self.engine.stats, True)
+        self._publish([], settled=True)
         return True
 
 

@@ -73,7 +73,9 @@ def test_paced_runs_measure_each_engine_and_interval_and_the_streaming_floor():
         (False, 1), (False, 3), (True, 1), (True, 3)]
     for run in out["runs"]:
         assert run["ok"] == 4 and run["tokens"] == 4 * OUTPUT_LEN and not run["errors"]
-        assert 1 <= run["tokens_per_step"] <= 4  # 4 sequences at most in a step
+        # sent at once, the four streams share nearly every step of their own engine (steps
+        # counted on another engine, or twice, would break this)
+        assert run["tokens_per_step"] > 3
         assert run["ms_per_step"] >= 2.0  # the simulated device runs one step at a time
         assert set(run["cpu_us_per_token"]) >= {"router", "engine", "client"}
     lockstep_1, lockstep_3 = out["runs"][:2]

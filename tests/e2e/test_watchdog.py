@@ -15,7 +15,7 @@ from omnibus.v1 import engine_pb2, engine_pb2_grpc
 
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import Engine
-from omnibus.engine.serving.server import ServerConfig, start, warm_up
+from omnibus.engine.serving.server import ServerConfig, start
 from omnibus.engine.serving.watchdog import WatchdogConfig
 from tests.grpc_helpers import engine_request, free_port
 
@@ -32,7 +32,7 @@ async def _until(predicate, what: str, timeout: float = 20.0) -> None:  # type: 
 
 async def test_a_stalled_step_trips_the_watchdog(tiny_model: Path) -> None:
     engine = Engine(EngineConfig(model=str(tiny_model), num_kv_blocks=32, block_size=8))
-    warm_up(engine)
+    engine.warmup()
     release, stalling = threading.Event(), threading.Event()
     real_step = engine.step
 

@@ -56,7 +56,7 @@ def test_in_process_engine_generates_the_pattern_and_frees_every_block(config_on
     assert stats.num_free_blocks == stats.num_total_blocks == 63, counts
 
 
-def test_null_step_ms_paces_each_forward_without_changing_the_tokens(config_only):
+def test_null_step_ms_paces_each_step_without_changing_the_tokens(config_only):
     engine = Engine(EngineConfig(model=str(config_only), load_format="null", num_kv_blocks=64,
                                  max_num_seqs=8, null_step_ms=25))
     engine.warmup()
