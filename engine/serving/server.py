@@ -136,17 +136,22 @@ class _Live:
 
 class _Session:
     """One router's Session stream. `deliver` (handed each step's outputs by the step loop,
-    run on this server's event loop) turns its requests' outputs into entries of the
-    pending update; the stream's writer sends
-    whatever is pending when it can, so steps the router has not read yet are merged."""
+    run on this server's event loop) adds its requests' outputs to the pending update; the
+    stream's writer sends whatever is pending when it can, so steps the router has not read
+    yet are merged. A started request's plain token (no logprobs, no finish) costs two list
+    appends, sent as the update's packed (handle, token) pairs when the router reads them
+    (`packed`); the rest become entries, one per request and update."""
 
     def __init__(self, service: EngineService, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._service = service
+        self.packed = False  # the router said it reads SessionUpdate.tokens
         self.pending = engine_pb2.SessionUpdate()
         # request -> its entry in `pending`: steps the writer has not sent yet (the router
         # reads slower than steps come) are merged into one entry per request
         self._entries: dict[_Live, engine_pb2.EngineGenerateResponse] = {}
+        self._handles: list[int] = []  # the pending packed tokens, pair by pair
+        self._tokens: list[int] = []
         self.ready = asyncio.Event()  # something is pending, or the router has left
         self.closed = False  # the router's side of the stream has ended
 
@@ -168,6 +173,13 @@ class _Session:
                 continue
             entry = self._entries.get(live)
             if entry is None:
+                if (self.packed and live.first is not None and not item.finished
+                        and not item.new_logprobs):
+                    for token in item.new_token_ids:  # one per step
+                        self._handles.append(live.handle)
+                        self._tokens.append(token)
+                    live.tokens = item.num_output_tokens
+                    continue
                 entry = self._entries[live] = outputs.add(handle=live.handle)
             _fill(entry, item)  # tokens and logprobs append; counts and finish are the latest
             if item.new_token_ids and live.first is None:
@@ -187,10 +199,17 @@ class _Session:
         self.pending.outputs.add(handle=handle, status_code=code.value[0], status_message=message)
         self.ready.set()
 
-    def take(self) -> engine_pb2.SessionUpdate:
+    def take(self) -> engine_pb2.SessionUpdate | None:
+        """The pending update (None when there is nothing to send), and a fresh one."""
         update, self.pending = self.pending, engine_pb2.SessionUpdate()
         self._entries.clear()
         self.ready.clear()
+        if self._tokens:
+            update.token_handles.extend(self._handles)
+            update.tokens.extend(self._tokens)
+            self._handles, self._tokens = [], []
+        elif not update.outputs:
+            return None
         return update
 
 
@@ -356,7 +375,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             while True:
                 await session.ready.wait()
                 update = session.take()
-                if update.outputs:
+                if update is not None:
                     yield update
                 if session.closed:
                     return
@@ -371,6 +390,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     ) -> None:
         try:
             async for request in requests:
+                session.packed = request.packed_tokens
                 for add in request.add:
                     self._session_add(session, add)
                 for request_id in request.abort:

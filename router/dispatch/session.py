@@ -2,7 +2,8 @@
 
 Every request this router runs on the engine goes in as an add on the one stream, and
 the engine answers with one update per step carrying every new token of this router's
-requests, so the cost of a token is a few field copies, not a gRPC message. The session
+requests, so the cost of a token is a few field copies, not a gRPC message: a plain token
+(no logprobs, not a request's first or last) is a packed (handle, token) pair. The session
 owns the registry of its open requests (handle -> slot); each request's consumer
 (`EngineSession.generate`) reads its slot, where outputs it has not taken yet are
 merged into one (a slow client gets fewer, larger messages, never a queue per token).
@@ -34,31 +35,63 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 
 class _Slot:
     """One open request's outputs between the session reader and its consumer: at most
-    one pending output (later ones are merged into it) and then, perhaps, an error. The
-    consumer takes it once it holds `interval` tokens, its first token or its finish."""
+    one pending output (later entries are merged into it), the packed tokens that came
+    after it, and then, perhaps, an error. The consumer takes them, as one output, once
+    they hold `interval` tokens, its first token or its finish. Every output it hands
+    over carries the request's counts as of its last token."""
 
-    __slots__ = ("request_id", "interval", "started", "pending", "error", "waiter")
+    __slots__ = ("request_id", "interval", "started", "pending", "tokens", "held", "error",
+                 "waiter", "num_prompt", "num_cached", "num_output")
 
     def __init__(self, request_id: str, interval: int = 1) -> None:
         self.request_id = request_id
         self.interval = interval
         self.started = False  # a token has been taken
         self.pending: EngineOutput | None = None
+        self.tokens: list[int] = []  # packed tokens not taken yet, after `pending`'s
+        self.held = 0  # tokens not taken yet
         self.error: grpc.aio.AioRpcError | None = None
         self.waiter: asyncio.Future[None] | None = None
+        self.num_prompt = self.num_cached = self.num_output = 0
 
     def push(self, out: EngineOutput) -> None:
-        if self.pending is None:
+        """An entry of SessionUpdate.outputs."""
+        self.num_prompt, self.num_cached = out.num_prompt_tokens, out.num_cached_tokens
+        self.num_output = out.num_output_tokens
+        self.held += len(out.token_ids)
+        if self.pending is None and not self.tokens:
             self.pending = out
         else:  # not taken yet: token ids and logprobs append, counts and finish update
-            self.pending.MergeFrom(out)
+            self._merged().MergeFrom(out)
         if self._ready():
             self._wake()
 
-    def _ready(self) -> bool:
+    def push_token(self, token: int) -> None:
+        """A packed token (SessionUpdate.tokens): one more output token, nothing else."""
+        self.tokens.append(token)
+        self.num_output += 1
+        self.held += 1
+        if self.held >= self.interval or not self.started:
+            self._wake()
+
+    def _merged(self) -> EngineOutput:
+        """The pending output with the packed tokens moved into it, and the counts."""
         out = self.pending
-        return out is not None and (
-            not self.started or out.finish_reason != 0 or len(out.token_ids) >= self.interval)
+        if out is None:
+            out = self.pending = EngineOutput()
+        if self.tokens:
+            out.token_ids.extend(self.tokens)
+            self.tokens = []
+        out.num_prompt_tokens, out.num_cached_tokens = self.num_prompt, self.num_cached
+        out.num_output_tokens = self.num_output
+        return out
+
+    def _ready(self) -> bool:
+        pending = self.pending
+        if pending is None and not self.held:
+            return False
+        return (not self.started or self.held >= self.interval
+                or (pending is not None and pending.finish_reason != 0))
 
     def fail(self, error: grpc.aio.AioRpcError) -> None:
         if self.error is None:
@@ -72,12 +105,13 @@ class _Slot:
     async def next(self) -> EngineOutput:
         while not self._ready():
             if self.error is not None:
-                if self.pending is not None:
+                if self.pending is not None or self.held:
                     break  # the tokens it has first (a continuation resumes after them)
                 raise self.error
             self.waiter = asyncio.get_running_loop().create_future()
             await self.waiter
-        out, self.pending = self.pending, None
+        out = self._merged()
+        self.pending, self.held = None, 0
         self.started = self.started or bool(out.token_ids)
         return out
 
@@ -90,7 +124,7 @@ class EngineSession:
         self._address = address
         self._slots: dict[int, _Slot] = {}  # handle -> the open request
         self._next_handle = 0
-        self._outbox = engine_pb2.SessionRequest()
+        self._outbox = engine_pb2.SessionRequest(packed_tokens=True)
         self._wake = asyncio.Event()  # the outbox has something to send
         self.closed = False
         self._call = stub.Session(self._requests())
@@ -154,7 +188,7 @@ class EngineSession:
         while not self.closed:
             await self._wake.wait()
             self._wake.clear()
-            request, self._outbox = self._outbox, engine_pb2.SessionRequest()
+            request, self._outbox = self._outbox, engine_pb2.SessionRequest(packed_tokens=True)
             if request.add or request.abort:
                 yield request
 
@@ -166,6 +200,10 @@ class EngineSession:
                 update = await self._call.read()
                 if update is grpc.aio.EOF:
                     break
+                for handle, token in zip(update.token_handles, update.tokens):
+                    slot = slots.get(handle)
+                    if slot is not None:  # else aborted here already
+                        slot.push_token(token)
                 for out in update.outputs:
                     slot = slots.get(out.handle)
                     if slot is None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from omnibus.v1 import inference_pb2 as omnibus_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17omnibus/v1/engine.proto\x12\nomnibus.v1\x1a\x1aomnibus/v1/inference.proto\"\xae\x02\n\x14\x45ngineSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x10\n\x08logprobs\x18\x0c \x01(\x05\x12\x15\n\routput_offset\x18\r \x01(\x05\x42\x07\n\x05_seed\"\xe8\x01\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .omnibus.v1.EngineSamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x15\n\rtenant_weight\x18\x07 \x01(\x02\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\r\x12\x0e\n\x06handle\x18\t \x01(\r\"\x96\x02\n\x16\x45ngineGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.omnibus.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.omnibus.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\x05\x12\x0e\n\x06handle\x18\x07 \x01(\r\x12\x13\n\x0bstatus_code\x18\x08 \x01(\x05\x12\x16\n\x0estatus_message\x18\t \x01(\t\"O\n\x0eSessionRequest\x12.\n\x03\x61\x64\x64\x18\x01 \x03(\x0b\x32!.omnibus.v1.EngineGenerateRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"D\n\rSessionUpdate\x12\x33\n\x07outputs\x18\x01 \x03(\x0b\x32\".omnibus.v1.EngineGenerateResponse\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"\xb8\x03\n\nLoadReport\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x19\n\x11resident_adapters\x18\x08 \x03(\t\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x17\n\x0f\x63\x61\x63hed_adapters\x18\n \x03(\t\x12\x1a\n\x12\x61vailable_adapters\x18\x0b \x03(\t\x12\x19\n\x11prefix_generation\x18\x0c \x01(\x04\x12\x19\n\x11prefix_block_keys\x18\r \x03(\x06\x12?\n\radapter_salts\x18\x0e \x03(\x0b\x32(.omnibus.v1.LoadReport.AdapterSaltsEntry\x1a\x33\n\x11\x41\x64\x61pterSaltsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x0e\n\x0cStatsRequest\"\xb7\x02\n\rStatsResponse\x12$\n\x04load\x18\x01 \x01(\x0b\x32\x16.omnibus.v1.LoadReport\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\x05\x12\x11\n\tnum_steps\x18\x03 \x01(\x03\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x03\x12\x1a\n\x12num_active_streams\x18\x05 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x03\x12#\n\x1bnum_prefix_cache_hit_blocks\x18\x07 \x01(\x03\x12\x15\n\rslots_stepped\x18\x08 \x01(\x03\x12\x15\n\ruseful_tokens\x18\t \x01(\x03\x12\x18\n\x10kv_tokens_stored\x18\n \x01(\x03\x12\x1a\n\x12kv_tokens_reserved\x18\x0b \x01(\x03\"%\n\x12LoadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"L\n\x13LoadAdapterResponse\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x10\n\x08resident\x18\x02 \x01(\x08\x12\x12\n\nwas_loaded\x18\x03 \x01(\x08\"\'\n\x14UnloadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"<\n\x15UnloadAdapterResponse\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x12\n\nwas_loaded\x18\x02 \x01(\x08\"\x15\n\x13ListAdaptersRequest\"\x9d\x01\n\x14ListAdaptersResponse\x12\x10\n\x08resident\x18\x01 \x03(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x02 \x03(\t\x12\x11\n\tavailable\x18\x03 \x03(\t\x12\x11\n\tmax_loras\x18\x04 \x01(\x05\x12\x15\n\rmax_cpu_loras\x18\x05 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x06 \x01(\x05\x12\x0f\n\x07\x65nabled\x18\x07 \x01(\x08\"\x9f\x01\n\x12\x45ngineEmbedRequest\x12$\n\x06inputs\x18\x01 \x03(\x0b\x32\x14.omnibus.v1.TokenIds\x12$\n\x07pooling\x18\x02 \x01(\x0e\x32\x13.omnibus.v1.Pooling\x12\x11\n\tnormalize\x18\x03 \x01(\x08\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x18\n\x10queue_timeout_ms\x18\x05 \x01(\r\"@\n\x13\x45ngineEmbedResponse\x12)\n\nembeddings\x18\x01 \x03(\x0b\x32\x15.omnibus.v1.Embedding2\xe9\x04\n\x06\x45ngine\x12\x44\n\x07Session\x12\x1a.omnibus.v1.SessionRequest\x1a\x19.omnibus.v1.SessionUpdate(\x01\x30\x01\x12S\n\x08Generate\x12!.omnibus.v1.EngineGenerateRequest\x1a\".omnibus.v1.EngineGenerateResponse0\x01\x12\x43\n\tWatchLoad\x12\x1c.omnibus.v1.WatchLoadRequest\x1a\x16.omnibus.v1.LoadReport0\x01\x12<\n\x05Stats\x12\x18.omnibus.v1.StatsRequest\x1a\x19.omnibus.v1.StatsResponse\x12N\n\x0bLoadAdapter\x12\x1e.omnibus.v1.LoadAdapterRequest\x1a\x1f.omnibus.v1.LoadAdapterResponse\x12T\n\rUnloadAdapter\x12 .omnibus.v1.UnloadAdapterRequest\x1a!.omnibus.v1.UnloadAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.omnibus.v1.ListAdaptersRequest\x1a .omnibus.v1.ListAdaptersResponse\x12H\n\x05\x45mbed\x12\x1e.omnibus.v1.EngineEmbedRequest\x1a\x1f.omnibus.v1.EngineEmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17omnibus/v1/engine.proto\x12\nomnibus.v1\x1a\x1aomnibus/v1/inference.proto\"\xae\x02\n\x14\x45ngineSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x10\n\x08logprobs\x18\x0c \x01(\x05\x12\x15\n\routput_offset\x18\r \x01(\x05\x42\x07\n\x05_seed\"\xe8\x01\n\x15\x45ngineGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .omnibus.v1.EngineSamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12\x0e\n\x06tenant\x18\x06 \x01(\t\x12\x15\n\rtenant_weight\x18\x07 \x01(\x02\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x08 \x01(\r\x12\x0e\n\x06handle\x18\t \x01(\r\"\x96\x02\n\x16\x45ngineGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.omnibus.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.omnibus.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\x05\x12\x0e\n\x06handle\x18\x07 \x01(\r\x12\x13\n\x0bstatus_code\x18\x08 \x01(\x05\x12\x16\n\x0estatus_message\x18\t \x01(\t\"f\n\x0eSessionRequest\x12.\n\x03\x61\x64\x64\x18\x01 \x03(\x0b\x32!.omnibus.v1.EngineGenerateRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\x12\x15\n\rpacked_tokens\x18\x03 \x01(\x08\"k\n\rSessionUpdate\x12\x33\n\x07outputs\x18\x01 \x03(\x0b\x32\".omnibus.v1.EngineGenerateResponse\x12\x15\n\rtoken_handles\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x05\"\xb8\x03\n\nLoadReport\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x19\n\x11resident_adapters\x18\x08 \x03(\t\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x17\n\x0f\x63\x61\x63hed_adapters\x18\n \x03(\t\x12\x1a\n\x12\x61vailable_adapters\x18\x0b \x03(\t\x12\x19\n\x11prefix_generation\x18\x0c \x01(\x04\x12\x19\n\x11prefix_block_keys\x18\r \x03(\x06\x12?\n\radapter_salts\x18\x0e \x03(\x0b\x32(.omnibus.v1.LoadReport.AdapterSaltsEntry\x1a\x33\n\x11\x41\x64\x61pterSaltsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x0e\n\x0cStatsRequest\"\xb7\x02\n\rStatsResponse\x12$\n\x04load\x18\x01 \x01(\x0b\x32\x16.omnibus.v1.LoadReport\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\x05\x12\x11\n\tnum_steps\x18\x03 \x01(\x03\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x03\x12\x1a\n\x12num_active_streams\x18\x05 \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x03\x12#\n\x1bnum_prefix_cache_hit_blocks\x18\x07 \x01(\x03\x12\x15\n\rslots_stepped\x18\x08 \x01(\x03\x12\x15\n\ruseful_tokens\x18\t \x01(\x03\x12\x18\n\x10kv_tokens_stored\x18\n \x01(\x03\x12\x1a\n\x12kv_tokens_reserved\x18\x0b \x01(\x03\"%\n\x12LoadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"L\n\x13LoadAdapterResponse\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x10\n\x08resident\x18\x02 \x01(\x08\x12\x12\n\nwas_loaded\x18\x03 \x01(\x08\"\'\n\x14UnloadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\"<\n\x15UnloadAdapterResponse\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x12\n\nwas_loaded\x18\x02 \x01(\x08\"\x15\n\x13ListAdaptersRequest\"\x9d\x01\n\x14ListAdaptersResponse\x12\x10\n\x08resident\x18\x01 \x03(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x02 \x03(\t\x12\x11\n\tavailable\x18\x03 \x03(\t\x12\x11\n\tmax_loras\x18\x04 \x01(\x05\x12\x15\n\rmax_cpu_loras\x18\x05 \x01(\x05\x12\x15\n\rmax_lora_rank\x18\x06 \x01(\x05\x12\x0f\n\x07\x65nabled\x18\x07 \x01(\x08\"\x9f\x01\n\x12\x45ngineEmbedRequest\x12$\n\x06inputs\x18\x01 \x03(\x0b\x32\x14.omnibus.v1.TokenIds\x12$\n\x07pooling\x18\x02 \x01(\x0e\x32\x13.omnibus.v1.Pooling\x12\x11\n\tnormalize\x18\x03 \x01(\x08\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x18\n\x10queue_timeout_ms\x18\x05 \x01(\r\"@\n\x13\x45ngineEmbedResponse\x12)\n\nembeddings\x18\x01 \x03(\x0b\x32\x15.omnibus.v1.Embedding2\xe9\x04\n\x06\x45ngine\x12\x44\n\x07Session\x12\x1a.omnibus.v1.SessionRequest\x1a\x19.omnibus.v1.SessionUpdate(\x01\x30\x01\x12S\n\x08Generate\x12!.omnibus.v1.EngineGenerateRequest\x1a\".omnibus.v1.EngineGenerateResponse0\x01\x12\x43\n\tWatchLoad\x12\x1c.omnibus.v1.WatchLoadRequest\x1a\x16.omnibus.v1.LoadReport0\x01\x12<\n\x05Stats\x12\x18.omnibus.v1.StatsRequest\x1a\x19.omnibus.v1.StatsResponse\x12N\n\x0bLoadAdapter\x12\x1e.omnibus.v1.LoadAdapterRequest\x1a\x1f.omnibus.v1.LoadAdapterResponse\x12T\n\rUnloadAdapter\x12 .omnibus.v1.UnloadAdapterRequest\x1a!.omnibus.v1.UnloadAdapterResponse\x12Q\n\x0cListAdapters\x12\x1f.omnibus.v1.ListAdaptersRequest\x1a .omnibus.v1.ListAdaptersResponse\x12H\n\x05\x45mbed\x12\x1e.omnibus.v1.EngineEmbedRequest\x1a\x1f.omnibus.v1.EngineEmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,35 +41,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENGINEGENERATERESPONSE']._serialized_start=608
   _globals['_ENGINEGENERATERESPONSE']._serialized_end=886
   _globals['_SESSIONREQUEST']._serialized_start=888
-  _globals['_SESSIONREQUEST']._serialized_end=967
-  _globals['_SESSIONUPDATE']._serialized_start=969
-  _globals['_SESSIONUPDATE']._serialized_end=1037
-  _globals['_WATCHLOADREQUEST']._serialized_start=1039
-  _globals['_WATCHLOADREQUEST']._serialized_end=1078
-  _globals['_LOADREPORT']._serialized_start=1081
-  _globals['_LOADREPORT']._serialized_end=1521
-  _globals['_LOADREPORT_ADAPTERSALTSENTRY']._serialized_start=1470
-  _globals['_LOADREPORT_ADAPTERSALTSENTRY']._serialized_end=1521
-  _globals['_STATSREQUEST']._serialized_start=1523
-  _globals['_STATSREQUEST']._serialized_end=1537
-  _globals['_STATSRESPONSE']._serialized_start=1540
-  _globals['_STATSRESPONSE']._serialized_end=1851
-  _globals['_LOADADAPTERREQUEST']._serialized_start=1853
-  _globals['_LOADADAPTERREQUEST']._serialized_end=1890
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=1892
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=1968
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=1970
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2009
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2011
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2071
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=2073
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=2094
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=2097
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=2254
-  _globals['_ENGINEEMBEDREQUEST']._serialized_start=2257
-  _globals['_ENGINEEMBEDREQUEST']._serialized_end=2416
-  _globals['_ENGINEEMBEDRESPONSE']._serialized_start=2418
-  _globals['_ENGINEEMBEDRESPONSE']._serialized_end=2482
-  _globals['_ENGINE']._serialized_start=2485
-  _globals['_ENGINE']._serialized_end=3102
+  _globals['_SESSIONREQUEST']._serialized_end=990
+  _globals['_SESSIONUPDATE']._serialized_start=992
+  _globals['_SESSIONUPDATE']._serialized_end=1099
+  _globals['_WATCHLOADREQUEST']._serialized_start=1101
+  _globals['_WATCHLOADREQUEST']._serialized_end=1140
+  _globals['_LOADREPORT']._serialized_start=1143
+  _globals['_LOADREPORT']._serialized_end=1583
+  _globals['_LOADREPORT_ADAPTERSALTSENTRY']._serialized_start=1532
+  _globals['_LOADREPORT_ADAPTERSALTSENTRY']._serialized_end=1583
+  _globals['_STATSREQUEST']._serialized_start=1585
+  _globals['_STATSREQUEST']._serialized_end=1599
+  _globals['_STATSRESPONSE']._serialized_start=1602
+  _globals['_STATSRESPONSE']._serialized_end=1913
+  _globals['_LOADADAPTERREQUEST']._serialized_start=1915
+  _globals['_LOADADAPTERREQUEST']._serialized_end=1952
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=1954
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2030
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2032
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2071
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2073
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2133
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=2135
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=2156
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=2159
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=2316
+  _globals['_ENGINEEMBEDREQUEST']._serialized_start=2319
+  _globals['_ENGINEEMBEDREQUEST']._serialized_end=2478
+  _globals['_ENGINEEMBEDRESPONSE']._serialized_start=2480
+  _globals['_ENGINEEMBEDRESPONSE']._serialized_end=2544
+  _globals['_ENGINE']._serialized_start=2547
+  _globals['_ENGINE']._serialized_end=3164
 # @@protoc_insertion_point(module_scope)

@@ -82,18 +82,24 @@ class EngineGenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., handle: _Optional[int] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("add", "abort")
+    __slots__ = ("add", "abort", "packed_tokens")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     add: _containers.RepeatedCompositeFieldContainer[EngineGenerateRequest]
     abort: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, add: _Optional[_Iterable[_Union[EngineGenerateRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ...) -> None: ...
+    packed_tokens: bool
+    def __init__(self, add: _Optional[_Iterable[_Union[EngineGenerateRequest, _Mapping]]] = ..., abort: _Optional[_Iterable[str]] = ..., packed_tokens: _Optional[bool] = ...) -> None: ...
 
 class SessionUpdate(_message.Message):
-    __slots__ = ("outputs",)
+    __slots__ = ("outputs", "token_handles", "tokens")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[EngineGenerateResponse]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[EngineGenerateResponse, _Mapping]]] = ...) -> None: ...
+    token_handles: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[EngineGenerateResponse, _Mapping]]] = ..., token_handles: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ("interval_ms",)

@@ -34,3 +34,33 @@ def test_unsent_steps_merge_into_one_entry_per_request():
     assert ended == [("a", "length")]
     session.deliver([out("b", 23, 3)])  # after a take: a new entry
     assert [(o.handle, list(o.token_ids)) for o in session.take().outputs] == [(9, [23])]
+
+
+def test_packed_sessions_send_started_requests_plain_tokens_as_pairs():
+    ended = []
+    service = SimpleNamespace(_live={}, _end=lambda live, outcome: ended.append((live.request_id, outcome)))
+    loop = asyncio.new_event_loop()
+    loop.close()
+    session = _Session(service, loop)
+    session.packed = True
+    a, b = _Live("a", "", 0.0, session, handle=7), _Live("b", "", 0.0, session, handle=9)
+    service._live.update(a=a, b=b)
+    session.deliver([out("a", 11, 1)])  # a's first token: an entry, with the counts
+    update = session.take()
+    assert [(o.handle, list(o.token_ids), o.num_prompt_tokens) for o in update.outputs] == [(7, [11], 4)]
+    assert not update.tokens
+    session.deliver([out("a", 12, 2), out("b", 21, 1)])
+    session.deliver([out("a", 13, 3), out("b", 22, 2)])
+    session.deliver([out("a", 14, 4, finished=True)])  # the finish: an entry after a's pairs
+    update = session.take()
+    assert list(zip(update.token_handles, update.tokens)) == [(7, 12), (7, 13)]
+    assert [(o.handle, list(o.token_ids), o.finish_reason) for o in update.outputs] == [
+        (9, [21, 22], 0), (7, [14], inference_pb2.LENGTH)]  # b started in this update: an entry
+    assert ended == [("a", "length")]
+    assert session.take() is None  # nothing pending: nothing to send
+    session.deliver([out("b", 23, 3)])
+    update = session.take()
+    assert list(zip(update.token_handles, update.tokens)) == [(9, 23)] and not update.outputs
+    session.packed = False  # a router that does not read pairs gets entries only
+    session.deliver([out("b", 24, 4)])
+    assert [(o.handle, list(o.token_ids)) for o in session.take().outputs] == [(9, [24])]

@@ -64,3 +64,27 @@ async def test_a_stream_interval_holds_tokens_after_the_first_until_it_has_enoug
     assert list((await held.next()).token_ids) == [2]  # an error releases what is held first
     with pytest.raises(grpc.aio.AioRpcError):
         await held.next()
+
+
+async def test_packed_tokens_carry_the_counts_of_the_entry_before_them():
+    slot = _Slot("r", interval=2)
+    slot.push(Out(handle=3, token_ids=[5], num_prompt_tokens=9, num_cached_tokens=8, num_output_tokens=1))
+    first = await slot.next()
+    assert (list(first.token_ids), first.num_output_tokens) == ([5], 1)
+    slot.push_token(6)
+    assert slot.held == 1 and not slot._ready()  # one of two: held
+    slot.push_token(7)
+    out = await slot.next()
+    assert list(out.token_ids) == [6, 7]
+    assert (out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens) == (9, 8, 3)
+    slot.push_token(8)  # the update's packed tokens come before its entry: both merge, in order
+    slot.push(Out(handle=3, token_ids=[9], num_prompt_tokens=9, num_cached_tokens=8,
+                  num_output_tokens=5, finish_reason=2))
+    last = await slot.next()
+    assert (list(last.token_ids), last.num_output_tokens, last.finish_reason) == ([8, 9], 5, 2)
+
+
+async def test_a_packed_first_token_is_handed_over_at_once():
+    slot = _Slot("r", interval=8)  # an entry always brings the first token; a packed one would too
+    slot.push_token(4)
+    assert list((await slot.next()).token_ids) == [4]
