@@ -84,6 +84,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
+        p = seq.params
+        seq.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
+        seq.max_len = min(seq.num_prompt_tokens + p.max_tokens, self.config.max_model_len)
         self.requests[seq.request_id] = seq
         self._push_waiting(seq)
 
@@ -133,7 +136,7 @@ class Scheduler:
         prefills: list[Sequence] = []
         expired: list[Sequence] = []
         for seq in self.running:
-            if seq.num_pending and self._at_limit(seq, seq.planned_len):
+            if seq.num_pending and len(seq.token_ids) + seq.num_pending >= seq.max_len:
                 continue  # its pending token is its last: nothing to compute until it reports
             if (seq.deadline is not None and self._now >= seq.deadline
                     and not seq.num_pending and not seq.num_output_tokens):
@@ -184,21 +187,22 @@ class Scheduler:
     def _plan_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
         """Plans the next chunk of each running sequence in `seqs` within `budget`;
         returns the budget left."""
+        step, bs, running = self._step, self.allocator.block_size, SequenceStatus.RUNNING
         for seq in seqs:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this step
-            n = min(seq.planned_len - seq.num_computed_tokens, budget)
-            if self._reserve_running(seq, n, out):
-                out.scheduled.append(self._plan(seq, n))
-                budget -= n
+            start = seq.num_computed_tokens
+            planned = len(seq.token_ids) + seq.num_pending
+            n = min(planned - start, budget)
+            # (a decode step's last block mostly has room: no call to the allocator)
+            if start + n > len(seq.block_table) * bs and not self._reserve_running(seq, n, out):
+                continue
+            seq.scheduled_step = step
+            out.scheduled.append(ScheduledSeq(seq, start, n, start + n == planned))
+            budget -= n
         return budget
-
-    def _at_limit(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether `seq` ends by length once it holds `num_tokens` tokens."""
-        return (num_tokens - seq.num_prompt_tokens >= seq.params.max_tokens
-                or num_tokens >= self.config.max_model_len)
 
     def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
         seq.scheduled_step = self._step
@@ -366,34 +370,34 @@ class Scheduler:
         results: list[RequestOutput] = []
         row = 0
         finished = False
+        running, done = SequenceStatus.RUNNING, SequenceStatus.FINISHED
+        # A block fills up once every block_size tokens: only then is it worth a call.
+        bs = self.allocator.block_size if self.allocator.enable_prefix_caching else 1 << 62
         for item in out.scheduled:
             seq = item.seq
             row += item.samples
-            if seq.status is SequenceStatus.FINISHED:
+            status = seq.status
+            if status is done:
                 continue  # aborted, or ended by an earlier step's token while this one ran
+            tokens = seq.token_ids
             if item.samples:
                 seq.num_pending -= 1
-                seq.token_ids.append(sampled.token_ids[row - 1])
-            if seq.status is SequenceStatus.RUNNING:
+                tokens.append(sampled.token_ids[row - 1])
+            if status is running and seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * bs:
                 self.allocator.cache_blocks(seq)  # blocks this step filled
             if not item.samples:
                 continue
-            token = seq.token_ids[-1]
+            token = tokens[-1]
             lp = sampled.logprobs[row - 1]
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                finished |= seq.status is SequenceStatus.RUNNING
-                self._finish(seq, reason)
-            results.append(self._output(seq, [token], [lp] if lp is not None else []))
+            if token in seq.stop_ids or len(tokens) >= seq.max_len:
+                finished |= status is running
+                self._finish(seq, "stop" if token in seq.stop_ids else "length")
+            results.append(RequestOutput(seq.request_id, [token], [lp] if lp is not None else [],
+                                         seq.status is done, seq.finish_reason, seq.num_prompt_tokens,
+                                         seq.num_cached_tokens, len(tokens) - seq.num_prompt_tokens))
         if finished:
-            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+            self.running = [s for s in self.running if s.status is running]
         return results
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        return "length" if self._at_limit(seq, len(seq.token_ids)) else None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:

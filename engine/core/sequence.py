@@ -74,6 +74,10 @@ class Sequence:
     first_scheduled: bool = False
     scheduled_step: int = -1  # the last step that scheduled it (scheduler bookkeeping)
     lora_slot: int | None = None  # device adapter slot, pinned while running
+    # Set by the scheduler when the request arrives: the tokens that end it ("stop"), and
+    # the length at which it ends ("length": max_tokens outputs or the context limit).
+    stop_ids: frozenset[int] = frozenset()
+    max_len: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
