@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import time
 from dataclasses import dataclass
 
@@ -196,39 +195,51 @@ class ModelRunner:
         """The step's inputs on the device. A sequence whose last input token is still
         pending (sampled by `prev`, not yet reported) reads it from prev's device tensor."""
         bs = self.block_size
+        scheduled = plan.scheduled
+        width = max(len(item.seq.block_table) for item in scheduled)
+        pad = [0] * width  # block tables are padded to the widest with the null block
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[int] = []  # (rows, width), flat
         logits_indices: list[int] = []
         pending_dst: list[int] = []  # rows of input_ids filled from prev's picks
         pending_src: list[int] = []
-        for item in plan.scheduled:
+        total = 0  # input tokens so far
+        longest = 1  # the longest chunk
+        for item in scheduled:
             seq, start, n = item.seq, item.start, item.num_tokens
             end = start + n
-            table = seq.block_table
-            known = seq.token_ids[start:end]
-            input_ids += known
-            if len(known) < n:  # the last input is prev's pick for this sequence
-                input_ids.append(0)
-                pending_dst.append(query_start[-1] + n - 1)
-                pending_src.append(prev.rows[seq])
-            if n == 1:
+            table, tokens = seq.block_table, seq.token_ids
+            if n == 1:  # a decode (or a one-token chunk)
+                if start < len(tokens):
+                    input_ids.append(tokens[start])
+                else:  # its input is prev's pick for this sequence
+                    input_ids.append(0)
+                    pending_dst.append(total)
+                    pending_src.append(prev.rows[seq])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
+                known = tokens[start:end]
+                input_ids += known
+                if len(known) < n:  # the last input is prev's pick for this sequence
+                    input_ids.append(0)
+                    pending_dst.append(total + n - 1)
+                    pending_src.append(prev.rows[seq])
                 positions += range(start, end)
                 slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start.append(query_start[-1] + n)
+                longest = max(longest, n)
+            total += n
+            query_start.append(total)
             seq_lens.append(end)
-            tables.append(table)
+            tables += table
+            tables += pad[len(table):]
             if item.samples:
-                logits_indices.append(query_start[-1] - 1)
-        lora = None if self.adapters is None else self.adapters.batch_for(plan.scheduled)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+                logits_indices.append(total - 1)
+        lora = None if self.adapters is None else self.adapters.batch_for(scheduled)
         dev = self.device
         ids = to_device(input_ids, torch.long, dev)
         if pending_dst:
@@ -238,10 +249,10 @@ class ModelRunner:
             input_ids=ids,
             positions=to_device(positions, torch.long, dev),
             slot_mapping=to_device(slots, torch.long, dev),
-            block_tables=to_device(padded, torch.int32, dev),
+            block_tables=to_device(tables, torch.int32, dev).view(len(scheduled), width),
             query_start_loc=to_device(query_start, torch.int32, dev),
             seq_lens=to_device(seq_lens, torch.int32, dev),
-            max_query_len=max(item.num_tokens for item in plan.scheduled),
+            max_query_len=longest,
             logits_indices=to_device(logits_indices, torch.long, dev),
             lora=lora,
         )
@@ -287,10 +298,12 @@ class ModelRunner:
         else:
             hidden = self.model(batch, self.kv_caches)  # (T, hidden)
         rows = [item.seq for item in plan.scheduled if item.samples]
+        penalties = False
         if rows:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab)
             params = [s.params for s in rows]
-            if any(p.has_penalties for p in params):  # token histories for the rows they read
+            penalties = any(p.has_penalties for p in params)
+            if penalties:  # token histories for the rows they read
                 prompts = [s.prompt_token_ids if s.params.has_penalties else () for s in rows]
                 outputs = [s.output_token_ids if s.params.has_penalties else () for s in rows]
             else:
@@ -300,7 +313,7 @@ class ModelRunner:
             sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
         if self.idle_meter is not None:
             self.idle_meter.step_ended()
-        step = Step(plan, sampled)
+        step = Step(plan, sampled, dict(zip(rows, range(len(rows)))), penalties)
         if self.null_step_s:
             step.ready_at = self._device_free_at = (
                 max(time.monotonic(), self._device_free_at) + self.null_step_s)
@@ -317,22 +330,15 @@ class Step:
 
     plan: SchedulerOutput
     sampled: SampledBatch  # on the device; the next step's prepare() may read it
+    rows: dict[Sequence, int]  # the sampled row of each sequence that samples
+    # A sequence of this step samples with penalties, which read its tokens: its next
+    # step must wait for this one's report.
+    reads_history: bool = False
     host: SampledBatch | None = None
     ready_at: float = 0.0  # the null model's simulated device: monotonic time its picks are ready
 
     def __post_init__(self) -> None:
         self.host = self.sampled.to_host()  # the copy starts now and completes on its own
-
-    @functools.cached_property
-    def rows(self) -> dict[Sequence, int]:
-        """Sampled row of each sequence that samples (only overlapped steps ask)."""
-        return {item.seq: i for i, item in enumerate(it for it in self.plan.scheduled if it.samples)}
-
-    @property
-    def reads_history(self) -> bool:
-        """Whether a sequence of this step samples with penalties, which read its tokens:
-        its next step must wait for this one's report."""
-        return any(item.samples and item.seq.params.has_penalties for item in self.plan.scheduled)
 
     def result(self) -> SamplerOutput:
         """The picks on the host (waits for the step to finish on the device)."""
