@@ -28,6 +28,7 @@ from pathlib import Path
 
 import structlog
 
+from omnibus.common.heap import freeze_heap
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.core.sequence import RequestOutput
 from omnibus.engine.engine import Engine, EngineStats
@@ -232,6 +233,7 @@ def _core_main(config: EngineConfig, conn: multiprocessing.connection.Connection
         conn.send(("failed", f"cannot load {config.model}: {exc!r}"))
         return
     conn.send(("ready", engine.model_config.max_model_len, engine.stats()))
+    freeze_heap()
     StepLoop(engine, _PipeInbox(conn), _PipeOutlet(conn), Heartbeat(shared)).run()
 
 

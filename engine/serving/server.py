@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from omnibus.common.grpc_server import Service, build_server, set_health, stop_on_signal
+from omnibus.common.heap import freeze_heap
 from omnibus.common.metrics import RequestLatency, serve_metrics
 from omnibus.common.security import ServerSecurity
 from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine, Delivery, Refused
@@ -789,6 +790,7 @@ async def serve(engine: Engine | ProcessCore, config: ServerConfig) -> None:
     """Serves `engine` (see `start`) until SIGTERM or SIGINT, then drains."""
     stop = stop_on_signal()
     running = await start(engine, config)
+    freeze_heap()
     await stop.wait()
     log.info(
         "engine_draining", in_flight=running.service.num_active, grace_seconds=config.drain_seconds

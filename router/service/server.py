@@ -21,6 +21,7 @@ from omnibus.common.grpc_server import (
     set_health,
     stop_on_signal,
 )
+from omnibus.common.heap import freeze_heap
 from omnibus.router.admission.auth import KeyStore
 from omnibus.router.admission.validation import ModelLimits, load_tokenizer
 from omnibus.router.config import RouterConfig
@@ -157,6 +158,7 @@ async def serve(config: RouterConfig) -> None:
     discovery.start()
     if config.metrics_port:
         metrics.serve(config.metrics_port)
+    freeze_heap()
     log.info(
         "router_serving",
         port=config.port,
