@@ -84,9 +84,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
             raise ValueError(f"request id {seq.request_id!r} is already in use")
-        p = seq.params
-        seq.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids)
-        seq.max_len = min(seq.num_prompt_tokens + p.max_tokens, self.config.max_model_len)
+        if not seq.params.ignore_eos:
+            seq.stop_ids |= self.eos_token_ids
+        seq.max_len = min(seq.max_len, self.config.max_model_len)
         self.requests[seq.request_id] = seq
         self._push_waiting(seq)
 

@@ -74,14 +74,16 @@ class Sequence:
     first_scheduled: bool = False
     scheduled_step: int = -1  # the last step that scheduled it (scheduler bookkeeping)
     lora_slot: int | None = None  # device adapter slot, pinned while running
-    # Set by the scheduler when the request arrives: the tokens that end it ("stop"), and
-    # the length at which it ends ("length": max_tokens outputs or the context limit).
-    stop_ids: frozenset[int] = frozenset()
-    max_len: int = 0
+    # The tokens that end it ("stop") and the length at which it ends ("length"): from its
+    # params here; the scheduler adds the model's EOS ids and the context limit.
+    stop_ids: frozenset[int] = field(init=False)
+    max_len: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.stop_ids = frozenset(self.params.stop_token_ids)
+        self.max_len = self.num_prompt_tokens + self.params.max_tokens
 
     @property
     def num_tokens(self) -> int:

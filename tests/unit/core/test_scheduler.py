@@ -85,6 +85,15 @@ def test_finish_reasons_and_blocks_return():
     assert s.allocator.num_free_blocks == s.allocator.num_usable_blocks
 
 
+def test_the_context_limit_ends_a_request_before_its_max_tokens():
+    s = make_scheduler(max_len=12)
+    s.add(seq("long", 9, max_tokens=10))  # 9 + 10 > 12: three outputs fit
+    s.add(seq("short", 4, max_tokens=2))
+    done = run_to_end(s)
+    assert {r: (o.finish_reason, o.num_output_tokens) for r, o in done.items()} == {
+        "long": ("length", 3), "short": ("length", 2)}
+
+
 def test_ignore_eos_continues_past_eos():
     s = make_scheduler()
     s.add(seq("x", 4, max_tokens=5, ignore_eos=True))
