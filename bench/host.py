@@ -124,6 +124,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def step_loop_seconds(pids: list[int]) -> float:
+    """utime + stime so far of the engine's step-loop thread (named STEP_THREAD_NAME),
+    in whichever of `pids` (its server process, its step-loop process) it runs."""
+    from omnibus.engine.serving.step_loop import STEP_THREAD_NAME
+
+    total = 0.0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                if (task / "comm").read_text().strip() == STEP_THREAD_NAME:
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                    total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except FileNotFoundError:  # the thread ended meanwhile
+                pass
+    return total
+
+
 def step_loop_pid(engine_pid: int) -> int | None:
     """The engine's step-loop process (`--step-loop process`), if it runs one."""
     task = Path(f"/proc/{engine_pid}/task")
@@ -155,10 +172,13 @@ def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int,
     """One run of `n` concurrent streams; what the client saw, each process's CPU and,
     given the engine's address, the tokens its steps carried on average."""
     steps = engine_steps(engine_address) if engine_address else 0
+    engine_pids = [pid for name, pid in pids.items() if name in ("engine", "engine_core")]
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    step_loop_before = step_loop_seconds(engine_pids)
     config = RunConfig(target=target, progress=False, timeout_s=600, request_id_prefix=f"host{seed}")
     out = asyncio.run(run_workload(requests(n, vocab, seed), config))
     cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+    step_loop = step_loop_seconds(engine_pids) - step_loop_before
     steps = engine_steps(engine_address) - steps if engine_address else 0
     if "engine_core" in cpu:  # "engine" is all of the engine: its server and step-loop processes
         cpu["engine"] += cpu["engine_core"]
@@ -179,6 +199,8 @@ def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int,
         "tokens_per_step": tokens / steps if steps else None,
         "ms_per_step": out.duration * 1e3 / steps if steps else None,
         "cpu_us_per_token": {name: s / tokens * 1e6 for name, s in cpu.items()},
+        # the part of the engine's that its step-loop thread spent
+        "step_loop_us_per_token": step_loop / tokens * 1e6 if engine_pids else None,
     }
 
 
@@ -325,7 +347,8 @@ def paced_section(result: dict) -> str:
          "and launches step N+1 while step N runs on the device, as on CUDA by default), in "
          "front of each a router per `--stream-interval`, the configurations taking turns run "
          "by run. ms/step: the run's duration over the engine's steps in it (ramp-up and "
-         "tail included). CPU µs per streamed token as above. The floor, below the "
+         "tail included). CPU µs per streamed token as above; of the engine's, the part its "
+         "step-loop thread spent (the rest is its gRPC server's). The floor, below the "
          f"table: the bare grpc.aio server of the TTFT part streaming {OUTPUT_LEN} "
          f"pre-serialized one-token GenerateResponses on each of {p['streams']} calls at once "
          "(its µs per message; its client is this benchmark). Values: median (min–max) over "
@@ -333,8 +356,9 @@ def paced_section(result: dict) -> str:
         "",
         "| engine | router --stream-interval | output tok/s | ms/step | TTFT p50 ms | "
         "ITL p50 ms | ITL p99 ms | tokens/step | tokens/message | router µs/tok | "
-        "engine µs/tok | client µs/tok | router-core tok/s | engine-process tok/s | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "engine µs/tok | of which step loop | client µs/tok | router-core tok/s | "
+        "engine-process tok/s | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for o, k in itertools.product(p["overlap"], p["intervals"]):
         runs = [r for r in p["runs"] if r["overlap"] == o and r["stream_interval"] == k]
@@ -349,6 +373,7 @@ def paced_section(result: dict) -> str:
             spread([r["tokens_per_step"] for r in runs], "{:,.0f}"),
             spread([r["tokens_per_message"] for r in runs], "{:.2f}"),
             spread(cpu["router"], "{:.1f}"), spread(cpu["engine"], "{:.1f}"),
+            spread([r["step_loop_us_per_token"] for r in runs], "{:.1f}"),
             spread(cpu["client"], "{:.1f}"),
             spread([1e6 / x for x in cpu["router"]]), spread([1e6 / x for x in cpu["engine"]]),
             f"{sum(p['streams'] - r['ok'] for r in runs)} of {p['streams'] * len(runs)}",

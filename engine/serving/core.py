@@ -29,6 +29,7 @@ from pathlib import Path
 import structlog
 
 from omnibus.common.heap import freeze_heap
+from omnibus.common.threads import name_this_thread
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.core.sequence import RequestOutput
 from omnibus.engine.engine import Engine, EngineStats
@@ -191,6 +192,7 @@ class ProcessCore:
 
     def _read(self, outlet: Outlet) -> None:
         """The reader thread: every message of the core, in order, handed to `outlet`."""
+        name_this_thread("omnibus-reader")
         conn = self._conn
         try:
             while True:

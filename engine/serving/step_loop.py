@@ -20,6 +20,7 @@ from typing import Protocol
 
 import structlog
 
+from omnibus.common.threads import name_this_thread
 from omnibus.engine.core.sequence import RequestOutput
 from omnibus.engine.engine import Engine, EngineStats
 from omnibus.engine.lora import AdapterInventory, AdapterLoadError, AdapterStateError, UnknownAdapterError
@@ -35,6 +36,7 @@ IDLE_POLL_S = 0.001  # how often a loop with only not-yet-admissible work re-pla
 # does not wait for the walk.
 IDLE_CHECK_AFTER_S = 0.25
 STATS_EVERY_S = 0.005  # a busy loop publishes its stats this often (routers read them every 50 ms)
+STEP_THREAD_NAME = "omnibus-step"  # the loop's native thread name (top -H, /proc/<pid>/task)
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class StepLoop:
     def run(self) -> None:
         """Until a None command (or a closed inbox); a crash is reported, not raised."""
         engine = self.engine
+        name_this_thread(STEP_THREAD_NAME)
         bind_device(engine.runner.device)  # the current CUDA device is per thread
         try:
             checked = -1  # the step count at the last integrity check

@@ -78,6 +78,7 @@ def test_paced_runs_measure_each_engine_and_interval_and_the_streaming_floor():
         assert run["tokens_per_step"] > 3
         assert run["ms_per_step"] >= 2.0  # the simulated device runs one step at a time
         assert set(run["cpu_us_per_token"]) >= {"router", "engine", "client"}
+        assert run["step_loop_us_per_token"] > 0  # its named thread was found and ran
     lockstep_1, lockstep_3 = out["runs"][:2]
     assert lockstep_1["tokens_per_message"] < lockstep_3["tokens_per_message"]
     assert [f["step_ms"] for f in out["floor"]] == [2.0, 0.0]  # one per step, then flat out
@@ -91,7 +92,8 @@ def _paced(label: str) -> dict:
     run = {"overlap": True, "stream_interval": 1, "ok": 2, "tokens_per_s": 10.0,
            "ms_per_step": 10.5, "ttft_p50_ms": 1.0, "itl_p50_ms": 1.0, "itl_p99_ms": 2.0,
            "tokens_per_step": 2.0, "tokens_per_message": 1.0,
-           "cpu_us_per_token": {"router": 50.0, "engine": 20.0, "client": 40.0}}
+           "cpu_us_per_token": {"router": 50.0, "engine": 20.0, "client": 40.0},
+           "step_loop_us_per_token": 15.0}
     floors = [{"streams": 2, "step_ms": ms, "messages": 400, "messages_per_s": 1e4,
                "cpu_us_per_message": us} for ms, us in ((10.24, 40.0), (0.0, 25.0))]
     return {"label": label, "paced": {"step_ms": 10.24, "streams": 2, "intervals": [1],
@@ -108,7 +110,7 @@ def test_a_paced_run_rewrites_only_its_part_between_the_others(tmp_path):
     assert text.startswith("# the stream tables\n\n" + PACED_MARKER)
     assert text.count(PACED_MARKER) == 1 and "paced-one" not in text
     assert text.index("## At a GPU's pace: paced-two") < text.index("## Unloaded TTFT: ttft-kept")
-    assert ("| overlapped | 1 | 10 | 10.5 | 1 | 1.0 | 2.0 | 2 | 1.00 | 50.0 | 20.0 | 40.0 | "
+    assert ("| overlapped | 1 | 10 | 10.5 | 1 | 1.0 | 2.0 | 2 | 1.00 | 50.0 | 20.0 | 15.0 | 40.0 | "
             "20,000 | 50,000 | 0 of 2 |") in text
     assert "spent 40.0 CPU µs per message when it sent one per stream every 10.24 ms" in text
     assert "and 25.0 when it sent them as fast as it could" in text

@@ -48,6 +48,10 @@ async def test_an_idle_engine_proves_its_kv_bookkeeping_once_the_requests_stop(t
     aengine = AsyncEngine(engine)
     aengine.start()
     try:
+        for _ in range(500):  # the start-up check, before any request (which would defer it)
+            if checks:
+                break
+            await asyncio.sleep(0.01)
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         for rid in ("one", "two"):
             async for _ in aengine.generate(rid, [5, 6], params):
