@@ -120,7 +120,12 @@ def build_tokenizer(path: Path, vocab_size: int = 2048) -> int:
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return _stat_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def _stat_seconds(stat: Path) -> float:
+    """utime + stime so far from a /proc stat file (of a process or of one of its tasks)."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -134,8 +139,7 @@ def step_loop_seconds(pids: list[int]) -> float:
         for task in Path(f"/proc/{pid}/task").iterdir():
             try:
                 if (task / "comm").read_text().strip() == STEP_THREAD_NAME:
-                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                    total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                    total += _stat_seconds(task / "stat")
             except FileNotFoundError:  # the thread ended meanwhile
                 pass
     return total

@@ -136,7 +136,7 @@ class Scheduler:
         prefills: list[Sequence] = []
         expired: list[Sequence] = []
         for seq in self.running:
-            if seq.num_pending and len(seq.token_ids) + seq.num_pending >= seq.max_len:
+            if seq.num_pending and seq.planned_len >= seq.max_len:
                 continue  # its pending token is its last: nothing to compute until it reports
             if (seq.deadline is not None and self._now >= seq.deadline
                     and not seq.num_pending and not seq.num_output_tokens):
@@ -187,27 +187,25 @@ class Scheduler:
     def _plan_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
         """Plans the next chunk of each running sequence in `seqs` within `budget`;
         returns the budget left."""
-        step, bs, running = self._step, self.allocator.block_size, SequenceStatus.RUNNING
+        bs, running = self.allocator.block_size, SequenceStatus.RUNNING
         for seq in seqs:
             if budget == 0:
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this step
             start = seq.num_computed_tokens
-            planned = len(seq.token_ids) + seq.num_pending
-            n = min(planned - start, budget)
+            n = min(seq.planned_len - start, budget)
             # (a decode step's last block mostly has room: no call to the allocator)
             if start + n > len(seq.block_table) * bs and not self._reserve_running(seq, n, out):
                 continue
-            seq.scheduled_step = step
-            out.scheduled.append(ScheduledSeq(seq, start, n, start + n == planned))
+            out.scheduled.append(self._plan(seq, n))
             budget -= n
         return budget
 
     def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
         seq.scheduled_step = self._step
         start = seq.num_computed_tokens
-        return ScheduledSeq(seq, start, n, start + n == len(seq.token_ids) + seq.num_pending)
+        return ScheduledSeq(seq, start, n, start + n == seq.planned_len)
 
     def _reserve_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for `n` more tokens of a running sequence, preempting the lowest
@@ -389,12 +387,11 @@ class Scheduler:
                 continue
             token = tokens[-1]
             lp = sampled.logprobs[row - 1]
-            if token in seq.stop_ids or len(tokens) >= seq.max_len:
+            reason = "stop" if token in seq.stop_ids else "length" if len(tokens) >= seq.max_len else None
+            if reason is not None:
                 finished |= status is running
-                self._finish(seq, "stop" if token in seq.stop_ids else "length")
-            results.append(RequestOutput(seq.request_id, [token], [lp] if lp is not None else [],
-                                         seq.status is done, seq.finish_reason, seq.num_prompt_tokens,
-                                         seq.num_cached_tokens, len(tokens) - seq.num_prompt_tokens))
+                self._finish(seq, reason)
+            results.append(self._output(seq, [token], [lp] if lp is not None else []))
         if finished:
             self.running = [s for s in self.running if s.status is running]
         return results
@@ -409,16 +406,10 @@ class Scheduler:
 
     @staticmethod
     def _output(seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            new_token_ids=tokens,
-            new_logprobs=logprobs,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens,
-        )
+        # positional, in RequestOutput's field order: this runs for every token of a step
+        return RequestOutput(seq.request_id, tokens, logprobs, seq.status is SequenceStatus.FINISHED,
+                             seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                             len(seq.token_ids) - seq.num_prompt_tokens)
 
     def block_tables(self) -> list[list[int]]:
         return [s.block_table for s in self.running]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 
@@ -313,7 +314,7 @@ class ModelRunner:
             sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
         if self.idle_meter is not None:
             self.idle_meter.step_ended()
-        step = Step(plan, sampled, dict(zip(rows, range(len(rows)))), penalties)
+        step = Step(plan, sampled, rows, penalties)
         if self.null_step_s:
             step.ready_at = self._device_free_at = (
                 max(time.monotonic(), self._device_free_at) + self.null_step_s)
@@ -330,7 +331,7 @@ class Step:
 
     plan: SchedulerOutput
     sampled: SampledBatch  # on the device; the next step's prepare() may read it
-    rows: dict[Sequence, int]  # the sampled row of each sequence that samples
+    samplers: list[Sequence]  # the sequences that sample, row by row
     # A sequence of this step samples with penalties, which read its tokens: its next
     # step must wait for this one's report.
     reads_history: bool = False
@@ -339,6 +340,11 @@ class Step:
 
     def __post_init__(self) -> None:
         self.host = self.sampled.to_host()  # the copy starts now and completes on its own
+
+    @functools.cached_property
+    def rows(self) -> dict[Sequence, int]:
+        """Sampled row of each sequence that samples (only overlapped steps ask)."""
+        return dict(zip(self.samplers, range(len(self.samplers))))
 
     def result(self) -> SamplerOutput:
         """The picks on the host (waits for the step to finish on the device)."""
