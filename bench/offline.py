@@ -7,10 +7,12 @@ Builds a ~20M-parameter Llama-shaped checkpoint (hidden 512, 6 layers, 8 heads,
 output lengths drawn from an exponential distribution (mean 64, cap 256,
 ignore_eos so lengths are exact). Measures output tokens/s of:
 
-1. this engine (continuous batching, paged KV, chunked prefill);
-2. transformers static `generate`, batches of 16, each run to its longest request;
+1. this engine (continuous batching, paged KV, chunked prefill), with its CPU default
+   `--cpu-matmul onednn` and with torch's default linear (`--cpu-matmul aten`);
+2. transformers static `generate`, batches of 16, each run to its longest request
+   (1. and 2. take turns `--rounds` times);
 3. transformers continuous batching (`init_continuous_batching`, per-request
-   max_new_tokens);
+   max_new_tokens), once;
 
 and reports the ratios, this engine's share of the CPU's measured matmul FLOP/s,
 and scheduler + allocator time per step at 256 running sequences (model stubbed).
@@ -86,11 +88,12 @@ def matmul_params() -> int:
     return layers * per_layer + h * c["vocab_size"]
 
 
-def run_omnibus(path: Path, prompts, lengths) -> float:
+def run_omnibus(path: Path, prompts, lengths, *flags: str) -> float:
+    """Output tok/s of `Engine.generate` on the workload (ENGINE_FLAGS, then `flags`)."""
     from omnibus.engine.engine import Engine
     from omnibus.engine.worker.sampling import SamplingParams
 
-    engine = Engine(engine_configs(path, *ENGINE_FLAGS)[0])
+    engine = Engine(engine_configs(path, *ENGINE_FLAGS, *flags)[0])
     engine.warmup()
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in lengths]
     t0 = time.perf_counter()
@@ -167,13 +170,26 @@ def host_work_per_step(path: Path, batch_sizes=(64, 256), prompt_len: int = 128,
     return out
 
 
-def run_hf(path: Path, prompts, lengths) -> tuple[float, float]:
-    """transformers static `generate` (batches of 16) and continuous batching, same weights."""
+def load_hf(path: Path):
     import transformers
-    from omnibus.bench.peers import hf_continuous_tok_s, hf_static_tok_s
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return hf_static_tok_s(model, prompts, lengths, batch=16), hf_continuous_tok_s(model, prompts, lengths)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def in_process_rounds(path: Path, prompts, lengths, rounds: int) -> dict[str, list[float]]:
+    """Output tok/s of Omnibus in process (oneDNN matmuls, the CPU default, and aten's) and
+    of transformers static `generate` (batches of 16) on the same weights, taking turns
+    `rounds` times: a VM's speed drifts by tens of percent over minutes, so a ratio is only
+    meaningful between runs this close together."""
+    from omnibus.bench.peers import hf_static_tok_s
+
+    model = load_hf(path)
+    out: dict[str, list[float]] = {"omnibus": [], "omnibus_aten": [], "hf_static": []}
+    for _ in range(rounds):
+        out["omnibus"].append(run_omnibus(path, prompts, lengths))
+        out["omnibus_aten"].append(run_omnibus(path, prompts, lengths, "--cpu-matmul", "aten"))
+        out["hf_static"].append(hf_static_tok_s(model, prompts, lengths, batch=16))
+    return out
 
 
 def scheduler_step_time(num_seqs: int = 256, steps: int = 200) -> float:
@@ -211,7 +227,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["served", "served-threads"], default=None,
                     help="served vs in process alone (--out then rewrites only its section); "
                     "served-threads: the same at 2 and 1 torch threads, interleaved, printed")
-    ap.add_argument("--rounds", type=int, default=3, help="served-threads: interleaved rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (of Omnibus and transformers static generate; "
+                    "served-threads: of its configurations)")
     args = ap.parse_args()
 
     tmp = tempfile.TemporaryDirectory()
@@ -230,13 +247,22 @@ def main() -> None:
             write_served(args.out, results, args.requests)
         return
     peak = matmul_gflops()
-    hf_static, hf_continuous = run_hf(path, prompts, lengths)
-    results = served_vs_in_process(path, prompts, lengths) | {
-        "hf_static_tok_s": hf_static,
+    rounds = in_process_rounds(path, prompts, lengths, args.rounds)
+    from omnibus.bench.peers import hf_continuous_tok_s
+
+    hf_continuous = hf_continuous_tok_s(load_hf(path), prompts, lengths)
+    med = {name: statistics.median(v) for name, v in rounds.items()}
+    results = {
+        "omnibus_tok_s": med["omnibus"],
+        "omnibus_aten_tok_s": med["omnibus_aten"],
+        "hf_static_tok_s": med["hf_static"],
         "hf_continuous_tok_s": hf_continuous,
+        "rounds": rounds,
+        "env": env_info(),
     }
     results |= {
         "vs_hf_static": results["omnibus_tok_s"] / results["hf_static_tok_s"],
+        "vs_hf_static_rounds": [a / b for a, b in zip(rounds["omnibus"], rounds["hf_static"])],
         "vs_hf_continuous": results["omnibus_tok_s"] / results["hf_continuous_tok_s"],
         "matmul_gflops": peak,
         "matmul_params": matmul_params(),
@@ -245,6 +271,7 @@ def main() -> None:
         "scheduler_ms_per_step_256": scheduler_step_time(),
         "host_ms_per_decode_step": host_work_per_step(path),
     }
+    results |= {k: v for k, v in served_vs_in_process(path, prompts, lengths).items() if k != "env"}
     # Output tokens only, as the target defines it; prompt tokens add matmul work on top.
     results["share_of_matmul_peak"] = 2 * results["matmul_params"] * results["omnibus_tok_s"] / (peak * 1e9)
     total_tokens = results["output_tokens"] + results["prompt_tokens"]
@@ -281,13 +308,17 @@ def served_by_threads(path: Path, prompts, lengths, rounds: int = 3) -> dict[str
     return out
 
 
+def env_info() -> dict:
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+
+
 def served_vs_in_process(path: Path, prompts, lengths) -> dict:
     in_process = run_omnibus(path, prompts, lengths)
     served = run_served(path, prompts, lengths)
-    env = {"torch": torch.__version__, "threads": torch.get_num_threads(),
-           "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
-    return {"omnibus_tok_s": in_process, "served_tok_s": served,
-            "served_vs_in_process": served / in_process, "output_tokens": sum(lengths), "env": env}
+    return {"in_process_tok_s": in_process, "served_tok_s": served,
+            "served_vs_in_process": served / in_process, "output_tokens": sum(lengths),
+            "env": env_info()}
 
 
 KEEP_MARKER = "<!-- written by hand below: kept when bench.offline rewrites this file -->"
@@ -316,11 +347,15 @@ measured, with other work too (noisy). #11's target: served ≥ 90% of in proces
 
 | path | output tokens/s | ÷ in process |
 |---|---:|---:|
-| in process (`Engine.generate`) | {r['omnibus_tok_s']:.0f} | 1.00 |
+| in process (`Engine.generate`) | {r['in_process_tok_s']:.0f} | 1.00 |
 | served (client → router → engine process, gRPC) | {r['served_tok_s']:.0f} | \
 {r['served_vs_in_process']:.2f} |
 
 """
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.0f} ({min(values):.0f}–{max(values):.0f})"
 
 
 def write_markdown(out: Path, r: dict, n: int) -> None:
@@ -339,10 +374,15 @@ random weights, float32. Workload: {n} requests, 128-token prompts, output lengt
 ~ Exp(mean 64) capped at 256 ({r['output_tokens']} output tokens in all), ignore_eos, greedy.
 Machine: {r['env']['cores']} cores, torch {r['env']['torch']}, {r['env']['threads']} threads.
 
+Omnibus and transformers static `generate` took turns {len(r['rounds']['omnibus'])} times in one process
+(the VM's speed drifts between minutes); tok/s: median (min–max) of those rounds; transformers
+continuous batching ran once after them.
+
 | system | output tokens/s | Omnibus ÷ system |
 |---|---:|---:|
-| Omnibus (continuous batching, paged KV) | {r['omnibus_tok_s']:.0f} | 1.00 |
-| transformers static `generate`, batches of 16 | {r['hf_static_tok_s']:.0f} | {r['vs_hf_static']:.2f} |
+| Omnibus (continuous batching, paged KV; `--cpu-matmul onednn`, the CPU default) | {_spread(r['rounds']['omnibus'])} | 1.00 |
+| Omnibus with torch's default linear (`--cpu-matmul aten`) | {_spread(r['rounds']['omnibus_aten'])} | {r['omnibus_tok_s'] / r['omnibus_aten_tok_s']:.2f} |
+| transformers static `generate`, batches of 16 | {_spread(r['rounds']['hf_static'])} | {r['vs_hf_static']:.2f} (per round: {', '.join(f'{x:.2f}' for x in r['vs_hf_static_rounds'])}) |
 | transformers continuous batching | {r['hf_continuous_tok_s']:.0f} | {r['vs_hf_continuous']:.2f} |
 
 - Measured float32 matmul peak (2048² `torch.mm`): {r['matmul_gflops']:.0f} GFLOP/s.

@@ -181,6 +181,9 @@ class EngineConfig:
     # on Python. Outputs then arrive one step later; on a CPU (no separate device to keep
     # busy) that is pure latency, so None means on for CUDA only.
     overlap_scheduling: bool | None = None
+    # CPU float32 linear layers: "onednn" packs each weight once at load into oneDNN's
+    # layout and multiplies with it (model/cpu_linear.py); "aten": torch's default linear
+    cpu_matmul: str = "onednn"
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two from 1 to 128", self.block_size)
@@ -203,6 +206,7 @@ class EngineConfig:
         _check(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
         _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras ({self.max_loras})", self.max_cpu_loras)
         _check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "in [1, 512]", self.max_lora_rank)
+        _check(self.cpu_matmul in ("onednn", "aten"), "cpu_matmul", "onednn or aten", self.cpu_matmul)
         _check(self.batch_window_ms is None or self.batch_window_ms >= 0, "batch_window_ms", ">= 0", self.batch_window_ms)
 
     @property

@@ -15,18 +15,18 @@ from dataclasses import dataclass
 import structlog
 import torch
 import torch.nn.functional as F
-
 from omnibus.common.sampling import SamplingParams
 from omnibus.engine.config import DTYPES, EngineConfig, ModelConfig
+from omnibus.engine.core.scheduler import SchedulerOutput
+from omnibus.engine.core.sequence import Sequence
+from omnibus.engine.lora import LoraManager
+from omnibus.engine.model.cpu_linear import pack_linears
+from omnibus.engine.model.llama import ForwardBatch
 from omnibus.engine.model.loader import load_model, random_model
 from omnibus.engine.model.null import NullModel
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
-from omnibus.engine.lora import LoraManager
-from omnibus.engine.model.llama import ForwardBatch
-from omnibus.engine.worker.sampling import SampledBatch, Sampler, SamplerOutput
-from omnibus.engine.core.scheduler import SchedulerOutput
-from omnibus.engine.core.sequence import Sequence
 from omnibus.engine.worker.memory import MemoryUse, kv_cache_budget, lora_stack_bytes
+from omnibus.engine.worker.sampling import SampledBatch, Sampler, SamplerOutput
 from omnibus.engine.worker.transfer import to_device
 
 log = structlog.get_logger(__name__)
@@ -67,6 +67,9 @@ class ModelRunner:
             self.model = random_model(model_config, self.dtype, self.device, model_config.max_model_len, config.seed)
         else:
             self.model = load_model(model_config, config.model, self.dtype, self.device, model_config.max_model_len)
+        packed = 0
+        if self.device.type == "cpu" and config.cpu_matmul == "onednn":
+            packed = pack_linears(self.model)
         self.num_blocks = self._num_kv_blocks()
         shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         # Zeros, not empty: padded attention reads of the null block must be finite.
@@ -86,7 +89,7 @@ class ModelRunner:
         self.null_step_s = config.null_step_ms / 1000
         self._device_free_at = 0.0
         log.info("model_loaded", model=config.model, dtype=str(self.dtype), device=str(self.device),
-                 kv_blocks=self.num_blocks, block_size=self.block_size)
+                 kv_blocks=self.num_blocks, block_size=self.block_size, onednn_linears=packed)
 
     @property
     def kv_bytes_per_block(self) -> int:
