@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from omnibus.kernels.attention.reference import paged_attention_ref, store_kv_ref
+from omnibus.kernels.attention.reference import AttentionPlan, paged_attention_ref, plan_attention_ref, store_kv_ref
 from omnibus.kernels.fused.reference import rope_ref, silu_and_mul_ref
 from omnibus.kernels.lora.reference import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
 from omnibus.kernels.norm.reference import add_rms_norm_ref, rms_norm_ref
@@ -31,6 +31,7 @@ __all__ = [
     "lora_expand_triton",
     "store_kv",
     "paged_attention",
+    "plan_attention",
     "lora_shrink",
     "lora_expand",
     "use_triton",
@@ -57,14 +58,30 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    plan: AttentionPlan | None = None,
 ) -> None:
-    """Writes new keys/values into their cache slots; see :func:`store_kv_ref`."""
+    """Writes new keys/values into their cache slots; see :func:`store_kv_ref` (``plan``:
+    the step's :func:`plan_attention`, which the Triton kernel needs not)."""
     if use_triton(key):
         from omnibus.kernels.attention.triton_kernels import store_kv_triton
 
         store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     else:
-        store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping, plan)
+
+
+def plan_attention(
+    k_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> AttentionPlan | None:
+    """The step's attention work that every layer shares, worked out once (the CPU path,
+    :func:`plan_attention_ref`); None where the Triton kernels run (they need none)."""
+    if use_triton(k_cache):
+        return None
+    return plan_attention_ref(k_cache, block_tables, query_start_loc, seq_lens, slot_mapping)
 
 
 def paged_attention(
@@ -78,9 +95,11 @@ def paged_attention(
     max_query_len: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed mixed batch over the paged cache; see
-    :func:`paged_attention_ref`. Returns (T, H, D) in q's dtype."""
+    :func:`paged_attention_ref`. Returns (T, H, D) in q's dtype. ``plan``: the step's
+    :func:`plan_attention` (the reference's; the Triton kernels ignore it)."""
     if use_triton(q):
         from omnibus.kernels.attention.triton_kernels import paged_attention_triton
 
@@ -90,7 +109,7 @@ def paged_attention(
         )
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
-        out=out,
+        out=out, plan=plan,
     )
 
 

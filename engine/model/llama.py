@@ -8,14 +8,14 @@ global state. Tokens of all sequences are packed along one dimension T.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from omnibus.engine.config import ModelConfig, RopeScaling
-from omnibus.kernels import add_rms_norm, paged_attention, rms_norm, rope, silu_and_mul, store_kv
+from omnibus.kernels import add_rms_norm, paged_attention, plan_attention, rms_norm, rope, silu_and_mul, store_kv
 
 
 @dataclass
@@ -31,6 +31,7 @@ class ForwardBatch:
     max_query_len: int
     logits_indices: torch.Tensor  # (S,) int64: tokens whose next-token logits are needed
     lora: object | None = None  # adapter segments (multi-LoRA), None when no adapter is used
+    attn_plan: object | None = None  # the CPU attention's per-step work (kernels.plan_attention)
 
 
 class RMSNorm(nn.Module):
@@ -132,10 +133,10 @@ class Attention(nn.Module):
             o = dense_causal_attention(q, k, v, batch.query_start_loc.tolist(), self.scale)
         else:
             k_cache, v_cache = kv_cache
-            store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.attn_plan)
             o = paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
-                batch.seq_lens, self.scale, batch.max_query_len,
+                batch.seq_lens, self.scale, batch.max_query_len, plan=batch.attn_plan,
             )  # (T, H, D)
         o = o.reshape(-1, self.q_size)
         out = self.o_proj(o)
@@ -202,6 +203,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states (T, hidden). kv_caches None: cache-free (embeddings)."""
         x = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        if kv_caches:  # worked out once here, not by each layer
+            plan = plan_attention(kv_caches[0][0], batch.block_tables, batch.query_start_loc,
+                                  batch.seq_lens, batch.slot_mapping)
+            if plan is not None:
+                batch = replace(batch, attn_plan=plan)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches or [None] * len(self.layers)):
             x, residual = layer(x, residual, batch, self.rope, kv_cache, batch.lora)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
 import torch
 
 from omnibus import kernels
-from omnibus.kernels.attention.reference import paged_attention_ref, store_kv_ref
+from omnibus.kernels.attention.reference import paged_attention_ref, plan_attention_ref, store_kv_ref
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
@@ -198,6 +198,29 @@ def test_reference_decode_chunks(
     assert rel_err(out, dense_attention(b)) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+def test_reference_plan_is_shared_by_layers() -> None:
+    """One plan_attention_ref serves every layer of a step: two layers' caches and queries
+    give what each call planning for itself gives, and store_kv_ref with the plan writes
+    the same slots as without (padding slots skipped)."""
+    specs = [s for pair in zip(decode_specs(8), mixed_specs(8)) for s in pair]
+    b = make_batch(specs, 4, 16, 8, seed=20)
+    # A second layer: its own queries and K/V in the same blocks (NaN where there is none).
+    layers = [b, replace(b, q=torch.randn_like(b.q), k_cache=b.k_cache * 0.5 + 1, v_cache=-b.v_cache)]
+    slots = torch.arange(b.q.shape[0]) + 8
+    slots[::5] = -1  # padding tokens
+    plan = plan_attention_ref(b.k_cache, b.block_tables, b.query_start_loc, b.seq_lens, slots)
+    for layer in layers:
+        args = (layer.q, layer.k_cache, layer.v_cache, layer.block_tables,
+                layer.query_start_loc, layer.seq_lens, layer.scale)
+        assert torch.equal(paged_attention_ref(*args, plan=plan), paged_attention_ref(*args))
+        key, value = torch.randn(2, *layer.q.shape[:1], NUM_KV_HEADS, 16).unbind(0)
+        caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for _ in range(2)]
+        store_kv_ref(key, value, *caches[0], slots, plan)
+        store_kv_ref(key, value, *caches[1], slots)
+        for got, want in zip(caches[0], caches[1]):
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 @needs_triton
 @pytest.mark.parametrize("group,head_dim,block_size", LAYOUTS)
 def test_triton_matches_reference(group: int, head_dim: int, block_size: int) -> None:
@@ -278,12 +301,16 @@ def _store_fns() -> list[Any]:
 
 @pytest.mark.parametrize("store", _store_fns())
 @pytest.mark.parametrize("head_dim", [16, 24])
-def test_store_kv(store: Callable[..., None], head_dim: int) -> None:
-    """Real slots are written; null-block (< block_size) and negative slots are skipped."""
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_store_kv(store: Callable[..., None], head_dim: int, contiguous: bool) -> None:
+    """Real slots are written; null-block (< block_size) and negative slots are skipped;
+    through a strided cache (a view of a wider one) too."""
     gen = torch.Generator().manual_seed(head_dim)
     block_size, num_blocks = 8, 6
-    k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, head_dim, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, head_dim, generator=gen)
+    heads = NUM_KV_HEADS if contiguous else 2 * NUM_KV_HEADS
+    k_cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=gen)[:, :, :NUM_KV_HEADS]
+    v_cache = torch.randn(num_blocks, block_size, heads, head_dim, generator=gen)[:, :, :NUM_KV_HEADS]
+    assert k_cache.is_contiguous() == contiguous
     real = torch.randperm(num_blocks * block_size - block_size, generator=gen)[:9] + block_size
     padding = torch.tensor([0, block_size - 1, -1, 3, -7])
     slot_mapping = torch.cat([real[:4], padding[:3], real[4:], padding[3:]])[
