@@ -33,12 +33,17 @@ def rope_ref(
     """
     cos = cos_table[positions].to(q.dtype)[:, None, :]  # (T, 1, D)
     sin = sin_table[positions].to(q.dtype)[:, None, :]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (transformers' op order, so the same bits) with
+    the products and the sum written into two buffers instead of five."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = torch.empty_like(x)  # rotate_half(x): (-x2, x1)
+    torch.neg(x[..., half:], out=rotated[..., :half])
+    rotated[..., half:] = x[..., :half]
+    return (x * cos).add_(rotated.mul_(sin))
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -51,4 +56,4 @@ def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
         (T, I) ``silu(gate) * up`` in gate_up's dtype.
     """
     gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # in place: one (T, I) buffer, not two

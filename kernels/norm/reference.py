@@ -24,8 +24,10 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     """
     dtype = x.dtype
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    if weight.dtype == dtype:  # the engine's case: scaled in place, one (T, H) buffer less
+        return normed.mul_(weight)
+    return weight * normed
 
 
 def add_rms_norm_ref(
