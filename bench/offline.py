@@ -176,19 +176,24 @@ def load_hf(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def in_process_rounds(path: Path, prompts, lengths, rounds: int) -> dict[str, list[float]]:
+def in_process_rounds(path: Path, model, prompts, lengths, rounds: int) -> dict[str, list[float]]:
     """Output tok/s of Omnibus in process (oneDNN matmuls, the CPU default, and aten's) and
-    of transformers static `generate` (batches of 16) on the same weights, taking turns
-    `rounds` times: a VM's speed drifts by tens of percent over minutes, so a ratio is only
-    meaningful between runs this close together."""
+    of transformers static `generate` (batches of 16, `model`: the same weights), taking
+    turns `rounds` times, each round starting one system later: a VM's speed drifts by tens
+    of percent over minutes, so a ratio is only meaningful between runs this close
+    together."""
     from omnibus.bench.peers import hf_static_tok_s
 
-    model = load_hf(path)
-    out: dict[str, list[float]] = {"omnibus": [], "omnibus_aten": [], "hf_static": []}
-    for _ in range(rounds):
-        out["omnibus"].append(run_omnibus(path, prompts, lengths))
-        out["omnibus_aten"].append(run_omnibus(path, prompts, lengths, "--cpu-matmul", "aten"))
-        out["hf_static"].append(hf_static_tok_s(model, prompts, lengths, batch=16))
+    systems = {
+        "omnibus": lambda: run_omnibus(path, prompts, lengths),
+        "omnibus_aten": lambda: run_omnibus(path, prompts, lengths, "--cpu-matmul", "aten"),
+        "hf_static": lambda: hf_static_tok_s(model, prompts, lengths, batch=16),
+    }
+    out: dict[str, list[float]] = {name: [] for name in systems}
+    names = list(systems)
+    for r in range(rounds):
+        for name in names[r % 3:] + names[:r % 3]:
+            out[name].append(systems[name]())
     return out
 
 
@@ -247,10 +252,11 @@ def main() -> None:
             write_served(args.out, results, args.requests)
         return
     peak = matmul_gflops()
-    rounds = in_process_rounds(path, prompts, lengths, args.rounds)
     from omnibus.bench.peers import hf_continuous_tok_s
 
-    hf_continuous = hf_continuous_tok_s(load_hf(path), prompts, lengths)
+    model = load_hf(path)
+    rounds = in_process_rounds(path, model, prompts, lengths, args.rounds)
+    hf_continuous = hf_continuous_tok_s(model, prompts, lengths)
     med = {name: statistics.median(v) for name, v in rounds.items()}
     results = {
         "omnibus_tok_s": med["omnibus"],
@@ -262,7 +268,7 @@ def main() -> None:
     }
     results |= {
         "vs_hf_static": results["omnibus_tok_s"] / results["hf_static_tok_s"],
-        "vs_hf_static_rounds": [a / b for a, b in zip(rounds["omnibus"], rounds["hf_static"])],
+        "vs_hf_static_rounds": [a / b for a, b in zip(rounds["omnibus"], rounds["hf_static"], strict=True)],
         "vs_hf_continuous": results["omnibus_tok_s"] / results["hf_continuous_tok_s"],
         "matmul_gflops": peak,
         "matmul_params": matmul_params(),
@@ -374,9 +380,9 @@ random weights, float32. Workload: {n} requests, 128-token prompts, output lengt
 ~ Exp(mean 64) capped at 256 ({r['output_tokens']} output tokens in all), ignore_eos, greedy.
 Machine: {r['env']['cores']} cores, torch {r['env']['torch']}, {r['env']['threads']} threads.
 
-Omnibus and transformers static `generate` took turns {len(r['rounds']['omnibus'])} times in one process
-(the VM's speed drifts between minutes); tok/s: median (min–max) of those rounds; transformers
-continuous batching ran once after them.
+Omnibus (both CPU matmuls) and transformers static `generate` took turns {len(r['rounds']['omnibus'])} times in one
+process, each round starting with the next system (the VM's speed drifts between minutes);
+tok/s: median (min–max) of those rounds; transformers continuous batching ran once after them.
 
 | system | output tokens/s | Omnibus ÷ system |
 |---|---:|---:|

@@ -17,7 +17,12 @@ import os
 
 import torch
 
-from omnibus.kernels.attention.reference import AttentionPlan, paged_attention_ref, plan_attention_ref, store_kv_ref
+from omnibus.kernels.attention.reference import (
+    AttentionPlan,
+    paged_attention_ref,
+    plan_attention_ref,
+    store_kv_ref,
+)
 from omnibus.kernels.fused.reference import rope_ref, silu_and_mul_ref
 from omnibus.kernels.lora.reference import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
 from omnibus.kernels.norm.reference import add_rms_norm_ref, rms_norm_ref
@@ -32,6 +37,7 @@ __all__ = [
     "store_kv",
     "paged_attention",
     "plan_attention",
+    "AttentionPlan",
     "lora_shrink",
     "lora_expand",
     "use_triton",
@@ -61,7 +67,7 @@ def store_kv(
     plan: AttentionPlan | None = None,
 ) -> None:
     """Writes new keys/values into their cache slots; see :func:`store_kv_ref` (``plan``:
-    the step's :func:`plan_attention`, which the Triton kernel needs not)."""
+    the step's :func:`plan_attention`; the Triton kernel does without)."""
     if use_triton(key):
         from omnibus.kernels.attention.triton_kernels import store_kv_triton
 

@@ -15,7 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnibus.engine.config import ModelConfig, RopeScaling
-from omnibus.kernels import add_rms_norm, paged_attention, plan_attention, rms_norm, rope, silu_and_mul, store_kv
+from omnibus.kernels import (
+    AttentionPlan,
+    add_rms_norm,
+    paged_attention,
+    plan_attention,
+    rms_norm,
+    rope,
+    silu_and_mul,
+    store_kv,
+)
 
 
 @dataclass
@@ -31,7 +40,7 @@ class ForwardBatch:
     max_query_len: int
     logits_indices: torch.Tensor  # (S,) int64: tokens whose next-token logits are needed
     lora: object | None = None  # adapter segments (multi-LoRA), None when no adapter is used
-    attn_plan: object | None = None  # the CPU attention's per-step work (kernels.plan_attention)
+    attn_plan: AttentionPlan | None = None  # the CPU attention's per-step work (kernels.plan_attention)
 
 
 class RMSNorm(nn.Module):

@@ -69,7 +69,9 @@ def store_kv_ref(
             cache[slots // block_size, slots % block_size] = new
 
 
-def _store_index(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _store_index(
+    slot_mapping: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(rows of the tokens to store, None for all; their int64 slots)."""
     keep = slot_mapping >= block_size  # (T,)
     if bool(keep.all()):
@@ -101,9 +103,10 @@ class _Prefill:
 
 @dataclass
 class AttentionPlan:
-    """What a step's attention works out from its metadata, once for all layers: the
-    decodes' chunks (block ids, masks, tail rows), each prefill's blocks and causal mask,
-    and gather buffers. Build it with `plan_attention_ref`; without one, each call builds its
+    """What a step's attention works out from its metadata, once for all layers: the store's
+    token rows and slots, the decodes' chunks (block ids, masks, tail rows), each prefill's
+    blocks and causal mask, and gather buffers. Build it with `plan_attention_ref` from a
+    cache shaped like all of the step's K and V caches; without one, each call builds its
     own (each of a model's layers would then repeat the same work)."""
 
     store: tuple[torch.Tensor | None, torch.Tensor]  # store_kv's (rows, slots)
@@ -168,8 +171,9 @@ def plan_attention_ref(
     # One set of buffers for all chunks and layers: fresh multi-MiB allocations page-fault.
     max_blocks = max(_CHUNK_BYTES // block_bytes, num_blocks[0])
     rows = torch.tensor([starts[i] for i in decodes], device=dev)
-    return AttentionPlan(store, rows, chunks, prefills, _GatherBuffers.allocate(k_cache, max_blocks),
-                         _GatherBuffers.allocate(k_cache, max_blocks))
+    # V shares K's shape and dtype (one plan serves both caches of every layer).
+    bufs = [_GatherBuffers.allocate(k_cache, max_blocks) for _ in range(2)]
+    return AttentionPlan(store, rows, chunks, prefills, *bufs)
 
 
 def paged_attention_ref(
@@ -250,10 +254,11 @@ def _attend_decodes(
     assert rows is not None and plan.k_bufs is not None and plan.v_bufs is not None
     qs = q.index_select(0, rows).float()[:, :, None]  # (n, H, 1, D)
     for c in plan.chunks:
-        k = _gather_blocks(k_cache, c.index, c.tail, plan.k_bufs).view(c.hi - c.lo, -1, num_kv_heads, head_dim)
-        v = _gather_blocks(v_cache, c.index, c.tail, plan.v_bufs).view(c.hi - c.lo, -1, num_kv_heads, head_dim)
-        o = _sdpa(qs[c.lo:c.hi], k, v, c.mask, scale)  # (c, H, 1, D)
-        out.index_copy_(0, rows[c.lo:c.hi], o.reshape(c.hi - c.lo, num_heads, head_dim).to(out.dtype))
+        n = c.hi - c.lo
+        k = _gather_blocks(k_cache, c.index, c.tail, plan.k_bufs).view(n, -1, num_kv_heads, head_dim)
+        v = _gather_blocks(v_cache, c.index, c.tail, plan.v_bufs).view(n, -1, num_kv_heads, head_dim)
+        o = _sdpa(qs[c.lo:c.hi], k, v, c.mask, scale)  # (n, H, 1, D)
+        out.index_copy_(0, rows[c.lo:c.hi], o.reshape(n, num_heads, head_dim).to(out.dtype))
 
 
 def _decode_tables(
@@ -311,8 +316,8 @@ def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """SDPA with grouped KV heads. q: (n, H, Q, D); k, v: (n, L, KVH, D); visible: bool
-    broadcastable to (n, H, Q, L). Returns (n, H, Q, D). Decodes pass H = KVH, each KV
-    head's group of query heads as its Q rows. The one place attention is computed (tests
+    broadcastable to (n, H, Q, L). Returns (n, H, Q, D). Decodes pass Q = 1 (one row per
+    head), prefills their query tokens. The one place attention is computed (tests
     substitute it)."""
     return F.scaled_dot_product_attention(
         q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible, scale=scale,

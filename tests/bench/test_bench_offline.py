@@ -88,7 +88,7 @@ def test_served_by_threads_interleaves_every_configuration(monkeypatch):
 
 
 def test_in_process_rounds_take_turns(monkeypatch):
-    """Omnibus (both CPU matmuls) and transformers static generate alternate, round by round."""
+    """Omnibus (both CPU matmuls) and transformers static generate take turns, round by round."""
     from omnibus.bench import offline, peers
 
     calls = []
@@ -102,8 +102,8 @@ def test_in_process_rounds_take_turns(monkeypatch):
         return 1.0
 
     monkeypatch.setattr(offline, "run_omnibus", omnibus)
-    monkeypatch.setattr(offline, "load_hf", lambda path: None)
     monkeypatch.setattr(peers, "hf_static_tok_s", hf_static)
-    runs = offline.in_process_rounds(None, [], [], rounds=2)
-    assert calls == [("omnibus",), ("omnibus", "--cpu-matmul", "aten"), ("hf", 16)] * 2
-    assert runs == {"omnibus": [4.0, 4.0], "omnibus_aten": [3.0, 3.0], "hf_static": [1.0, 1.0]}
+    runs = offline.in_process_rounds(None, None, [], [], rounds=3)
+    first, aten, hf = ("omnibus",), ("omnibus", "--cpu-matmul", "aten"), ("hf", 16)
+    assert calls == [first, aten, hf, aten, hf, first, hf, first, aten]  # each round starts one later
+    assert runs == {"omnibus": [4.0] * 3, "omnibus_aten": [3.0] * 3, "hf_static": [1.0] * 3}

@@ -1,6 +1,6 @@
 """oneDNN-packed CPU linear layers (--cpu-matmul onednn): the same products as torch's
-linear, every float32 layer of a loaded model replaced, a tied LM head's embedding kept,
-and the same greedy tokens as the aten path."""
+linear, every float32 layer of a loaded model replaced but a tied LM head (which shares the
+embedding table), and the same greedy tokens as the aten path."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def test_packed_linear_matches_linear(bias, rows):
 
 
 def test_pack_linears_replaces_float32_layers_only():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.Linear(4, 4).to(torch.bfloat16))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)),
+                          nn.Linear(4, 4).to(torch.bfloat16))
     assert pack_linears(model) == 2
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
     assert isinstance(model[2], nn.Linear)  # other dtypes keep torch's linear
@@ -53,13 +54,16 @@ def engine(path, cpu_matmul: str) -> Engine:
     return Engine(EngineConfig(model=str(path), num_kv_blocks=64, cpu_matmul=cpu_matmul))
 
 
-def test_engine_packs_every_linear_and_keeps_tokens(tied):
+def test_engine_packs_every_linear_but_a_tied_head_and_keeps_tokens(tied):
     packed, aten = engine(tied, "onednn"), engine(tied, "aten")
     model = packed.runner.model
-    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
-    assert linears and all(isinstance(m, PackedLinear) for m in linears)
+    layers = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert len(layers) == 4 * model.cfg.num_layers  # qkv, o, gate_up, down
+    assert all(isinstance(m, PackedLinear) for m in layers)
+    # The tied head reads the embedding table itself: no second copy of the matrix.
+    assert isinstance(model.lm_head, nn.Linear)
+    assert model.lm_head.weight is model.embed_tokens.weight
     assert all(not isinstance(m, PackedLinear) for m in aten.runner.model.modules())
-    assert model.embed_tokens.weight.shape == (model.cfg.vocab_size, model.cfg.hidden_size)
     prompts = [[5, 9, 11, 40, 7], [3] * 20, list(range(30, 70))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert packed.generate(prompts, params) == aten.generate(prompts, params)
