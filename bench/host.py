@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import tempfile
 import time
@@ -50,6 +49,7 @@ from omnibus.bench.processes import (
     router_process,
     torch_threads,
 )
+from omnibus.bench.report import spread
 from omnibus.bench.serve import RunConfig, run_workload
 from omnibus.bench.stats import percentile
 from omnibus.bench.workloads import BenchRequest
@@ -646,14 +646,6 @@ def ttft_section(result: dict) -> str:
 
 
 # ---- the report ----------------------------------------------------------------------------
-
-
-def spread(values: list[float], fmt: str = "{:,.0f}") -> str:
-    """median, and min–max when there are several values."""
-    med = fmt.format(statistics.median(values))
-    if len(values) < 2:
-        return med
-    return f"{med} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
 def table(result: dict) -> list[str]:

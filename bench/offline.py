@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 from omnibus.bench.processes import engine_and_router, engine_configs, torch_threads
-from omnibus.bench.report import replace_section
+from omnibus.bench.report import replace_section, spread
 
 BENCH_MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
                    num_key_value_heads=4, vocab_size=2048, max_position_embeddings=1024,
@@ -243,7 +243,7 @@ def main() -> None:
         runs = served_by_threads(path, prompts, lengths, args.rounds)
         print(json.dumps(runs, indent=1))
         for name, values in runs.items():
-            print(f"| {name} | {statistics.median(values):.0f} ({min(values):.0f}–{max(values):.0f}) |")
+            print(f"| {name} | {spread(values, '{:.0f}')} |")
         return
     if args.only == "served":
         results = served_vs_in_process(path, prompts, lengths)
@@ -360,10 +360,6 @@ measured, with other work too (noisy). #11's target: served ≥ 90% of in proces
 """
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.0f} ({min(values):.0f}–{max(values):.0f})"
-
-
 def write_markdown(out: Path, r: dict, n: int) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     old = out.read_text() if out.exists() else ""
@@ -386,9 +382,9 @@ tok/s: median (min–max) of those rounds; transformers continuous batching ran 
 
 | system | output tokens/s | Omnibus ÷ system |
 |---|---:|---:|
-| Omnibus (continuous batching, paged KV; `--cpu-matmul onednn`, the CPU default) | {_spread(r['rounds']['omnibus'])} | 1.00 |
-| Omnibus with torch's default linear (`--cpu-matmul aten`) | {_spread(r['rounds']['omnibus_aten'])} | {r['omnibus_tok_s'] / r['omnibus_aten_tok_s']:.2f} |
-| transformers static `generate`, batches of 16 | {_spread(r['rounds']['hf_static'])} | {r['vs_hf_static']:.2f} (per round: {', '.join(f'{x:.2f}' for x in r['vs_hf_static_rounds'])}) |
+| Omnibus (continuous batching, paged KV; `--cpu-matmul onednn`, the CPU default) | {spread(r['rounds']['omnibus'], '{:.0f}')} | 1.00 |
+| Omnibus with torch's default linear (`--cpu-matmul aten`) | {spread(r['rounds']['omnibus_aten'], '{:.0f}')} | {r['omnibus_tok_s'] / r['omnibus_aten_tok_s']:.2f} |
+| transformers static `generate`, batches of 16 | {spread(r['rounds']['hf_static'], '{:.0f}')} | {r['vs_hf_static']:.2f} (per round: {', '.join(f'{x:.2f}' for x in r['vs_hf_static_rounds'])}) |
 | transformers continuous batching | {r['hf_continuous_tok_s']:.0f} | {r['vs_hf_continuous']:.2f} |
 
 - Measured float32 matmul peak (2048² `torch.mm`): {r['matmul_gflops']:.0f} GFLOP/s.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -73,6 +74,14 @@ def engine_markdown(engine: dict) -> str:
     lines = ["| engine | value |", "|---|---:|"]
     lines += [f"| {name} | {fmt(v, 3) if isinstance(v, float) else fmt(v)} |" for name, v in rows]
     return "\n".join(lines) + "\n"
+
+
+def spread(values: list[float], fmt: str = "{:,.0f}") -> str:
+    """median, and min–max when there are several values."""
+    med = fmt.format(statistics.median(values))
+    if len(values) < 2:
+        return med
+    return f"{med} ({fmt.format(min(values))}–{fmt.format(max(values))})"
 
 
 def replace_section(text: str, start: str, section: str, end: str | None = None) -> str:

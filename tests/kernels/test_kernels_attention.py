@@ -215,10 +215,15 @@ def test_reference_plan_is_shared_by_layers() -> None:
         assert torch.equal(paged_attention_ref(*args, plan=plan), paged_attention_ref(*args))
         key, value = torch.randn(2, *layer.q.shape[:1], NUM_KV_HEADS, 16).unbind(0)
         caches = [(layer.k_cache.clone(), layer.v_cache.clone()) for _ in range(2)]
+        caches.append((layer.k_cache.clone(), layer.v_cache.clone()))
         store_kv_ref(key, value, *caches[0], slots, plan)
         store_kv_ref(key, value, *caches[1], slots)
-        for got, want in zip(caches[0], caches[1]):
-            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+        # A plan made for the attention alone (no slots) leaves the store to work them out.
+        attention_only = plan_attention_ref(b.k_cache, b.block_tables, b.query_start_loc, b.seq_lens)
+        store_kv_ref(key, value, *caches[2], slots, attention_only)
+        for other in caches[1:]:
+            for got, want in zip(caches[0], other):
+                assert torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 @needs_triton
