@@ -103,9 +103,10 @@ def run_omnibus(path: Path, prompts, lengths, *flags: str) -> float:
     return sum(lengths) / elapsed
 
 
-def run_served(path: Path, prompts, lengths, env: dict[str, str] | None = None) -> float:
-    """Output tok/s of the same requests through an engine process (ENGINE_FLAGS, this
-    process's torch threads; `env` added to its environment) behind a router process,
+def run_served(path: Path, prompts, lengths, env: dict[str, str] | None = None,
+               flags: tuple[str, ...] = ()) -> float:
+    """Output tok/s of the same requests through an engine process (ENGINE_FLAGS, then
+    `flags`; this process's torch threads; `env` added to its environment) behind a router process,
     every request sent at once over the router's gRPC Generate (greedy, ignore_eos); one
     short request warms the path first."""
     from omnibus.bench.host import build_tokenizer
@@ -117,7 +118,7 @@ def run_served(path: Path, prompts, lengths, env: dict[str, str] | None = None) 
     threads = str(torch.get_num_threads())
     requests = [BenchRequest(tuple(p), m) for p, m in zip(prompts, lengths)]
     with tempfile.TemporaryDirectory() as logs, engine_and_router(
-            path, Path(logs), ENGINE_FLAGS,
+            path, Path(logs), ENGINE_FLAGS + flags,
             env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **(env or {})}) as (_, router):
         config = RunConfig(target=router.address, progress=False, timeout_s=600,
                            request_id_prefix="served")
@@ -243,7 +244,9 @@ def main() -> None:
         runs = served_by_threads(path, prompts, lengths, args.rounds)
         print(json.dumps(runs, indent=1))
         for name, values in runs.items():
-            print(f"| {name} | {spread(values, '{:.0f}')} |")
+            base = runs["in process, 2 threads" if "2 threads" in name else "in process, 1 thread"]
+            ratios = ", ".join(f"{v / b:.2f}" for v, b in zip(values, base))
+            print(f"| {name} | {spread(values, '{:.0f}')} | {ratios} |")
         return
     if args.only == "served":
         results = served_vs_in_process(path, prompts, lengths)
@@ -289,22 +292,23 @@ def main() -> None:
 
 
 def served_by_threads(path: Path, prompts, lengths, rounds: int = 3) -> dict[str, list[float]]:
-    """Output tok/s in process and served, at 2 and 1 torch threads (and 2 with passive
-    OpenMP waiting), `rounds` interleaved rounds: how much of the served gap is the
-    serving path and how much is the router, client and gRPC threads competing with the
-    engine's compute threads for this machine's cores."""
-    def served(env: dict[str, str] | None = None):
-        return lambda: run_served(path, prompts, lengths, env)
+    """Output tok/s in process and served, at 2 and 1 torch threads, the engine's step loop
+    in a process of its own and on a thread of its server, `rounds` interleaved rounds: how
+    much of the served gap is the serving path and how much is the router, client and gRPC
+    threads competing with the engine's compute threads for this machine's cores."""
+    def served(step_loop: str):
+        return lambda: run_served(path, prompts, lengths, flags=("--step-loop", step_loop))
 
     def in_process():
         return run_omnibus(path, prompts, lengths)
 
     configs = {  # name: (torch threads, run)
         "in process, 2 threads": (2, in_process),
-        "served, engine 2 threads": (2, served()),
-        "served, engine 2 threads, OMP_WAIT_POLICY=PASSIVE": (2, served({"OMP_WAIT_POLICY": "PASSIVE"})),
+        "served, engine 2 threads, step loop in a process (auto)": (2, served("process")),
+        "served, engine 2 threads, step loop on a thread": (2, served("thread")),
         "in process, 1 thread": (1, in_process),
-        "served, engine 1 thread": (1, served()),
+        "served, engine 1 thread, step loop in a process (auto)": (1, served("process")),
+        "served, engine 1 thread, step loop on a thread": (1, served("thread")),
     }
     out: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(rounds):

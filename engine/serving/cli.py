@@ -138,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--step-loop", default="auto", choices=["auto", "process", "thread"],
         help="where the step loop runs: process = a process of its own, so planning and "
         "launching steps never waits for the GIL held by the gRPC server (one more hop per "
-        "message); thread = a thread of the server's process; auto = process on CUDA, thread "
-        "on a CPU (where the model's compute threads need the cores the extra process takes)",
+        "message); thread = a thread of the server's process; auto = process, except for the "
+        "null model on a CPU (its near-free forward leaves the hop most of what it measures)",
     )
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port; 0: off")
     p.add_argument(
@@ -290,12 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(config: EngineConfig, server_config: ServerConfig, step_loop: str, log_level: str) -> int:
     import uvloop
 
-    from omnibus.engine.serving.core import EngineLoadError, ProcessCore, load_engine
+    from omnibus.engine.serving.core import EngineLoadError, ProcessCore, load_engine, resolve_step_loop
     from omnibus.engine.serving.server import serve
 
     try:
-        if step_loop == "auto":
-            step_loop = "thread" if config.device == "cpu" else "process"
+        step_loop = resolve_step_loop(step_loop, config)
         core = ProcessCore(config, log_level) if step_loop == "process" else load_engine(config)
     except EngineLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)

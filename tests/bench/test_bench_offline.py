@@ -72,8 +72,8 @@ def test_served_by_threads_interleaves_every_configuration(monkeypatch):
         calls.append(("in", torch.get_num_threads(), {}))
         return 1.0
 
-    def served(path, prompts, lengths, env=None):
-        calls.append(("served", torch.get_num_threads(), env or {}))
+    def served(path, prompts, lengths, env=None, flags=()):
+        calls.append(("served", torch.get_num_threads(), flags))
         return 2.0
 
     monkeypatch.setattr(offline, "run_omnibus", in_process)
@@ -81,10 +81,11 @@ def test_served_by_threads_interleaves_every_configuration(monkeypatch):
     threads = torch.get_num_threads()
     runs = offline.served_by_threads(None, [], [], rounds=2)
     assert torch.get_num_threads() == threads  # restored
-    one_round = [("in", 2, {}), ("served", 2, {}), ("served", 2, {"OMP_WAIT_POLICY": "PASSIVE"}),
-                 ("in", 1, {}), ("served", 1, {})]
+    process, thread = ("--step-loop", "process"), ("--step-loop", "thread")
+    one_round = [("in", 2, {}), ("served", 2, process), ("served", 2, thread),
+                 ("in", 1, {}), ("served", 1, process), ("served", 1, thread)]
     assert calls == one_round * 2
-    assert list(runs.values()) == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
+    assert list(runs.values()) == [[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]] * 2
 
 
 def test_in_process_rounds_take_turns(monkeypatch):

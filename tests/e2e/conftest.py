@@ -70,9 +70,10 @@ def shared_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def shared_engine(tiny_model: Path, shared_logs: Path) -> Iterator[Served]:
-    """An engine worker serving the tiny checkpoint with ENGINE_FLAGS and EMBED_FLAGS."""
+    """An engine worker serving the tiny checkpoint with ENGINE_FLAGS and EMBED_FLAGS, its
+    step loop on a thread (engines started with the default run theirs in a process)."""
     port = free_port()
-    flags = (*ENGINE_FLAGS, *EMBED_FLAGS, f"--metrics-port={port}")
+    flags = (*ENGINE_FLAGS, *EMBED_FLAGS, f"--metrics-port={port}", "--step-loop", "thread")
     engine = engine_process(tiny_model, shared_logs, "shared-engine", *flags)
     try:
         yield Served(engine.wait_serving(), port)

@@ -48,7 +48,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory, request):
     logs = tmp_path_factory.mktemp("logs")
-    # A's twin, with its step loop in a process of its own (A's runs on a thread, the CPU default)
+    # A's twin, with its step loop in a process of its own (A's runs on a thread)
     engine_b = engine_process(tiny_model, logs, "engine-b", *ENGINE_FLAGS, "--step-loop", "process")
     procs = [engine_b]
     try:

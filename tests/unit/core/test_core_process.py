@@ -12,7 +12,7 @@ from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import Engine
 from omnibus.engine.lora import AdapterStateError
 from omnibus.engine.serving.async_engine import AsyncEngine
-from omnibus.engine.serving.core import EngineLoadError, ProcessCore
+from omnibus.engine.serving.core import EngineLoadError, ProcessCore, resolve_step_loop
 from omnibus.engine.worker.sampling import SamplingParams
 from tests.checkpoints import make_checkpoint
 
@@ -179,3 +179,17 @@ def test_a_closed_loop_s_destination_does_not_stop_the_others():
     alive.close()
     assert [[o.request_id for o in batch] for batch in got] == [["new"]]
     assert "old" not in aengine._dests and "new" in aengine._dests
+
+
+def test_auto_puts_the_step_loop_in_a_process_except_the_null_model_s_on_a_cpu(config):
+    """`--step-loop auto`: a process of its own (the step loop never waits for the server's
+    GIL), except for the null model on a CPU; an explicit choice is kept."""
+    import dataclasses
+
+    null = dataclasses.replace(config, load_format="null")
+    assert resolve_step_loop("auto", config) == "process"
+    assert resolve_step_loop("auto", dataclasses.replace(config, device="cuda")) == "process"
+    assert resolve_step_loop("auto", dataclasses.replace(null, device="cuda")) == "process"
+    assert resolve_step_loop("auto", null) == "thread"
+    assert resolve_step_loop("thread", config) == "thread"
+    assert resolve_step_loop("process", null) == "process"
