@@ -349,7 +349,8 @@ def served_section(r: dict, n: int) -> str:
 
 The same {n} requests ({r['output_tokens']} output tokens, greedy, ignore_eos, the same
 max_tokens) through an engine process (`omnibus.engine serve {' '.join(ENGINE_FLAGS)}`:
-the in-process engine's configuration; OMP_NUM_THREADS={threads}: its torch threads) behind
+the in-process engine's configuration, its step loop in a process of its own as `--step-loop
+auto` puts it; OMP_NUM_THREADS={threads}: its torch threads) behind
 a router process, every request sent at once to the router's gRPC Generate; the
 in-process `Engine.generate` row is measured again in the same invocation. Router, engine
 and client (this benchmark) share the machine's {r['env']['cores']} cores; when this was
