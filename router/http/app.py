@@ -56,6 +56,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 _HTTP_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error"}
+_STREAMING = "omnibus.streaming"  # set on a request once its event stream's headers are sent
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Prepared = tuple[pb.GenerateRequest, "oa.CompletionShape | oa.ChatShape"]  # prompt, shape
@@ -79,9 +80,12 @@ def error_response(err: RequestError) -> web.Response:
 
 @web.middleware
 async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """aiohttp's own refusals (unknown path, wrong method, body too large) as OpenAI JSON."""
+    """aiohttp's own refusals (unknown path, wrong method, body too large), and any error
+    a handler did not expect, as OpenAI JSON."""
     try:
         return await handler(request)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -91,6 +95,12 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
             message = f"the request body is over the {request.app['max_body']} byte limit"
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
         return web.json_response(error_body(message, kind, None), status=exc.status, headers=headers)
+    except Exception as exc:  # a bug: logged, and the client still gets JSON
+        log.exception("http_handler_failed", method=request.method, path=request.path)
+        if request.get(_STREAMING):  # the headers are out: aiohttp ends the connection
+            raise
+        return web.json_response(error_body(f"internal error: {type(exc).__name__}", "server_error", "internal"),
+                                 status=500)
 
 
 async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
@@ -386,6 +396,7 @@ async def _send_sse(
 ) -> web.StreamResponse:
     response = web.StreamResponse(headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id})
     await response.prepare(request)
+    request[_STREAMING] = True
     try:
         async with aclosing(events):
             try:

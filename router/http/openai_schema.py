@@ -6,6 +6,7 @@ message either way)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -145,6 +146,8 @@ def parse(kind: type[_Bodies], raw: bytes) -> Any:
         raise invalid(f"the request body must be a JSON object: {exc}") from None
     if not isinstance(data, dict):
         raise invalid(f"the request body must be a JSON object, got {type(data).__name__}")
+    if _SURROGATE_ESCAPE.search(raw):  # only a \uD800-\uDFFF escape can leave one behind
+        _check_unicode(data, "")
     try:
         body = kind.model_validate(data)
     except ValidationError as exc:
@@ -153,6 +156,30 @@ def parse(kind: type[_Bodies], raw: bytes) -> Any:
     if problem:
         raise invalid(problem)
     return body
+
+
+# A JSON \u escape of a UTF-16 surrogate. A pair of them decodes to one character; a lone
+# one stays in the str and no UTF-8 text (the tokenizer's, protobuf's) can hold it.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_unicode(value: object, where: str) -> None:
+    """Raises RequestError(INVALID_ARGUMENT) naming the first string of `value` (a parsed
+    JSON body) that holds a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise invalid(f"{where or 'body'}: the string holds a lone UTF-16 surrogate "
+                          f"({value[exc.start]!r} at index {exc.start}), which is not Unicode "
+                          "text; send it as a pair or as the character itself") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, where or "body")
+            _check_unicode(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_unicode(item, f"{where}.{i}")
 
 
 def _describe(exc: ValidationError) -> str:

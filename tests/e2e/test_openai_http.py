@@ -391,6 +391,11 @@ def test_raw_http_errors_are_openai_json(cluster):
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     wrong_method = httpx.get(url + "/completions", headers=auth)
     assert wrong_method.status_code == 405 and wrong_method.headers["Allow"] == "POST"
+    # Valid JSON, but a lone surrogate is no Unicode text: no tokenizer or protobuf takes it.
+    lone = httpx.post(url + "/completions", headers={**auth, "Content-Type": "application/json"},
+                      content=b'{"model": "%s", "prompt": "hi \\ud800", "max_tokens": 4}' % MODEL.encode())
+    assert lone.status_code == 400, lone.text
+    assert lone.json()["error"]["message"].startswith("prompt: the string holds a lone UTF-16 surrogate")
 
 
 def test_queue_timeout_is_504(cluster):
