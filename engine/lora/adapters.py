@@ -90,7 +90,6 @@ class AdapterSpec:
     path: Path  # adapter_model.safetensors
     rank: int
     scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
-    targets: frozenset[str]
     fingerprint: str  # changes when the file does: salts the prefix cache
 
     @classmethod
@@ -127,15 +126,32 @@ class AdapterSpec:
             raise AdapterError(f"adapter {name!r} has an invalid rank r={rank!r}")
         if rank > max_rank:
             raise AdapterError(f"adapter {name!r} has rank {rank}, over this engine's --max-lora-rank {max_rank}")
-        targets = raw.get("target_modules") or []
-        if isinstance(targets, str):
-            targets = [targets]
-        bad = sorted(set(targets) - set(PROJECTIONS))
-        if bad:
-            raise AdapterError(f"adapter {name!r} targets {bad}; supported: {', '.join(PROJECTIONS)}")
+        _check_targets(name, raw.get("target_modules"))
         scale = float(alpha) / (math.sqrt(rank) if raw.get("use_rslora") else rank)
         st = weights.stat()
-        return cls(name, weights, rank, scale, frozenset(targets), f"{name}@{st.st_size}:{st.st_mtime_ns}")
+        return cls(name, weights, rank, scale, f"{name}@{st.st_size}:{st.st_mtime_ns}")
+
+
+def _check_targets(name: str, targets: object) -> None:
+    """Refuses target_modules naming a module other than the 7 projections, in any form
+    PEFT saves: a list of names or of module paths ("all-linear" is saved as the paths it
+    found), or a regex string (whose matches the tensors show). Which projections of which
+    layers an adapter adapts is read from its tensors, not from here."""
+    if targets is None or targets == "all-linear":
+        return
+    if isinstance(targets, str):
+        if targets in PROJECTIONS:
+            return
+        try:
+            re.compile(targets)
+        except re.error as exc:
+            raise AdapterError(f"adapter {name!r}: target_modules {targets!r} is not a valid regex: {exc}") from None
+        return
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(f"adapter {name!r}: target_modules must be a list of module names or a regex")
+    bad = sorted({t for t in targets if t.rsplit(".", 1)[-1] not in PROJECTIONS})
+    if bad:
+        raise AdapterError(f"adapter {name!r} targets {bad[:8]}; supported: {', '.join(PROJECTIONS)}")
 
 
 @dataclass
@@ -143,6 +159,11 @@ class AdapterWeights:
     spec: AdapterSpec
     # (layer, projection) -> (A (r, in), B (out, r)), on the host (pinned when bound for CUDA)
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def targets(self) -> frozenset[str]:
+        """The projections it adapts in some layer."""
+        return frozenset(proj for _, proj in self.tensors)
 
 
 _KEY_RE = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")

@@ -94,7 +94,7 @@ class DeviceSlots:
         self._footprints[slot] = Footprint(rank, frozenset(weights.tensors))
         self.scales[slot].fill_(weights.spec.scale)  # a kernel, not a host-to-device copy
         self.names[slot] = weights.spec.name
-        self.targets[slot] = weights.spec.targets
+        self.targets[slot] = weights.targets
 
     def clear(self, slot: int) -> None:
         """Empty an unpinned slot (its weights stay until the next fill, with scale 0)."""

@@ -307,3 +307,48 @@ def test_a_slot_refilled_with_a_smaller_adapter_keeps_nothing_of_the_old_one(set
         assert out == expected(oracles, adapter, prompt, n), f"adapter {adapter} diverged"
     assert engine.adapters.inventory().resident == ("a-r2", "c-r4")
     assert engine.adapters.stats().evictions == 1  # a-r2 took b-r8's slot
+
+
+# target_modules as PEFT saves them beyond a list of projection names: "all-linear" (saved
+# as the module paths it found), a regex, and module paths mixed with names (layer 0's q only).
+TARGET_FORMS = {
+    "all-linear": "all-linear",
+    "regex": r".*\.(q_proj|down_proj)",
+    "paths": ["model.layers.0.self_attn.q_proj", "v_proj"],
+}
+
+
+def test_target_modules_in_every_form_peft_saves_match_peft(setup, tmp_path):
+    base, _, _ = setup
+    root = tmp_path / "forms"
+    oracles = {name: make_adapter(base, root / name, 4, 8, targets, False, seed=20 + i)
+               for i, (name, targets) in enumerate(TARGET_FORMS.items())}
+    saved = json.loads((root / "all-linear" / "adapter_config.json").read_text())["target_modules"]
+    assert "model.layers.0.mlp.down_proj" in saved  # what the loader reads: paths, not "all-linear"
+    oracles[None] = setup[2][None]
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(root), max_loras=3))
+    reqs = [(name, [9 + i, 40, 41, 77, 5], 6) for i, name in enumerate([*TARGET_FORMS, None])]
+    for (adapter, prompt, n), out in zip(reqs, run(engine, reqs)):
+        assert out == expected(oracles, adapter, prompt, n), f"adapter {adapter} diverged"
+        if adapter is not None:
+            assert out != expected(oracles, None, prompt, n)
+    slots = engine.adapters._slots  # "paths" adapts q in layer 0 only, v everywhere
+    assert slots.targets[slots.slot_of("paths")] == {"q_proj", "v_proj"}
+
+
+@pytest.mark.parametrize(("targets", "error"), [
+    (["q_proj", "lm_head"], r"targets \['lm_head'\]; supported"),
+    (["model.embed_tokens"], r"targets \['model.embed_tokens'\]"),
+    ("(unclosed", "not a valid regex"),
+    ({"q_proj": 1}, "must be a list of module names or a regex"),
+])  # fmt: skip
+def test_target_modules_outside_the_projections_are_refused(setup, tmp_path, targets, error):
+    base, adapters_dir, _ = setup
+    bad = tmp_path / "root" / "bad"
+    bad.mkdir(parents=True)
+    (bad / "adapter_config.json").write_text(json.dumps({"r": 2, "target_modules": targets}))
+    (bad / "adapter_model.safetensors").write_bytes(
+        (adapters_dir / "a-r2" / "adapter_model.safetensors").read_bytes())
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(tmp_path / "root")))
+    with pytest.raises(AdapterError, match=error):
+        engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="bad")
