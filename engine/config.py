@@ -7,7 +7,7 @@ with a message that names the field and what it accepts.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -69,7 +69,11 @@ class ModelConfig:
             raw = json.loads(file.read_text())
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"{file} is not valid JSON: {exc}") from exc
-        return cls.from_dict(raw)
+        cfg = cls.from_dict(raw)
+        generation = _generation_eos(path / "generation_config.json")
+        if generation:
+            cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys((*cfg.eos_token_ids, *generation))))
+        return cfg
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -81,8 +85,7 @@ class ModelConfig:
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
-            eos = raw.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            eos_ids = _eos_ids(raw.get("eos_token_id"), "config.json")
             rope = raw.get("rope_parameters") or {}
             cfg = cls(
                 model_type=model_type,
@@ -111,6 +114,30 @@ class ModelConfig:
                 f"num_key_value_heads ({cfg.num_kv_heads})"
             )
         return cfg
+
+
+def _eos_ids(value: object, source: str) -> tuple[int, ...]:
+    """eos_token_id as config.json and generation_config.json hold it: an id, a list, or null."""
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelLoadError(f"{source}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return tuple(values)
+
+
+def _generation_eos(file: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids of generation_config.json, if there is one. Instruct
+    checkpoints often list their end-of-turn token only there (Llama 3's <|eot_id|>), and
+    transformers' generate stops at them, so the engine stops at these as well as at
+    config.json's."""
+    if not file.is_file():
+        return ()
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{file} cannot be read as JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{file} is not a JSON object")
+    return _eos_ids(raw.get("eos_token_id"), str(file))
 
 
 def _max_len(raw: dict, model_type: str) -> int:

@@ -106,3 +106,41 @@ def test_rope_scaling_parsed():
     assert cfg.rope_scaling.kind == "llama3" and cfg.rope_scaling.factor == 8.0
     with pytest.raises(ModelLoadError, match="unsupported rope scaling 'yarn'"):
         ModelConfig.from_dict(base | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+def test_generation_config_eos_ids_stop_generation_as_in_transformers(ckpt, tmp_path):
+    """An end-of-turn id listed only in generation_config.json (as Llama 3 Instruct lists
+    <|eot_id|>) ends generation, where transformers' generate ends it."""
+    from omnibus.engine.worker.sampling import SamplingParams
+    from tests.checkpoints import load_hf
+
+    model = copy(ckpt, tmp_path)
+    prompt = [5, 6, 7, 8]
+    free = Engine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=32))
+    (tokens,) = free.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    turn_end = next(t for t in tokens[2:] if t not in tokens[:2])  # first seen at step 3 or later
+    eos = ModelConfig.from_dir(model).eos_token_ids
+    assert turn_end not in eos
+    generation = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(generation | {"eos_token_id": [*eos, turn_end]}))
+    assert ModelConfig.from_dir(model).eos_token_ids == (*eos, turn_end)
+
+    engine = Engine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=32))
+    (stopped,) = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
+    assert stopped == tokens[: tokens.index(turn_end) + 1]
+    hf = load_hf(model)
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert out[0, len(prompt):].tolist() == stopped
+
+
+@pytest.mark.parametrize(("content", "error"), [
+    ("{nope", "cannot be read as JSON"),
+    ('{"eos_token_id": "</s>"}', "eos_token_id must be a token id or a list of them"),
+    ('[1, 2]', "is not a JSON object"),
+])  # fmt: skip
+def test_a_bad_generation_config_is_a_clear_error(ckpt, tmp_path, content, error):
+    model = copy(ckpt, tmp_path)
+    (model / "generation_config.json").write_text(content)
+    with pytest.raises(ModelLoadError, match=error):
+        ModelConfig.from_dir(model)
