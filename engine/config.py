@@ -7,6 +7,7 @@ with a message that names the field and what it accepts.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -215,7 +216,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two from 1 to 128", self.block_size)
         _check(self.dtype in ("auto", *DTYPES), "dtype", f"one of auto, {', '.join(DTYPES)}", self.dtype)
-        _check(self.device == "cpu" or self.device.startswith("cuda"), "device", "cpu or cuda[:N]", self.device)
+        _check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "device", "cpu or cuda[:N]", self.device)
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)

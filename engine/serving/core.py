@@ -50,6 +50,8 @@ def load_engine(config: EngineConfig) -> Engine:
     Raises EngineLoadError."""
     if config.adapter_dir is not None and not Path(config.adapter_dir).is_dir():
         raise EngineLoadError(f"--adapter-dir {config.adapter_dir} is not a directory")
+    if config.device.startswith("cuda"):
+        _check_cuda(config.device)
     if config.load_format == "null" and config.device == "cpu":
         import torch
 
@@ -66,6 +68,20 @@ def load_engine(config: EngineConfig) -> Engine:
     engine.warmup()
     preload(engine)
     return engine
+
+
+def _check_cuda(device: str) -> None:
+    """EngineLoadError when `device` (cuda or cuda:N) is not a GPU this process can use."""
+    import torch
+
+    if not torch.cuda.is_available():
+        why = ("this torch build has no CUDA" if torch.version.cuda is None
+               else f"torch (CUDA {torch.version.cuda}) finds no GPU: check the driver and CUDA_VISIBLE_DEVICES")
+        raise EngineLoadError(f"--device {device}: {why}; use --device cpu to run on the CPU")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise EngineLoadError(f"--device {device}: there are {torch.cuda.device_count()} GPUs "
+                              f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
 
 
 def preload(engine: Engine, timeout: float = PRELOAD_TIMEOUT_S) -> None:

@@ -96,6 +96,24 @@ def test_config_values_validated():
         EngineConfig(model="x", dtype="int8")
     with pytest.raises(ValueError, match="batching must be"):
         EngineConfig(model="x", batching="sometimes")
+    with pytest.raises(ValueError, match=r"device must be cpu or cuda\[:N\], got 'cuda:x'"):
+        EngineConfig(model="x", device="cuda:x")
+
+
+def test_a_cuda_device_this_process_cannot_use_is_a_clear_error(ckpt, monkeypatch):
+    from omnibus.engine.serving.core import EngineLoadError, load_engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(EngineLoadError, match="--device cuda: this torch build has no CUDA; use --device cpu"):
+        load_engine(EngineConfig(model=str(ckpt), device="cuda"))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    with pytest.raises(EngineLoadError, match="finds no GPU: check the driver and CUDA_VISIBLE_DEVICES"):
+        load_engine(EngineConfig(model=str(ckpt), device="cuda:0"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(EngineLoadError, match=r"--device cuda:2: there are 2 GPUs \(cuda:0 to cuda:1\)"):
+        load_engine(EngineConfig(model=str(ckpt), device="cuda:2"))
 
 
 def test_rope_scaling_parsed():
