@@ -51,7 +51,11 @@ class ModelConfig:
     rope_scaling: RopeScaling
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # Qwen2 (and Llama with attention_bias) add a bias to q/k/v
+    # Biases, as transformers builds each architecture: Qwen2 on q/k/v; Llama on q/k/v and
+    # o with attention_bias, on gate/up/down with mlp_bias; Mistral none.
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str  # the checkpoint's own dtype, used when the engine asks for "auto"
@@ -102,7 +106,9 @@ class ModelConfig:
                 rope_scaling=_parse_rope_scaling(raw.get("rope_scaling") or rope),
                 max_position_embeddings=_max_len(raw, model_type),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+                qkv_bias=model_type == "qwen2" or (model_type == "llama" and bool(raw.get("attention_bias"))),
+                o_bias=model_type == "llama" and bool(raw.get("attention_bias")),
+                mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias")),
                 eos_token_ids=eos_ids,
                 bos_token_id=raw.get("bos_token_id"),
                 torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),

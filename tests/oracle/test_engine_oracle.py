@@ -66,6 +66,8 @@ def llama(tmp_path_factory):
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 64}}),  # Llama 3.1 scaling
+    ("llama", {"attention_bias": True, "mlp_bias": True}),  # q/k/v/o and gate/up/down biases
+    ("llama", {"head_dim": 32, "num_key_value_heads": 1}),  # head_dim != hidden / heads, MQA
 ])
 def test_architectures_match_transformers(tmp_path, arch, kw):
     path = make_checkpoint(tmp_path / "ckpt", arch, vocab_size=VOCAB, **kw)
