@@ -47,7 +47,7 @@ from omnibus.common.metrics import RequestLatency, serve_metrics
 from omnibus.common.security import ServerSecurity
 from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine, Delivery, Refused
 from omnibus.engine.serving.batcher import BatcherConfig, QueueFullError, QueueTimeoutError
-from omnibus.engine.serving.watchdog import Watchdog, WatchdogConfig, exit_process
+from omnibus.engine.serving.watchdog import EXIT_CODE, Watchdog, WatchdogConfig, exit_process
 from omnibus.engine.engine import Engine, EngineStats, UnknownAdapterError
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.lora import list_adapter_names
@@ -767,6 +767,8 @@ async def start(
 
     watchdog = Watchdog(aengine.heartbeat, config.watchdog, stalled, watchdog_exit)
     tasks.append(asyncio.create_task(watchdog.run(), name="watchdog"))
+    tasks.append(asyncio.create_task(_exit_when_the_step_loop_dies(aengine, health_servicer, watchdog_exit),
+                                     name="step-loop-guard"))
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     if config.metrics_port:
         serve_metrics(metrics.registry, config.metrics_port, Path(aengine.config.model).name)
@@ -784,6 +786,28 @@ async def start(
         cached_adapters=list(stats.cached_adapters),
     )
     return RunningServer(server, service, aengine, health_servicer, tasks)
+
+
+STEP_LOOP_POLL_S = 0.25
+LAST_WORDS_S = 1.0  # after a step-loop death, before exiting: the failed streams' errors go out
+
+
+async def _exit_when_the_step_loop_dies(
+    aengine: AsyncEngine, health_servicer: health.aio.HealthServicer, exit: Callable[[str], None],
+) -> None:
+    """A step loop that died (an exception out of it, or its process killed: OOM, a device
+    fault) is not coming back, and a server without one serves nothing: health goes
+    NOT_SERVING, and once its requests' errors and the load reports' end have gone out the
+    process exits (code 70) so the orchestrator restarts the worker. Cancelled when the
+    server stops on purpose."""
+    while aengine.error is None and aengine.is_alive:
+        await asyncio.sleep(STEP_LOOP_POLL_S)
+    error = aengine.error or RuntimeError("the step loop ended")
+    message = f"engine step loop died ({error!r}); exiting so the worker is restarted"
+    log.critical("engine_step_loop_died", error=repr(error), exit_code=EXIT_CODE, message=message)
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await asyncio.sleep(LAST_WORDS_S)
+    exit(message)
 
 
 async def serve(engine: Engine | ProcessCore, config: ServerConfig) -> None:

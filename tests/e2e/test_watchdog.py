@@ -96,5 +96,39 @@ async def test_a_stalled_step_trips_the_watchdog(tiny_model: Path) -> None:
         await running.stop(1.0)
 
 
+async def test_a_dead_step_loop_takes_the_worker_down(tiny_model: Path) -> None:
+    """A step that raises (a device fault) ends the step loop for good: its requests fail,
+    health turns NOT_SERVING and the process asks to exit (code 70), so the orchestrator
+    restarts the worker rather than keep a server that can serve nothing."""
+    engine = Engine(EngineConfig(model=str(tiny_model), num_kv_blocks=32, block_size=8))
+    engine.warmup()
+
+    def faulty_step():  # type: ignore[no-untyped-def]
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    engine.step = faulty_step  # type: ignore[method-assign]
+    exits: list[str] = []
+    port = free_port()
+    running = await start(engine, ServerConfig(port=port), exits.append)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _collect(stub.Generate(engine_request("doomed"), timeout=30))
+            assert err.value.code() == grpc.StatusCode.INTERNAL
+            assert "illegal memory access" in err.value.details()
+
+            async def exited() -> bool:
+                return bool(exits)
+
+            await _until(exited, "the exit")
+            assert "engine step loop died" in exits[0] and "restarted" in exits[0]
+            status = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert status.status == NOT_SERVING
+    finally:
+        await running.stop(1.0)
+
+
 async def _collect(call: grpc.aio.UnaryStreamCall) -> list[engine_pb2.EngineGenerateResponse]:
     return [reply async for reply in call]

@@ -121,6 +121,30 @@ async def test_a_killed_core_fails_its_requests_and_refuses_new_ones(config):
         aengine.shutdown()
 
 
+async def test_a_server_whose_core_was_killed_asks_to_exit(config):
+    """An OOM kill of the step-loop process: the server, which can serve nothing more,
+    turns NOT_SERVING and asks to exit (code 70) instead of staying up as a zombie."""
+    from grpc_health.v1 import health_pb2
+
+    from omnibus.engine.serving.server import ServerConfig, start
+    from tests.grpc_helpers import free_port
+
+    core = ProcessCore(config)
+    exits: list[str] = []
+    running = await start(core, ServerConfig(port=free_port()), exits.append)
+    try:
+        os.kill(core.pid, signal.SIGKILL)
+        for _ in range(200):
+            if exits:
+                break
+            await asyncio.sleep(0.05)
+        assert exits and "core process exited (code -9)" in exits[0], exits
+        check = await running.health_servicer.Check(health_pb2.HealthCheckRequest(service=""), None)
+        assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await running.stop(1.0)
+
+
 def test_the_core_dies_with_its_server_process(config):
     """A server killed outright (or exited by its watchdog over a hung step) leaves no
     step-loop process holding the device."""
