@@ -1,5 +1,6 @@
 """The gRPC bootstrap both processes share (omnibus.common.grpc_server): bytes that are
-not the method's request message get INVALID_ARGUMENT naming the expected type."""
+not the method's request message get INVALID_ARGUMENT naming the expected type, and a
+port in use is an error."""
 
 from __future__ import annotations
 
@@ -57,3 +58,14 @@ async def test_valid_requests_still_reach_the_servicer(address):
         replies = [r.text async for r in stub.Generate(inference_pb2.GenerateRequest(text="hi"))]
         assert replies == ["hi"]
         assert await stub.ListModels(inference_pb2.ListModelsRequest()) == inference_pb2.ListModelsResponse()
+
+
+async def test_a_port_in_use_is_an_error_not_a_shared_port(address):
+    """gRPC's default SO_REUSEPORT would let a second server start on a serving port and
+    take a share of its connections; here it is refused with a message, and the first
+    server still answers alone."""
+    service = Service(_Echo(), inference_pb2_grpc.add_InferenceServicer_to_server, "omnibus.v1.Inference")
+    host, port = address.rsplit(":", 1)
+    with pytest.raises(OSError, match=f"cannot listen on {address}: the port is in use"):
+        build_server(host, int(port), [service], health.aio.HealthServicer())
+    await test_valid_requests_still_reach_the_servicer(address)

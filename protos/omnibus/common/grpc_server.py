@@ -47,7 +47,10 @@ def build_server(
     # The token check comes first: a caller without it learns nothing, not even whether
     # its bytes parse.
     interceptors = [*security.interceptors(), _DecodeErrorsAreInvalid()]
-    server = grpc.aio.server(options=list(options), interceptors=interceptors)
+    # gRPC turns SO_REUSEPORT on by default: a second server on a port in use would then
+    # start and silently take a share of its connections. A port in use is an error.
+    options = [("grpc.so_reuseport", 0), *options]
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     for s in services:
         s.add(s.servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -55,10 +58,14 @@ def build_server(
     reflection.enable_server_reflection(names, server)
     address = f"{host}:{port}"
     credentials = security.credentials()
-    bound = (server.add_insecure_port(address) if credentials is None
-             else server.add_secure_port(address, credentials))
+    try:
+        bound = (server.add_insecure_port(address) if credentials is None
+                 else server.add_secure_port(address, credentials))
+    except RuntimeError:  # grpc >= 1.5x raises where older versions returned 0
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise OSError(f"cannot listen on {address}: the port is in use, or the host is not "
+                      "an address of this machine")
     return server
 
 
