@@ -754,6 +754,8 @@ async def start(
     service = EngineService(aengine, metrics, catalog)
     health_servicer = health.aio.HealthServicer()
     engine_service = Service(service, engine_pb2_grpc.add_EngineServicer_to_server, SERVICE_NAME)
+    if config.metrics_port:  # first: a port in use fails before anything listens
+        serve_metrics(metrics.registry, config.metrics_port, Path(aengine.config.model).name)
     server = build_server(config.host, config.port, [engine_service], health_servicer,
                           security=config.security)
     await server.start()
@@ -770,8 +772,6 @@ async def start(
     tasks.append(asyncio.create_task(_exit_when_the_step_loop_dies(aengine, health_servicer, watchdog_exit),
                                      name="step-loop-guard"))
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-    if config.metrics_port:
-        serve_metrics(metrics.registry, config.metrics_port, Path(aengine.config.model).name)
     stats = aengine.stats()
     log.info(
         "engine_serving",

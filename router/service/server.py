@@ -147,6 +147,8 @@ async def serve(config: RouterConfig) -> None:
     pipeline = Pipeline(config, limits, tokenizer, keys, dispatcher, engines, metrics)
     service = InferenceService(pipeline)
     admin = AdminService(keys, engines)
+    if config.metrics_port:  # first: a port in use fails before anything listens
+        metrics.serve(config.metrics_port)
     server = _grpc_server(config, service, admin, health_servicer)
     http = OpenAIFront(pipeline, config, chat) if config.http_port else None
     if http is not None:
@@ -156,8 +158,6 @@ async def serve(config: RouterConfig) -> None:
     await server.start()
     dispatcher.start()
     discovery.start()
-    if config.metrics_port:
-        metrics.serve(config.metrics_port)
     freeze_heap()
     log.info(
         "router_serving",

@@ -1,6 +1,6 @@
 """The gRPC bootstrap both processes share (omnibus.common.grpc_server): bytes that are
 not the method's request message get INVALID_ARGUMENT naming the expected type, and a
-port in use is an error."""
+port in use (gRPC's, or the metrics endpoint's) is an error."""
 
 from __future__ import annotations
 
@@ -69,3 +69,18 @@ async def test_a_port_in_use_is_an_error_not_a_shared_port(address):
     with pytest.raises(OSError, match=f"cannot listen on {address}: the port is in use"):
         build_server(host, int(port), [service], health.aio.HealthServicer())
     await test_valid_requests_still_reach_the_servicer(address)
+
+
+def test_a_metrics_port_in_use_is_an_error_naming_it():
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from omnibus.common.metrics import serve_metrics
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"--metrics-port {port}: cannot listen: Address already in use"):
+            serve_metrics(CollectorRegistry(), port, "m")

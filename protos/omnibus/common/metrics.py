@@ -72,5 +72,9 @@ def exposition(registry: CollectorRegistry, model_name: str) -> CollectorRegistr
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, model_name: str) -> None:
-    """Starts the /metrics HTTP endpoint on a background thread."""
-    start_http_server(port, registry=exposition(registry, model_name))
+    """Starts the /metrics HTTP endpoint on a background thread. Raises OSError naming the
+    port when it cannot listen there."""
+    try:
+        start_http_server(port, registry=exposition(registry, model_name))
+    except OSError as exc:
+        raise OSError(f"--metrics-port {port}: cannot listen: {exc.strerror or exc}") from exc
