@@ -47,7 +47,8 @@ from omnibus.common.metrics import RequestLatency, serve_metrics
 from omnibus.common.security import ServerSecurity
 from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine, Delivery, Refused
 from omnibus.engine.serving.batcher import BatcherConfig, QueueFullError, QueueTimeoutError
-from omnibus.engine.serving.watchdog import EXIT_CODE, Watchdog, WatchdogConfig, exit_process
+from omnibus.common.fatal import EXIT_CODE, exit_process
+from omnibus.engine.serving.watchdog import Watchdog, WatchdogConfig
 from omnibus.engine.engine import Engine, EngineStats, UnknownAdapterError
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.lora import list_adapter_names

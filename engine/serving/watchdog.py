@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import sys
 import time
 from collections.abc import Awaitable, Callable, MutableSequence
 from dataclasses import dataclass
 
 import structlog
 
+from omnibus.common.fatal import EXIT_CODE, exit_process
+
 log = structlog.get_logger("engine.watchdog")
 
-EXIT_CODE = 70  # EX_SOFTWARE: the orchestrator restarts the worker
 
 
 @dataclass(frozen=True)
@@ -78,14 +77,6 @@ class Heartbeat:
             seq, began, done = s[0], s[1], s[2]
             if seq % 2 == 0 and s[0] == seq:
                 return (0.0 if math.isnan(began) else now - began), int(done)
-
-
-def exit_process(message: str) -> None:
-    """Leaves now: a stalled step cannot be stopped, and a clean shutdown would wait on it
-    (a step-loop process dies with this one: engine/serving/core.py)."""
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(EXIT_CODE)
 
 
 class Watchdog:

@@ -26,6 +26,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnibus.common.fatal import exit_if_it_fails
 from omnibus.common.security import ClientSecurity
 from omnibus.router.config import EngineTarget, RouterConfig
 from omnibus.router.dispatch.engines import EngineClient
@@ -113,7 +114,7 @@ class EngineDiscovery:
         await asyncio.gather(*(e.close() for e in self._engines))
 
     def _spawn(self, coro: Awaitable[None], name: str) -> None:
-        task = asyncio.ensure_future(coro)
+        task = exit_if_it_fails(asyncio.ensure_future(coro))
         task.set_name(name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

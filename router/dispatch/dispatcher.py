@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import methodcaller
 
+from omnibus.common.fatal import exit_if_it_fails
 from omnibus.common.prefix import leading_block_keys, matched_blocks
 from omnibus.router.dispatch.adapters import Affinity
 from omnibus.router.dispatch.engines import EngineClient
@@ -94,7 +95,7 @@ class Dispatcher:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="dispatcher")
+        self._task = exit_if_it_fails(asyncio.create_task(self._run(), name="dispatcher"))
 
     async def close(self) -> None:
         if self._task is not None:

@@ -17,6 +17,7 @@ import grpc
 import structlog
 from omnibus.v1 import engine_pb2, engine_pb2_grpc
 
+from omnibus.common.fatal import exit_if_it_fails
 from omnibus.router.dispatch.adapters import Affinity
 from omnibus.router.dispatch.session import EngineOutput, EngineSession
 from omnibus.router.config import RouterConfig
@@ -191,7 +192,7 @@ class EngineClient:
     # ---- lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._watch(), name=f"watch-{self.address}")
+        self._task = exit_if_it_fails(asyncio.create_task(self._watch(), name=f"watch-{self.address}"))
 
     async def retire(self) -> None:
         """Takes no new requests and returns once the ones in flight have ended (each
