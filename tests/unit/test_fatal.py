@@ -33,7 +33,7 @@ async def test_a_cancelled_or_finished_task_does_not():
 async def test_the_router_s_dispatcher_failing_asks_to_exit(monkeypatch):
     """The router's matching loop hitting a bug: without its dispatcher, queued requests
     would wait forever behind a SERVING health check."""
-    import omnibus.common.fatal as fatal
+    from omnibus.common import fatal
     from omnibus.router.dispatch.dispatcher import Dispatcher
     from omnibus.router.dispatch.queue import RequestQueue
 
