@@ -103,10 +103,9 @@ def run_omnibus(path: Path, prompts, lengths, *flags: str) -> float:
     return sum(lengths) / elapsed
 
 
-def run_served(path: Path, prompts, lengths, env: dict[str, str] | None = None,
-               flags: tuple[str, ...] = ()) -> float:
+def run_served(path: Path, prompts, lengths, flags: tuple[str, ...] = ()) -> float:
     """Output tok/s of the same requests through an engine process (ENGINE_FLAGS, then
-    `flags`; this process's torch threads; `env` added to its environment) behind a router process,
+    `flags`; this process's torch threads) behind a router process,
     every request sent at once over the router's gRPC Generate (greedy, ignore_eos); one
     short request warms the path first."""
     from omnibus.bench.host import build_tokenizer
@@ -119,7 +118,7 @@ def run_served(path: Path, prompts, lengths, env: dict[str, str] | None = None,
     requests = [BenchRequest(tuple(p), m) for p, m in zip(prompts, lengths)]
     with tempfile.TemporaryDirectory() as logs, engine_and_router(
             path, Path(logs), ENGINE_FLAGS + flags,
-            env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **(env or {})}) as (_, router):
+            env={"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}) as (_, router):
         config = RunConfig(target=router.address, progress=False, timeout_s=600,
                            request_id_prefix="served")
         asyncio.run(run_workload([BenchRequest(requests[0].prompt_ids, 4)],
@@ -193,7 +192,7 @@ def in_process_rounds(path: Path, model, prompts, lengths, rounds: int) -> dict[
     out: dict[str, list[float]] = {name: [] for name in systems}
     names = list(systems)
     for r in range(rounds):
-        for name in names[r % 3:] + names[:r % 3]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             out[name].append(systems[name]())
     return out
 

@@ -137,11 +137,9 @@ def _check_targets(name: str, targets: object) -> None:
     PEFT saves: a list of names or of module paths ("all-linear" is saved as the paths it
     found), or a regex string (whose matches the tensors show). Which projections of which
     layers an adapter adapts is read from its tensors, not from here."""
-    if targets is None or targets == "all-linear":
+    if targets is None:
         return
-    if isinstance(targets, str):
-        if targets in PROJECTIONS:
-            return
+    if isinstance(targets, str):  # "all-linear", one name, or a regex: all compile
         try:
             re.compile(targets)
         except re.error as exc:

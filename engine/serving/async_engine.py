@@ -25,8 +25,14 @@ from omnibus.engine.worker.sampling import SamplingParams
 
 __all__ = [
     "AdapterLoaded", "AdapterStateError", "AsyncEngine", "Delivery", "Destination", "Refused",
-    "UnknownAdapterError",
+    "StepLoopDown", "UnknownAdapterError",
 ]
+
+
+class StepLoopDown(RuntimeError):
+    """The step loop is not running (it crashed, or its process died): what fails its
+    requests and refuses new ones. The server answers UNAVAILABLE, so routers take the
+    requests elsewhere (continuing started streams), as for an engine that died whole."""
 
 
 class Destination(Protocol):
@@ -94,7 +100,7 @@ class AsyncEngine:
 
     def _check_running(self) -> None:
         if self.error is not None or not self.core.is_alive():  # not started, or gone
-            raise RuntimeError("the engine step loop is not running")
+            raise StepLoopDown("the engine step loop is not running")
 
     def abort(self, request_id: str) -> None:
         self.core.send(Abort(request_id))
@@ -111,7 +117,7 @@ class AsyncEngine:
                            weight, deadline))
         if self.error is not None and self._dests.pop(request_id, None) is not None:
             # the loop died after the check and before `crashed` saw this destination
-            raise RuntimeError("the engine step loop is not running")
+            raise StepLoopDown("the engine step loop is not running")
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, adapter: str | None = None, tenant: str = "",
@@ -226,7 +232,7 @@ class AsyncEngine:
 
     def crashed(self, error: BaseException) -> None:
         self.error = error
-        failure = RuntimeError(f"engine step loop crashed: {error!r}")
+        failure = StepLoopDown(f"engine step loop crashed: {error!r}")
         self._deliver([Refused(rid, failure) for rid in list(self._dests)])
         for call_id in list(self._calls):
             self.reply(call_id, None, failure)

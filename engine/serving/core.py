@@ -108,8 +108,9 @@ def preload(engine: Engine, timeout: float = PRELOAD_TIMEOUT_S) -> None:
 def resolve_step_loop(requested: str, config: EngineConfig) -> str:
     """Where `--step-loop` `requested` runs the step loop: "process" or "thread". `auto` is
     a process of its own, except for the null model on a CPU. On a thread, every torch op
-    the loop dispatches waits for the GIL whenever the gRPC server holds it (and with
-    several compute threads each wait stalls a parallel region): served through the router
+    the loop dispatches waits for the GIL whenever the gRPC server holds it (and, we infer
+    without having measured it, with several compute threads each wait stalls a parallel
+    region): served through the router
     on a 2-core CPU, the process ran 1.07-1.41x the tokens/s of the thread at 2 compute
     threads and 1.03-1.13x at 1 (docs/benchmarks/offline.md). The null model's forward is
     near-free, so there the pipe's hop would be much of the host path it exists to measure."""

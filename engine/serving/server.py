@@ -45,7 +45,7 @@ from omnibus.common.grpc_server import Service, build_server, set_health, stop_o
 from omnibus.common.heap import freeze_heap
 from omnibus.common.metrics import RequestLatency, serve_metrics
 from omnibus.common.security import ServerSecurity
-from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine, Delivery, Refused
+from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine, Delivery, Refused, StepLoopDown
 from omnibus.engine.serving.batcher import BatcherConfig, QueueFullError, QueueTimeoutError
 from omnibus.common.fatal import EXIT_CODE, exit_process
 from omnibus.engine.serving.watchdog import Watchdog, WatchdogConfig
@@ -555,11 +555,12 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 f"request id {request.request_id!r} is already streaming",
             )
         if self._aengine.error is not None:
-            return (
-                grpc.StatusCode.INTERNAL,
-                f"the engine step loop has crashed: {self._aengine.error!r}",
-            )
+            return self._crashed()
         return None, ""
+
+    def _crashed(self) -> tuple[grpc.StatusCode, str]:
+        """What a crashed step loop answers: UNAVAILABLE, so routers go elsewhere."""
+        return grpc.StatusCode.UNAVAILABLE, f"the engine step loop has crashed: {self._aengine.error!r}"
 
     async def WatchLoad(
         self, request: engine_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
@@ -584,9 +585,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             await asyncio.sleep(interval)
         if self._aengine.error is None:  # stalled: routers mark the engine unhealthy
             await context.abort(grpc.StatusCode.UNAVAILABLE, STALLED)
-        await context.abort(
-            grpc.StatusCode.INTERNAL, f"the engine step loop has crashed: {self._aengine.error!r}"
-        )
+        await context.abort(*self._crashed())
 
     async def Stats(
         self, request: engine_pb2.StatsRequest, context: grpc.aio.ServicerContext
@@ -707,6 +706,8 @@ def _error_status(exc: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, StepLoopDown):  # the engine is gone in all but name: retry elsewhere
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "the request's deadline passed; it was aborted"
     return grpc.StatusCode.INTERNAL, f"engine failure: {exc}"

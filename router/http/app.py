@@ -84,7 +84,7 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
     a handler did not expect, as OpenAI JSON."""
     try:
         return await handler(request)
-    except (asyncio.CancelledError, ConnectionResetError):
+    except ConnectionResetError:
         raise
     except web.HTTPException as exc:
         if exc.status < 400:

@@ -72,7 +72,7 @@ def test_served_by_threads_interleaves_every_configuration(monkeypatch):
         calls.append(("in", torch.get_num_threads(), {}))
         return 1.0
 
-    def served(path, prompts, lengths, env=None, flags=()):
+    def served(path, prompts, lengths, flags=()):
         calls.append(("served", torch.get_num_threads(), flags))
         return 2.0
 
