@@ -88,9 +88,25 @@ class AdapterSpec:
 
     name: str
     path: Path  # adapter_model.safetensors
-    rank: int
+    rank: int  # the largest of any module (r, or a larger rank_pattern value)
     scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
     fingerprint: str  # changes when the file does: salts the prefix cache
+    # PEFT's per-module overrides: (pattern, rank) and (pattern, alpha), in file order
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+    default_rank: int = 0  # r; 0: `rank`
+    default_alpha: float = 0.0
+    rslora: bool = False
+
+    def module_rank_scale(self, layer: int, proj: str) -> tuple[int, float]:
+        """The rank and scale of one module, as PEFT gives them: the first rank_pattern
+        (alpha_pattern) key that matches the end of the module's path, else r (lora_alpha)."""
+        if not self.rank_pattern and not self.alpha_pattern:
+            return self.rank, self.scale
+        path = f"model.layers.{layer}.{'self_attn' if proj in FUSED['qkv'] + FUSED['o'] else 'mlp'}.{proj}"
+        rank = _pattern_value(self.rank_pattern, path, self.default_rank)
+        alpha = _pattern_value(self.alpha_pattern, path, self.default_alpha)
+        return rank, float(alpha) / (math.sqrt(rank) if self.rslora else rank)
 
     @classmethod
     def read(cls, root: Path, name: str, max_rank: int) -> "AdapterSpec":
@@ -118,18 +134,57 @@ class AdapterSpec:
     def _from_config(cls, name: str, weights: Path, raw: dict, max_rank: int) -> "AdapterSpec":
         if raw.get("peft_type", "LORA") != "LORA":
             raise AdapterError(f"adapter {name!r} is {raw.get('peft_type')!r}, only LORA is supported")
-        for unsupported in ("use_dora", "modules_to_save", "rank_pattern", "alpha_pattern", "lora_bias"):
+        for unsupported in ("use_dora", "modules_to_save", "lora_bias"):
             if raw.get(unsupported):
                 raise AdapterError(f"adapter {name!r} uses {unsupported}, which is not supported")
         rank, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        if not _is_rank(rank):
             raise AdapterError(f"adapter {name!r} has an invalid rank r={rank!r}")
-        if rank > max_rank:
-            raise AdapterError(f"adapter {name!r} has rank {rank}, over this engine's --max-lora-rank {max_rank}")
+        if not _is_alpha(alpha):
+            raise AdapterError(f"adapter {name!r} has an invalid lora_alpha {alpha!r}")
+        ranks = _patterns(name, raw, "rank_pattern", _is_rank, "a rank (an integer >= 1)")
+        alphas = _patterns(name, raw, "alpha_pattern", _is_alpha, "an alpha (a number)")
+        largest = max([rank, *(r for _, r in ranks)])
+        if largest > max_rank:
+            raise AdapterError(f"adapter {name!r} has rank {largest}, over this engine's --max-lora-rank {max_rank}")
         _check_targets(name, raw.get("target_modules"))
-        scale = float(alpha) / (math.sqrt(rank) if raw.get("use_rslora") else rank)
+        rslora = bool(raw.get("use_rslora"))
+        scale = float(alpha) / (math.sqrt(rank) if rslora else rank)
         st = weights.stat()
-        return cls(name, weights, rank, scale, f"{name}@{st.st_size}:{st.st_mtime_ns}")
+        return cls(name, weights, largest, scale, f"{name}@{st.st_size}:{st.st_mtime_ns}",
+                   ranks, alphas, rank, float(alpha), rslora)
+
+
+def _is_rank(r: object) -> bool:
+    return isinstance(r, int) and not isinstance(r, bool) and r >= 1
+
+
+def _is_alpha(a: object) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a)
+
+
+def _patterns(name: str, raw: dict, field: str, valid, what: str) -> tuple[tuple[str, object], ...]:
+    """rank_pattern / alpha_pattern: {module path pattern: value}, each key a regex that
+    PEFT matches against the end of a module's path."""
+    table = raw.get(field) or {}
+    if not isinstance(table, dict):
+        raise AdapterError(f"adapter {name!r}: {field} must be an object of module pattern -> value")
+    for key, value in table.items():
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise AdapterError(f"adapter {name!r}: {field} key {key!r} is not a valid regex: {exc}") from None
+        if not valid(value):
+            raise AdapterError(f"adapter {name!r}: {field}[{key!r}] = {value!r} is not {what}")
+    return tuple(table.items())
+
+
+def _pattern_value(patterns: tuple[tuple[str, object], ...], path: str, default):
+    """PEFT's get_pattern_key: the first key matching a dot-separated tail of `path`."""
+    for key, value in patterns:
+        if re.match(rf"(.*\.)?({key})$", path):
+            return value
+    return default
 
 
 def _check_targets(name: str, targets: object) -> None:
@@ -155,8 +210,11 @@ def _check_targets(name: str, targets: object) -> None:
 @dataclass
 class AdapterWeights:
     spec: AdapterSpec
-    # (layer, projection) -> (A (r, in), B (out, r)), on the host (pinned when bound for CUDA)
+    # (layer, projection) -> (A (r, in), B (out, r)), on the host (pinned when bound for CUDA);
+    # r is the module's own rank (rank_pattern may give modules different ones)
     tensors: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # (num_layers, len(PROJECTIONS)) float32 scale of every module (0 where none), pinned for CUDA
+    scales: torch.Tensor
 
     @property
     def targets(self) -> frozenset[str]:
@@ -183,19 +241,21 @@ def load_adapter_weights(spec: AdapterSpec, cfg: ModelConfig, dtype: torch.dtype
                 raise AdapterError(f"adapter {spec.name!r} has layer {layer}, the base model has {cfg.num_layers}")
             parts.setdefault((layer, proj), {})[ab] = f.get_tensor(key)
     tensors = {}
+    scales = torch.zeros(cfg.num_layers, len(PROJECTIONS), dtype=torch.float32)
     for (layer, proj), ab in parts.items():
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"adapter {spec.name!r}: layer {layer} {proj} lacks lora_{'A' if 'A' not in ab else 'B'}")
         a, b = ab["A"], ab["B"]
         in_f, out_f = dims[proj]
-        if tuple(a.shape) != (spec.rank, in_f) or tuple(b.shape) != (out_f, spec.rank):
+        rank, scales[layer, PROJECTIONS.index(proj)] = spec.module_rank_scale(layer, proj)
+        if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
             raise AdapterError(
                 f"adapter {spec.name!r} does not fit this base model: layer {layer} {proj} has A{tuple(a.shape)} "
-                f"B{tuple(b.shape)}, expected A{(spec.rank, in_f)} B{(out_f, spec.rank)}")
+                f"B{tuple(b.shape)}, expected A{(rank, in_f)} B{(out_f, rank)}")
         tensors[(layer, proj)] = (pinned(a.to(dtype), device), pinned(b.to(dtype), device))
     if not tensors:
         raise AdapterError(f"adapter {spec.name!r} holds no LoRA weights")
-    return AdapterWeights(spec, tensors)
+    return AdapterWeights(spec, tensors, pinned(scales, device))
 
 
 def list_adapter_names(root: Path) -> list[str]:

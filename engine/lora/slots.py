@@ -19,7 +19,8 @@ from omnibus.engine.lora.adapters import FUSED, PROJECTIONS, AdapterWeights, pro
 
 @dataclass(frozen=True)
 class Footprint:
-    """What a fill wrote into a slot: ranks [0, rank) of these (layer, projection)s."""
+    """What a fill may have written into a slot: at most ranks [0, rank) of these
+    (layer, projection)s (a module's own rank may be lower: rank_pattern)."""
 
     rank: int = 0
     keys: frozenset[tuple[int, str]] = frozenset()
@@ -39,7 +40,8 @@ class DeviceSlots:
                  torch.zeros(n, dims[p][1], r, dtype=dtype, device=device)) for p in PROJECTIONS}
             for _ in range(model_config.num_layers)
         ]
-        self.scales = torch.zeros(n, dtype=torch.float32, device=device)
+        # scales[layer, p] = each slot's scale for PROJECTIONS[p] (rank/alpha patterns vary it)
+        self.scales = torch.zeros(model_config.num_layers, len(PROJECTIONS), n, dtype=torch.float32, device=device)
         # fused module -> (projection, first column, end column) inside its output
         self.columns: dict[str, list[tuple[str, int, int]]] = {}
         for fused, projs in FUSED.items():
@@ -80,19 +82,20 @@ class DeviceSlots:
         CUDA, and the caching host allocator keeps them alive until the copies ran)."""
         if self.names[slot] is not None:
             self.evictions += 1
-        rank, old = weights.spec.rank, self._footprints[slot]
+        old = self._footprints[slot]
         for key in old.keys:
-            lo = rank if key in weights.tensors else 0
+            lo = weights.tensors[key][0].shape[0] if key in weights.tensors else 0  # its rank
             if lo < old.rank:
                 a, b = self.stacked[key[0]][key[1]]
                 a[slot, lo:old.rank].zero_()
                 b[slot, :, lo:old.rank].zero_()
         for (layer, proj), (a, b) in weights.tensors.items():
             sa, sb = self.stacked[layer][proj]
+            rank = a.shape[0]
             sa[slot, :rank].copy_(a, non_blocking=True)
             sb[slot, :, :rank].copy_(b, non_blocking=True)
-        self._footprints[slot] = Footprint(rank, frozenset(weights.tensors))
-        self.scales[slot].fill_(weights.spec.scale)  # a kernel, not a host-to-device copy
+        self._footprints[slot] = Footprint(weights.spec.rank, frozenset(weights.tensors))
+        self.scales[:, :, slot].copy_(weights.scales, non_blocking=True)
         self.names[slot] = weights.spec.name
         self.targets[slot] = weights.targets
 
@@ -100,4 +103,4 @@ class DeviceSlots:
         """Empty an unpinned slot (its weights stay until the next fill, with scale 0)."""
         self.names[slot] = None
         self.targets[slot] = frozenset()
-        self.scales[slot].fill_(0.0)
+        self.scales[:, :, slot].fill_(0.0)

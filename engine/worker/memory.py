@@ -35,8 +35,8 @@ def kv_cache_budget(use: MemoryUse, utilization: float) -> int:
 
 def lora_stack_bytes(model_config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
     """Device bytes of the stacked adapter slots: per layer and projection, A (slots, r, in) and
-    B (slots, out, r) in the model dtype, plus the float32 scale of each slot."""
+    B (slots, out, r) in the model dtype, and a float32 scale per slot, layer and projection."""
     elem = torch.empty((), dtype=dtype).element_size()
     dims = proj_dims(model_config)
     per_layer = sum(dims[p][0] + dims[p][1] for p in PROJECTIONS) * max_rank * max_loras * elem
-    return model_config.num_layers * per_layer + 4 * max_loras
+    return model_config.num_layers * (per_layer + 4 * len(PROJECTIONS) * max_loras)

@@ -28,13 +28,13 @@ ADAPTERS = {  # name -> (rank, alpha, targets, rslora)
 }
 
 
-def make_adapter(base_path, out, rank, alpha, targets, rslora, seed):
+def make_adapter(base_path, out, rank, alpha, targets, rslora, seed, **patterns):
     import peft
 
     torch.manual_seed(seed)
     model = load_hf(base_path)
     cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
-                          init_lora_weights=False)
+                          init_lora_weights=False, **patterns)
     pm = peft.get_peft_model(model, cfg)
     with torch.no_grad():  # PEFT's random init is tiny; make the adapters change the outputs
         for name, p in pm.named_parameters():
@@ -350,5 +350,55 @@ def test_target_modules_outside_the_projections_are_refused(setup, tmp_path, tar
     (bad / "adapter_model.safetensors").write_bytes(
         (adapters_dir / "a-r2" / "adapter_model.safetensors").read_bytes())
     engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(tmp_path / "root")))
+    with pytest.raises(AdapterError, match=error):
+        engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="bad")
+
+
+# PEFT's per-module overrides: a name, a layer's path and a regex, with and without rsLoRA;
+# ranks above and below r. Where two keys match, the first in the saved file wins (PEFT
+# saves them sorted), as in PEFT reloading the adapter: the oracle is that reloaded model.
+PATTERNS = {
+    "pattern": dict(rank_pattern={"q_proj": 6, r"layers\.1\.mlp\.down_proj": 2},
+                    alpha_pattern={"v_proj": 24, r"model\.layers\.0\..*_proj": 3}),
+    "pattern-rs": dict(rank_pattern={"up_proj": 1}, alpha_pattern={"o_proj": 2}),
+}
+
+
+def test_rank_and_alpha_patterns_match_peft(setup, tmp_path):
+    base, _, _ = setup
+    root = tmp_path / "patterns"
+    all7 = ADAPTERS["b-r8"][2]
+    import peft
+
+    oracles = {}
+    for i, (name, kw) in enumerate(PATTERNS.items()):
+        make_adapter(base, root / name, 4, 8, all7, name.endswith("-rs"), seed=30 + i, **kw)
+        oracles[name] = peft.PeftModel.from_pretrained(load_hf(base), root / name).eval()
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(root), max_loras=2))
+    reqs = [(name, [9 + i, 40, 41, 77, 5], 6) for i, name in enumerate(PATTERNS)]
+    for (adapter, prompt, n), out in zip(reqs, run(engine, reqs)):
+        assert out == expected(oracles, adapter, prompt, n), f"adapter {adapter} diverged"
+    layer0 = oracles["pattern"].base_model.model.model.layers[0]
+    assert layer0.self_attn.q_proj.r["default"] == 6  # the oracle really varies rank and scale:
+    assert layer0.self_attn.q_proj.scaling["default"] == 3 / 6  # the layer-0 regex's alpha
+    assert layer0.self_attn.v_proj.scaling["default"] == 3 / 4  # the regex sorts before "v_proj"
+    assert oracles["pattern"].base_model.model.model.layers[1].self_attn.v_proj.scaling["default"] == 24 / 4
+
+
+@pytest.mark.parametrize(("patterns", "error"), [
+    ({"rank_pattern": {"q_proj": 0}}, r"rank_pattern\['q_proj'\] = 0 is not a rank"),
+    ({"rank_pattern": {"q_proj": 64}}, "rank 64, over"),
+    ({"alpha_pattern": {"(": 2}}, "alpha_pattern key '\\(' is not a valid regex"),
+    ({"alpha_pattern": ["q_proj"]}, "alpha_pattern must be an object"),
+])  # fmt: skip
+def test_bad_rank_and_alpha_patterns_are_refused(setup, tmp_path, patterns, error):
+    base, adapters_dir, _ = setup
+    bad = tmp_path / "root" / "bad"
+    bad.mkdir(parents=True)
+    (bad / "adapter_config.json").write_text(json.dumps({"r": 2, "target_modules": ["q_proj"], **patterns}))
+    (bad / "adapter_model.safetensors").write_bytes(
+        (adapters_dir / "a-r2" / "adapter_model.safetensors").read_bytes())
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(tmp_path / "root"),
+                                 max_lora_rank=16))
     with pytest.raises(AdapterError, match=error):
         engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="bad")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from omnibus.engine.lora.adapters import AdapterSpec, load_adapter_weights
+from omnibus.engine.lora.adapters import PROJECTIONS, AdapterSpec, load_adapter_weights
 from omnibus.engine.lora.slots import DeviceSlots
 from omnibus.engine.worker import transfer
 from tests.unit.lora.conftest import MAX_RANK
@@ -36,15 +36,16 @@ class CountFills(TorchDispatchMode):
 
 def assert_holds(slots: DeviceSlots, slot: int, w) -> None:
     """The slot holds exactly `w`: its tensors up to its rank, zeros everywhere else."""
-    r = w.spec.rank
     for layer, stacked in enumerate(slots.stacked):
         for proj, (a, b) in stacked.items():
             want_a, want_b = torch.zeros_like(a[slot]), torch.zeros_like(b[slot])
             if (layer, proj) in w.tensors:
-                want_a[:r], want_b[:, :r] = w.tensors[(layer, proj)]
+                wa, wb = w.tensors[(layer, proj)]
+                want_a[:wa.shape[0]], want_b[:, :wa.shape[0]] = wa, wb
+                assert slots.scales[layer, PROJECTIONS.index(proj), slot].item() == pytest.approx(w.spec.scale)
             assert torch.equal(a[slot], want_a), (layer, proj, "A")
             assert torch.equal(b[slot], want_b), (layer, proj, "B")
-    assert slots.scales[slot].item() == pytest.approx(w.spec.scale)
+    assert torch.equal(slots.scales[:, :, slot], w.scales)
 
 
 # previous occupant -> new adapter: (layer, projection)s zeroed per layer (A and B each)
@@ -70,7 +71,7 @@ def test_a_refill_zeroes_only_what_the_old_occupant_left_behind(model, old, new,
     with CountFills() as counts:
         slots.fill(0, w)
     assert counts.zeros == 2 * zeroed * cfg.num_layers
-    assert len(counts.copies) == 2 * len(w.tensors)  # one A and one B per targeted projection
+    assert len(counts.copies) == 2 * len(w.tensors) + 1  # A and B per targeted projection; scales
     assert all(counts.copies), "slot copies must be non-blocking"
     assert_holds(slots, 0, w)
     assert_holds(slots, 1, other)
@@ -82,7 +83,7 @@ def test_a_cleared_slot_is_refilled_without_stale_weights(model):
     slots = DeviceSlots(1, MAX_RANK, cfg, torch.float32, torch.device("cpu"))
     slots.fill(0, weights(model, "all-r8"))
     slots.clear(0)  # an unload keeps the weights until the next fill
-    assert slots.names == [None] and slots.scales[0].item() == 0.0
+    assert slots.names == [None] and not slots.scales[:, :, 0].any()
     w = weights(model, "k-r2")
     with CountFills() as counts:
         slots.fill(0, w)
@@ -105,4 +106,4 @@ def test_host_weights_are_pinned_only_for_cuda(model, monkeypatch):
     t = torch.ones(3)
     assert transfer.pinned(t, torch.device("cpu")) is t
     w = weights(model, "qv-r2", torch.device("cuda"))
-    assert len(pinned_calls) == 2 * len(w.tensors)
+    assert len(pinned_calls) == 2 * len(w.tensors) + 1  # A and B of each, and the scales
