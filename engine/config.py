@@ -87,6 +87,9 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # the MLP is SwiGLU (kernels.fused silu_and_mul)
+            raise ModelLoadError(f"unsupported hidden_act {act!r}; supported: silu")
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
@@ -115,6 +118,15 @@ class ModelConfig:
             )
         except KeyError as exc:
             raise ModelLoadError(f"config.json lacks required field {exc.args[0]!r}") from exc
+        except (TypeError, ValueError, ZeroDivisionError) as exc:
+            raise ModelLoadError(f"config.json has a field of the wrong type or value: {exc}") from exc
+        sizes = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+                 "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+                 "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+                 "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings}
+        bad = [f"{k}={v}" for k, v in sizes.items() if v < 1]
+        if bad:
+            raise ModelLoadError(f"config.json sizes must be positive: {', '.join(bad)}")
         if cfg.num_heads % cfg.num_kv_heads:
             raise ModelLoadError(
                 f"num_attention_heads ({cfg.num_heads}) must be a multiple of "

@@ -54,6 +54,25 @@ def test_unsupported_architecture(ckpt, tmp_path):
         Engine(EngineConfig(model=str(m)))
 
 
+@pytest.mark.parametrize(("field", "value", "error"), [
+    ("hidden_act", "gelu", "unsupported hidden_act 'gelu'; supported: silu"),
+    ("hidden_size", "wide", "wrong type or value: invalid literal"),
+    ("num_attention_heads", 0, "wrong type or value"),  # hidden_size // 0 for head_dim
+    ("num_hidden_layers", None, "wrong type or value"),
+    ("vocab_size", -1, "sizes must be positive: vocab_size=-1"),
+])  # fmt: skip
+def test_bad_config_values_are_load_errors(ckpt, tmp_path, field, value, error):
+    """A config.json value the model cannot be built from is a ModelLoadError naming it,
+    not a traceback (and not a silently different model: gelu is not SwiGLU)."""
+    m = copy(ckpt, tmp_path)
+    cfg = json.loads((m / "config.json").read_text())
+    cfg[field] = value
+    cfg.pop("head_dim", None)
+    (m / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=error):
+        Engine(EngineConfig(model=str(m)))
+
+
 def test_shape_mismatch(ckpt, tmp_path):
     m = copy(ckpt, tmp_path)
     cfg = json.loads((m / "config.json").read_text())
