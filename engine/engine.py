@@ -71,6 +71,9 @@ class Engine:
         self.config = config
         mc = ModelConfig.from_dir(config.model)
         max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if config.max_model_len and config.max_model_len > max_len:  # past the positions it was trained on
+            log.warning("max_model_len_capped", requested=config.max_model_len, serving=max_len,
+                        why="the model's context (max_position_embeddings, or its sliding window)")
         # model_config.max_model_len is the engine's context limit from here on.
         self.model_config = dataclasses.replace(mc, max_position_embeddings=max_len)
         self.adapters = None

@@ -181,3 +181,14 @@ def test_a_bad_generation_config_is_a_clear_error(ckpt, tmp_path, content, error
     (model / "generation_config.json").write_text(content)
     with pytest.raises(ModelLoadError, match=error):
         ModelConfig.from_dir(model)
+
+
+def test_a_max_model_len_past_the_models_context_is_capped_with_a_warning(ckpt):
+    from structlog.testing import capture_logs
+
+    limit = ModelConfig.from_dir(ckpt).max_model_len
+    with capture_logs() as logs:
+        engine = Engine(EngineConfig(model=str(ckpt), max_model_len=limit * 4, num_kv_blocks=8))
+    assert engine.model_config.max_model_len == limit
+    assert [(e["event"], e["requested"], e["serving"]) for e in logs if e["log_level"] == "warning"] == [
+        ("max_model_len_capped", limit * 4, limit)]
