@@ -60,17 +60,21 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             self._running.append(self._waiting.popleft())
         self._steps += 1
         for seq in list(self._running):
-            token = seq.prompt[seq.generated % len(seq.prompt)]
-            seq.generated += 1
-            finish = inference_pb2.FINISH_REASON_UNSPECIFIED
-            if token in seq.params.stop_token_ids:
-                finish = inference_pb2.STOP
-            elif seq.generated >= seq.params.max_tokens:
-                finish = inference_pb2.LENGTH
+            tokens, finish = [], inference_pb2.FINISH_REASON_UNSPECIFIED
+            while not finish and len(tokens) < self._args.tokens_per_step:
+                token = seq.prompt[seq.generated % len(seq.prompt)]
+                tokens.append(token)
+                seq.generated += 1
+                if token in seq.params.stop_token_ids:
+                    finish = inference_pb2.STOP
+                elif seq.generated >= seq.params.max_tokens:
+                    finish = inference_pb2.LENGTH
             seq.out.put_nowait(
                 engine_pb2.EngineGenerateResponse(
                     handle=seq.handle,
-                    token_ids=[token],
+                    token_ids=tokens,
+                    logprobs=[inference_pb2.TokenLogprob(token_id=t, logprob=-1.0)
+                              for t in tokens if seq.params.logprobs],
                     finish_reason=finish,
                     num_prompt_tokens=len(seq.prompt),
                     num_output_tokens=seq.generated,
@@ -184,6 +188,8 @@ if __name__ == "__main__":
     parser.add_argument("--host", default="127.0.0.1", help="e.g. 127.0.0.2: one of several")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--step-ms", type=float, default=5.0)
+    parser.add_argument("--tokens-per-step", type=int, default=1,
+                        help="tokens per sequence per output, as a router gets them when it reads late")
     parser.add_argument("--num-blocks", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=4)
     parser.add_argument(

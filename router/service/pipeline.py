@@ -559,11 +559,19 @@ class Pipeline:
             job.first_token = time.monotonic()
         tenant = job.caller.tenant
         self._dispatcher.queue.charge(tenant.name, len(out.token_ids), tenant.weight)  # fair share
-        job.sent_ids.extend(out.token_ids)
-        job.completion_tokens = job.offset + out.num_output_tokens
+        ids, text = out.token_ids, ""
+        if stop.active and len(ids) > 1:  # a stop string may complete before the last of them
+            for n, token in enumerate(ids, 1):
+                text += stop.feed(detok.push((token,)))
+                if stop.stopped:
+                    break
+            ids = ids[:n]  # what comes after the token that completed it is neither sent nor billed
+        else:
+            text = stop.feed(detok.push(ids))
+        job.sent_ids.extend(ids)
+        job.completion_tokens = job.offset + out.num_output_tokens - (len(out.token_ids) - len(ids))
         if not job.offset:  # a continuation's cache hits include the resent output
             job.cached_tokens = out.num_cached_tokens
-        text = stop.feed(detok.push(out.token_ids))
         finish = STOP if stop.stopped else out.finish_reason
         if finish != UNSPECIFIED and not stop.stopped:
             text += stop.feed(detok.flush())  # the last bytes may still complete a stop string
@@ -572,11 +580,11 @@ class Pipeline:
         response = inference_pb2.GenerateResponse(
             request_id=job.request.request_id,
             text=text,
-            token_ids=out.token_ids,
+            token_ids=ids,
             finish_reason=finish,
         )
         if out.logprobs:  # copying an empty repeated message field costs ~1 µs a message
-            response.logprobs.extend(out.logprobs)
+            response.logprobs.extend(out.logprobs[:len(ids)])
         if finish != UNSPECIFIED:
             response.usage.CopyFrom(self._usage(job))
             response.timing.CopyFrom(self._timing(job))

@@ -29,6 +29,11 @@ class StopStringMatcher:
         self._held = ""
         self.stopped = False
 
+    @property
+    def active(self) -> bool:
+        """Whether there are stop strings to look for."""
+        return bool(self._stops)
+
     def feed(self, text: str) -> str:
         """The part of `text` (plus held text) that is safe to emit. Sets `stopped`
         when a stop string is found; later calls then return ""."""

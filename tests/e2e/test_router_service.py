@@ -59,6 +59,7 @@ class Cluster:
     refusing_engine: ServerProcess
     lonely: ServerProcess  # one engine, which a test kills and restarts
     lonely_engine: ServerProcess
+    chunky: ServerProcess  # its engine sends 5 tokens of a sequence per output
     logs: Path
 
 
@@ -82,6 +83,7 @@ def cluster(tmp_path_factory):
         "refusing": "--unavailable",
         "serving": "",
         "lonely": "",
+        "chunky": "--tokens-per-step 5",
     }
     engines = {
         name: fake_engine_process(logs, f"fake-{name}", *flags.split())
@@ -95,8 +97,9 @@ def cluster(tmp_path_factory):
         "busy": f"--max-queued-requests 6 --metrics-port {busy_metrics}",
         "lonely": "",
         "retrying": "",
+        "chunky": "",
     }
-    backends = {name: [engines[name].address] for name in ("plain", "keyed", "busy", "lonely")}
+    backends = {name: [engines[name].address] for name in ("plain", "keyed", "busy", "lonely", "chunky")}
     backends["retrying"] = [engines["refusing"].address, engines["serving"].address]
     routers = {
         name: router_process(model, backends[name], logs, f"router-{name}", *flags.split())
@@ -117,6 +120,7 @@ def cluster(tmp_path_factory):
             refusing_engine=engines["refusing"],
             lonely=routers["lonely"],
             lonely_engine=engines["lonely"],
+            chunky=routers["chunky"],
             logs=logs,
         )
     finally:
@@ -202,6 +206,24 @@ def test_stop_string_spanning_tokens_ends_the_stream(cluster):
     tokens = [t for r in responses for t in r.token_ids]
     assert len(tokens) < 200
     assert responses[-1].usage.completion_tokens == len(tokens)
+
+
+@pytest.mark.parametrize("logprobs", [0, 2])
+def test_a_stop_string_inside_a_many_token_output_bills_up_to_its_token(cluster, logprobs):
+    """When one engine output carries several tokens (a router reading late gets them
+    merged), the stream ends at the token that completed the stop string: the tokens after
+    it are neither sent nor billed, so usage does not depend on how outputs were merged."""
+    sampling = pb.SamplingParams(max_tokens=200, stop=["time th"], logprobs=logprobs)
+    one, five = (generate(router, pb.GenerateRequest(text=PROMPT, sampling=sampling))
+                 for router in (cluster.plain, cluster.chunky))
+    for responses in (one, five):
+        assert "".join(r.text for r in responses) == "Once upon a "
+        assert responses[-1].finish_reason == pb.STOP
+    tokens = [t for r in five for t in r.token_ids]
+    assert tokens == [t for r in one for t in r.token_ids]
+    assert five[-1].usage.completion_tokens == len(tokens) == one[-1].usage.completion_tokens
+    for responses in (one, five):  # the fake engine gives each token logprob -1
+        assert [lp.token_id for r in responses for lp in r.logprobs] == (tokens if logprobs else [])
 
 
 def test_stop_string_never_seen_releases_held_text_at_the_end(cluster):
