@@ -391,7 +391,9 @@ class Pipeline:
                             yield response
                     return
                 except _EngineLost as lost:
-                    if attempt == self._config.max_engine_attempts:
+                    # No engine left to take it: fail now, as a new request would be refused.
+                    if attempt == self._config.max_engine_attempts or not any(
+                            e.accepting for e in self._engines):
                         raise lost.error from None
                     self._moving(job, engine, attempt, lost)
                 finally:
@@ -483,17 +485,20 @@ class Pipeline:
         return engine
 
     def _queue_timeout(self, job: _Job, by_client: bool) -> RequestError:
-        waited = time.monotonic() - job.arrival
         why = (
             "its deadline passed"
             if by_client
             else f"the router's queue limit is {self._config.max_queue_seconds} s"
         )
-        return RequestError(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"the request waited {waited:.2f} s for an engine and was never scheduled: {why}",
-            "queue_timeout",
-        )
+        if job.sent_ids:  # a continuation: its engine was lost and no other took it in time
+            waited = time.monotonic() - job.queued_at
+            what = (f"the stream's engine was lost after {len(job.sent_ids)} tokens and the rest "
+                    f"waited {waited:.2f} s for another engine to continue it: {why}; the completion "
+                    "is incomplete, retry the request")
+        else:
+            waited = time.monotonic() - job.arrival
+            what = f"the request waited {waited:.2f} s for an engine and was never scheduled: {why}"
+        return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, what, "queue_timeout")
 
     async def _stream(
         self, job: _Job, engine: EngineClient
@@ -661,8 +666,8 @@ class Pipeline:
         else:
             message = (
                 f"{what} after {len(job.sent_ids)} tokens and no other engine could continue "
-                f"the stream within {self._config.max_engine_attempts} engines; the "
-                "completion is incomplete, retry the request"
+                f"the stream (none was available, or {self._config.max_engine_attempts} engines "
+                "were tried); the completion is incomplete, retry the request"
             )
         return _EngineLost(RequestError(grpc.StatusCode.UNAVAILABLE, message, why), why)
 

@@ -560,8 +560,19 @@ def test_request_refused_by_an_engine_before_any_token_is_retried_on_another(clu
 
 def test_dead_engine_is_marked_unhealthy_and_reconnected_when_back(cluster):
     router, engine = cluster.lonely, cluster.lonely_engine
+    # A stream the dead engine was serving fails at once (no engine is left to continue
+    # it, as a new request is refused), saying how far it got; not after the queue limit.
+    stream = stub(router).Generate(pb.GenerateRequest(text="hi", sampling=S(max_tokens=1000)), timeout=30)
+    first = next(stream)
     engine.signal(signal.SIGKILL)
     engine.wait_exit()
+    with pytest.raises(grpc.RpcError) as lost:
+        for _ in stream:
+            pass
+    assert lost.value.code() == grpc.StatusCode.UNAVAILABLE, lost.value.details()
+    assert "is unavailable" in lost.value.details()
+    assert " tokens and no other engine could continue" in lost.value.details()
+    assert len(first.token_ids) == 1
     wait_until(lambda: router.health() == NOT_SERVING, 30, "the router to see its engine gone")
     err = rpc_error(lambda: generate(router, pb.GenerateRequest(text="hi")))
     assert (err.code(), err.details()) == (
