@@ -121,11 +121,16 @@ class Admission:
         return usage.active if usage else 0
 
     async def admit(
-        self, tenant: Tenant, cost: int, queued_requests: int, queued_tokens: int
+        self, tenant: Tenant, cost: int, queued_requests: int, queued_tokens: int, choices: int = 1
     ) -> Permit:
         """Admits a request costing `cost` tokens (prompt + max_tokens) given what is
-        queued now, or raises RequestError (RESOURCE_EXHAUSTED over a limit; UNAVAILABLE
-        when the shared store is down and the router fails closed)."""
+        queued now, or raises RequestError: INVALID_ARGUMENT when the tenant's limits could
+        never admit it (with the `choices` - 1 others of its HTTP request, which run beside
+        it), RESOURCE_EXHAUSTED over a limit now, UNAVAILABLE when the shared store is down
+        and the router fails closed."""
+        never = never_admitted(tenant, cost, choices)
+        if never is not None:
+            raise never
         if self._shared is not None:
             self._check_queue(cost, queued_requests, queued_tokens)
             permit = await self._shared.acquire(tenant, cost)
@@ -181,13 +186,39 @@ def concurrency_refusal(tenant: Tenant) -> RequestError:
     )
 
 
+def never_admitted(tenant: Tenant, cost: int, choices: int = 1) -> RequestError | None:
+    """INVALID_ARGUMENT when `choices` requests of `cost` tokens each, side by side, are
+    over the tenant's limits even when it runs nothing else: waiting cannot help, so this
+    is not a RESOURCE_EXHAUSTED to retry."""
+    limits = tenant.limits
+    if limits.max_concurrent and choices > limits.max_concurrent:
+        return RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"n={choices} choices run side by side but tenant {tenant.name!r} may run "
+            f"{limits.max_concurrent} requests at once; lower n",
+            "tenant_concurrency",
+            param="n",
+        )
+    budget = limits.tokens_per_minute
+    if budget and cost * choices > budget:
+        need = f"{choices} choices of {cost} tokens" if choices > 1 else f"{cost} tokens"
+        return RequestError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"this request needs {need} (prompt + max_tokens) but tenant {tenant.name!r} has a "
+            f"budget of {budget} tokens per minute, so it can never be admitted; lower "
+            + ("max_tokens or n" if choices > 1 else "max_tokens"),
+            "tenant_budget",
+            param="max_tokens",
+        )
+    return None
+
+
 def budget_refusal(tenant: Tenant, cost: int, wait: float, level: float) -> RequestError:
     """The tenant's budget has `level` tokens and `cost` fits in `wait` seconds (inf: never)."""
     budget = tenant.limits.tokens_per_minute
-    if math.isinf(wait):
-        return _exhausted(
-            f"this request needs {cost} tokens (prompt + max_tokens) but tenant "
-            f"{tenant.name!r} has a budget of {budget} tokens per minute; lower max_tokens",
+    if math.isinf(wait):  # a budget that changed under a request (checked before admission)
+        return never_admitted(tenant, cost) or _exhausted(
+            f"tenant {tenant.name!r} is over its budget of {budget} tokens per minute",
             "tenant_budget",
         )
     return _exhausted(

@@ -8,13 +8,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 from google.protobuf.message import Message
 from omnibus.v1 import engine_pb2, inference_pb2
 from tokenizers import Tokenizer
 
 from omnibus.common.sampling import SamplingParams, check_context, check_token_ids
 from omnibus.router.config import RouterConfig
-from omnibus.router.service.errors import invalid
+from omnibus.router.service.errors import TOO_LARGE, RequestError, invalid
 
 MAX_REQUEST_ID_CHARS = 128
 DEFAULT_MAX_TOKENS = 16  # inference.proto's default for an unset max_tokens
@@ -97,8 +98,10 @@ class Validator:
         """What every request carries: its size, request_id and priority."""
         size = request.ByteSize()
         if size > self._config.max_request_bytes:
-            raise invalid(
-                f"the request is {size} bytes; the limit is {self._config.max_request_bytes} bytes"
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request is {size} bytes; the limit is {self._config.max_request_bytes} bytes",
+                TOO_LARGE,
             )
         _check_request_id(request.request_id)
         self._check_priority(request.priority)
@@ -133,38 +136,40 @@ class Validator:
             try:
                 check_token_ids(ids, self._limits.vocab_size, f"{subject} token_ids")
             except ValueError as exc:
-                raise invalid(str(exc)) from None
+                raise invalid(str(exc), oneof) from None
             return ids
         if not message.text:
-            raise invalid(f"the {subject} text is empty")
+            raise invalid(f"the {subject} text is empty", oneof)
         # Tokenizing a long text takes milliseconds; keep the event loop free meanwhile.
         ids = (await asyncio.to_thread(self._tokenizer.encode, message.text)).ids
         if not ids:
-            raise invalid(f"the {subject} text produced no tokens")
+            raise invalid(f"the {subject} text produced no tokens", oneof)
         return ids
 
     def _check_length(self, prompt_tokens: int, max_tokens: int) -> None:
         limits = self._limits
         if prompt_tokens > limits.max_prompt_tokens:
             raise invalid(
-                f"the prompt has {prompt_tokens} tokens; the limit is {limits.max_prompt_tokens}"
+                f"the prompt has {prompt_tokens} tokens; the limit is {limits.max_prompt_tokens}",
+                "prompt",
             )
         try:
             check_context(prompt_tokens, max_tokens, limits.context)
         except ValueError as exc:
-            raise invalid(str(exc)) from None
+            raise invalid(str(exc), "max_tokens") from None
 
     def _check_priority(self, priority: int) -> None:
         bound = self._config.max_abs_priority
         if not -bound <= priority <= bound:
-            raise invalid(f"priority must be in [-{bound}, {bound}], got {priority}")
+            raise invalid(f"priority must be in [-{bound}, {bound}], got {priority}", "priority")
 
     def _sampling(self, p: inference_pb2.SamplingParams) -> engine_pb2.EngineSamplingParams:
         """The request's sampling parameters, checked by the rule the engine runs them by
         (omnibus.common.sampling), plus this router's max_tokens cap and the vocabulary."""
         max_tokens = p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS
         if not 1 <= max_tokens <= self._limits.max_tokens:
-            raise invalid(f"max_tokens must be in [1, {self._limits.max_tokens}], got {max_tokens}")
+            raise invalid(f"max_tokens must be in [1, {self._limits.max_tokens}], got {max_tokens}",
+                          "max_tokens")
         optional = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
         try:
             params = SamplingParams(
@@ -180,23 +185,25 @@ class Validator:
             )
             if params.stop_token_ids:
                 check_token_ids(list(params.stop_token_ids), self._limits.vocab_size, "stop_token_ids")
-        except ValueError as exc:
-            raise invalid(str(exc)) from None
+        except ValueError as exc:  # each message starts with the field's name
+            raise invalid(str(exc), str(exc).split(" ", 1)[0].rstrip(":")) from None
         return params.to_proto()
 
     def _stop_strings(self, p: inference_pb2.SamplingParams) -> tuple[str, ...]:
         config = self._config
         if len(p.stop) > config.max_stop_strings:
             raise invalid(
-                f"{len(p.stop)} stop strings given; at most {config.max_stop_strings} are allowed"
+                f"{len(p.stop)} stop strings given; at most {config.max_stop_strings} are allowed",
+                "stop",
             )
         for s in p.stop:
             if not s:
-                raise invalid("stop strings must not be empty")
+                raise invalid("stop strings must not be empty", "stop")
             if len(s) > config.max_stop_string_chars:
                 raise invalid(
                     f"a stop string has {len(s)} characters; "
-                    f"the limit is {config.max_stop_string_chars}"
+                    f"the limit is {config.max_stop_string_chars}",
+                    "stop",
                 )
         return tuple(p.stop)
 

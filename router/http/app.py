@@ -34,8 +34,9 @@ from omnibus.router.config import RouterConfig
 from omnibus.router.dispatch.adapters import ADAPTER_HEADER
 from omnibus.router.http import openai_schema as oa
 from omnibus.router.http.chat_template import ChatTemplate
-from omnibus.router.service.errors import RequestError, invalid
+from omnibus.router.service.errors import TOO_LARGE, RequestError, invalid
 from omnibus.router.service.pipeline import Caller, Pipeline
+from omnibus.router.text.token_bytes import TokenBytes
 
 log = structlog.get_logger("router.http")
 
@@ -66,16 +67,19 @@ def http_status(code: grpc.StatusCode) -> tuple[int, str]:
     return _HTTP_STATUS.get(code, (500, "server_error"))
 
 
-def error_body(message: str, kind: str, code: str | None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def error_body(message: str, kind: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(err: RequestError) -> web.Response:
     status, kind = http_status(err.code)
+    if err.reason == TOO_LARGE:  # as aiohttp's refusal of a body past its own limit
+        status = 413
     headers = {}
     if status == 429:  # whole seconds, at least one
         headers["Retry-After"] = str(max(1, int(-(-(err.retry_after_s or 1) // 1))))
-    return web.json_response(error_body(err.message, kind, err.reason), status=status, headers=headers)
+    return web.json_response(error_body(err.message, kind, err.reason, err.param), status=status,
+                             headers=headers)
 
 
 @web.middleware
@@ -149,6 +153,7 @@ class OpenAIFront:
         self._chat = chat
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None
+        self._token_bytes = TokenBytes(pipeline.tokenizer)
 
     def app(self) -> web.Application:
         max_body = 2 * self._config.max_request_bytes + 4096  # ours is the clearer refusal
@@ -159,6 +164,7 @@ class OpenAIFront:
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/embeddings", self.embeddings),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model),
         ])  # fmt: skip
         return app
 
@@ -182,17 +188,41 @@ class OpenAIFront:
 
     async def models(self, request: web.Request) -> web.Response:
         try:
-            tenant = self._pipeline.authenticate(_metadata(request))
+            data = self._model_entries(request)
         except RequestError as err:
             return error_response(err)
-        listing = self._pipeline.list_models(tenant)
+        return web.json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: one entry of the listing, or 404."""
+        model_id = request.match_info["model"]
+        try:
+            found = [m for m in self._model_entries(request) if m["id"] == model_id]
+        except RequestError as err:
+            return error_response(err)
+        if not found:
+            return error_response(self._unknown_model(model_id))
+        return web.json_response(found[0])
+
+    def _model_entries(self, request: web.Request) -> list[dict[str, Any]]:
+        """The base model and the adapters the caller may use (authenticates first)."""
+        listing = self._pipeline.list_models(self._pipeline.authenticate(_metadata(request)))
         base = listing.base_model
         entry = {"object": "model", "created": self._created, "owned_by": "omnibus"}
         data = [{**entry, "id": base.id, "root": base.id, "parent": None,
                  "max_model_len": base.max_context_length}]  # fmt: skip
         data += [{**entry, "id": a.id, "root": a.id, "parent": base.id,
                   "max_model_len": base.max_context_length} for a in listing.adapters]  # fmt: skip
-        return web.json_response({"object": "list", "data": data})
+        return data
+
+    def _unknown_model(self, model: str) -> RequestError:
+        return RequestError(
+            grpc.StatusCode.NOT_FOUND,
+            f"model {model!r} does not exist: this server serves "
+            f"{self._pipeline.limits.model_id!r} and the adapters GET /v1/models lists",
+            "unknown_model",
+            param="model",
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generation(request, oa.CompletionBody, self._completion_request)
@@ -227,7 +257,18 @@ class OpenAIFront:
         """Authenticates (first, as on gRPC), then parses the body and resolves `model`."""
         tenant = self._pipeline.authenticate(_metadata(request))
         body = oa.parse(kind, await request.read())
-        return Caller(tenant, self._adapter(body.model, request.headers.get(ADAPTER_HEADER))), body
+        header = request.headers.get(ADAPTER_HEADER)
+        if kind is oa.EmbeddingBody and body.model != self._pipeline.limits.model_id:
+            # Embeddings come from the base model: `model` names it or nothing here.
+            if body.model in {a.id for a in self._pipeline.list_models(tenant).adapters}:
+                raise invalid(
+                    f"embeddings come from the base model {self._pipeline.limits.model_id!r}, "
+                    f"not adapter {body.model!r}: set model to the base model",
+                    "model",
+                )
+            raise self._unknown_model(body.model)
+        choices = getattr(body, "n", 1)  # run side by side: admitted as one request
+        return Caller(tenant, self._adapter(body.model, header), choices=choices), body
 
     def _adapter(self, model: str, header: str | None) -> str:
         """`model` names the base model or an adapter (the vLLM / LoRAX convention); the
@@ -238,15 +279,11 @@ class OpenAIFront:
         if header and header != model:
             raise invalid(
                 f"model {model!r} and {ADAPTER_HEADER} {header!r} name different adapters; "
-                f"set one of them (model {base!r} with the header)"
+                f"set one of them (model {base!r} with the header)",
+                "model",
             )
         if not is_adapter_name(model):
-            raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {model!r} does not exist: this server serves {base!r} and the adapters "
-                "GET /v1/models lists",
-                "unknown_model",
-            )
+            raise self._unknown_model(model)
         return model
 
     def _priority(self, request: web.Request, body_priority: int | None) -> int:
@@ -281,18 +318,23 @@ class OpenAIFront:
     async def _completion_request(self, body: oa.CompletionBody) -> Prepared:
         prompt = oa.completion_prompt(body.prompt)
         prompt.sampling.CopyFrom(oa.sampling(body, body.max_tokens, body.logprobs))
-        return prompt, oa.CompletionShape(body.logprobs, body.return_token_ids, self._token_text)
+        return prompt, oa.CompletionShape(body.logprobs, body.return_token_ids, self._token_bytes)
 
     async def _chat_request(self, body: oa.ChatBody) -> Prepared:
         ids = await self._chat_prompt(body)
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        limits = self._pipeline.limits
+        max_tokens = body.max_tokens
+        if body.max_completion_tokens is not None:  # the newer name; 0 is refused, not unset
+            max_tokens = body.max_completion_tokens
+            if not 1 <= max_tokens <= limits.max_tokens:
+                raise invalid(f"max_completion_tokens must be in [1, {limits.max_tokens}], got "
+                              f"{max_tokens}", "max_completion_tokens")
         if max_tokens is None:  # as the OpenAI API: up to the context
-            limits = self._pipeline.limits
             max_tokens = max(1, min(limits.max_tokens, limits.context - len(ids)))
         logprobs = body.logprob_count
         prompt = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
         prompt.sampling.CopyFrom(oa.sampling(body, max_tokens, logprobs))
-        return prompt, oa.ChatShape(logprobs, body.return_token_ids, self._token_text)
+        return prompt, oa.ChatShape(logprobs, body.return_token_ids, self._token_bytes)
 
     async def _chat_prompt(self, body: oa.ChatBody) -> list[int]:
         if self._chat is None:
@@ -309,9 +351,6 @@ class OpenAIFront:
             return tokenizer.encode(text, add_special_tokens=False).ids
 
         return await asyncio.to_thread(render)
-
-    def _token_text(self, token_id: int) -> str:
-        return self._pipeline.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ---- pipeline → response -------------------------------------------------
 
@@ -404,7 +443,7 @@ async def _send_sse(
                     await response.write(_sse(event))
             except RequestError as err:  # after the headers: an error event ends the stream
                 status, kind = http_status(err.code)
-                await response.write(_sse(error_body(err.message, kind, err.reason)))
+                await response.write(_sse(error_body(err.message, kind, err.reason, err.param)))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionResetError:  # the client left; closing `events` cancelled the work

@@ -5,29 +5,42 @@ message either way)."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
-from collections.abc import Callable
 from typing import Any, Literal
 
 from omnibus.v1 import inference_pb2 as pb
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from omnibus.router.service.errors import invalid
+from omnibus.router.text.token_bytes import TokenBytes
 
 MAX_SEED = 2**64 - 1  # SamplingParams.seed is a uint64
 FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORTED: "abort"}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Strict(BaseModel):
+    """A JSON object with typed fields: unknown fields are refused by name, and a value
+    of the wrong JSON type ("5" or 5.0 or true for an integer) is refused, not converted.
+    A field sent as null takes its default, as in the OpenAI API."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Body(BaseModel):
-    """Fields every generation body shares. Unknown fields are refused by name."""
-
-    model_config = ConfigDict(extra="forbid")
+class _Body(_Strict):
+    """Fields every generation body shares."""
 
     model: str
     max_tokens: int | None = None
@@ -81,11 +94,14 @@ class ChatMessage(BaseModel):
     """One message; fields beyond role and content (name, tool_call_id...) reach the
     template as they are."""
 
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: Any = None  # a string, a list of text parts, or null
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # a string, a list of text parts, or null (an assistant's only)
 
     def for_template(self, index: int) -> dict[str, Any]:
+        if self.content is None and self.role != "assistant":
+            raise invalid(f"messages.{index}.content is required for a {self.role} message",
+                          f"messages.{index}.content")
         return {**(self.model_extra or {}), "role": self.role, "content": _content(self.content, index)}
 
 
@@ -116,14 +132,12 @@ class ChatBody(_Body):
         """Alternatives per token asked for; None: no logprobs."""
         if not self.logprobs:
             if self.top_logprobs:
-                raise invalid("top_logprobs needs logprobs: true")
+                raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
             return None
         return self.top_logprobs or 0
 
 
-class EmbeddingBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class EmbeddingBody(_Strict):
     model: str
     input: Any  # a string, strings, token ids or lists of token ids
     encoding_format: Literal["float", "base64"] = "float"
@@ -142,19 +156,21 @@ def parse(kind: type[_Bodies], raw: bytes) -> Any:
     """The body as `kind`. Raises RequestError(INVALID_ARGUMENT) naming the bad field."""
     try:
         data = json.loads(raw)
+        if _SURROGATE_ESCAPE.search(raw):  # only a \uD800-\uDFFF escape can leave one behind
+            _check_unicode(data, "")
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid(f"the request body must be a JSON object: {exc}") from None
+    except RecursionError:  # arrays or objects nested ~1000 deep
+        raise invalid("the request body is nested too deeply to be a request") from None
     if not isinstance(data, dict):
         raise invalid(f"the request body must be a JSON object, got {type(data).__name__}")
-    if _SURROGATE_ESCAPE.search(raw):  # only a \uD800-\uDFFF escape can leave one behind
-        _check_unicode(data, "")
     try:
         body = kind.model_validate(data)
     except ValidationError as exc:
-        raise invalid(_describe(exc)) from None
+        raise invalid(*_describe(exc)) from None
     problem = body.unsupported() if hasattr(body, "unsupported") else None
-    if problem:
-        raise invalid(problem)
+    if problem:  # each message starts with the field's name
+        raise invalid(problem, problem.split(" ", 1)[0])
     return body
 
 
@@ -170,9 +186,11 @@ def _check_unicode(value: object, where: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise invalid(f"{where or 'body'}: the string holds a lone UTF-16 surrogate "
+            where = where or "body"
+            shown = where if len(where) <= 80 else where[:77] + "..."
+            raise invalid(f"{shown}: the string holds a lone UTF-16 surrogate "
                           f"({value[exc.start]!r} at index {exc.start}), which is not Unicode "
-                          "text; send it as a pair or as the character itself") from None
+                          "text; send it as a pair or as the character itself", where) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_unicode(key, where or "body")
@@ -182,7 +200,8 @@ def _check_unicode(value: object, where: str) -> None:
             _check_unicode(item, f"{where}.{i}")
 
 
-def _describe(exc: ValidationError) -> str:
+def _describe(exc: ValidationError) -> tuple[str, str | None]:
+    """The first few errors as one message, and the first error's field."""
     parts = []
     for error in exc.errors(include_url=False)[:4]:
         where = ".".join(str(p) for p in error["loc"]) or "body"
@@ -192,7 +211,8 @@ def _describe(exc: ValidationError) -> str:
             parts.append(f"{where} is required")
         else:
             parts.append(f"{where}: {error['msg']}")
-    return "; ".join(parts)
+    first = exc.errors(include_url=False)[0]["loc"] if exc.errors() else ()
+    return "; ".join(parts), ".".join(str(p) for p in first) or None
 
 
 # ---- bodies → omnibus.v1 ------------------------------------------------------------
@@ -204,18 +224,24 @@ def _is_ids(value: object) -> bool:
 
 def completion_prompt(prompt: object) -> pb.GenerateRequest:
     """A GenerateRequest holding the body's one prompt (text or token ids)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid(
+            f"prompt holds {len(prompt)} prompts; send one prompt per request (use n for "
+            "several completions of one prompt)",
+            "prompt",
+        )
+    one = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else None
+    if isinstance(one, str) or _is_ids(one):
+        prompt = one  # a batch of one
     if isinstance(prompt, str):
         return pb.GenerateRequest(text=prompt)
     if _is_ids(prompt) and prompt:
         return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid(
-            f"prompt holds {len(prompt)} prompts; send one prompt per request (use n for "
-            "several completions of one prompt)"
-        )
-    raise invalid("prompt must be a non-empty string or a non-empty list of token ids")
+    raise invalid(
+        "prompt must be a non-empty string or a non-empty list of token ids (or a list "
+        "holding one of those)",
+        "prompt",
+    )
 
 
 def stop_strings(stop: object) -> list[str]:
@@ -225,7 +251,7 @@ def stop_strings(stop: object) -> list[str]:
         return [stop]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         return list(stop)
-    raise invalid("stop must be a string or a list of strings")
+    raise invalid("stop must be a string or a list of strings", "stop")
 
 
 def _content(content: object, index: int) -> str:
@@ -241,11 +267,13 @@ def _content(content: object, index: int) -> str:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise invalid(
                     f"messages.{index}.content: only text parts are supported "
-                    f"({{\"type\": \"text\", \"text\": ...}}), got {kind!r}"
+                    f"({{\"type\": \"text\", \"text\": ...}}), got {kind!r}",
+                    f"messages.{index}.content",
                 )
             texts.append(part["text"])
         return "".join(texts)
-    raise invalid(f"messages.{index}.content must be a string, a list of text parts or null")
+    raise invalid(f"messages.{index}.content must be a string, a list of text parts or null",
+                  f"messages.{index}.content")
 
 
 def sampling(body: _Body, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
@@ -279,9 +307,9 @@ def fan_out(
     """One GenerateRequest per choice. Choice i of a seeded request gets seed + i, so
     the choices differ and each is reproducible on its own."""
     if not 1 <= body.n <= max_n:
-        raise invalid(f"n must be in [1, {max_n}], got {body.n}")
+        raise invalid(f"n must be in [1, {max_n}], got {body.n}", "n")
     if body.seed is not None and not 0 <= body.seed <= MAX_SEED - (body.n - 1):
-        raise invalid(f"seed must be in [0, {MAX_SEED - (body.n - 1)}], got {body.seed}")
+        raise invalid(f"seed must be in [0, {MAX_SEED - (body.n - 1)}], got {body.seed}", "seed")
     requests = []
     for i in range(body.n):
         one = pb.GenerateRequest()
@@ -296,12 +324,14 @@ def fan_out(
 
 def embed_request(body: EmbeddingBody, request_id: str, priority: int) -> pb.EmbedRequest:
     if body.dimensions is not None:
-        raise invalid("dimensions is not supported: embeddings have the model's hidden size")
+        raise invalid("dimensions is not supported: embeddings have the model's hidden size",
+                      "dimensions")
     items = body.input
     if isinstance(items, str) or _is_ids(items):
         items = [items]
     if not isinstance(items, list) or not items:
-        raise invalid("input must be a string, a list of strings, token ids or lists of token ids")
+        raise invalid("input must be a string, a list of strings, token ids or lists of token ids",
+                      "input")
     inputs = []
     for i, item in enumerate(items):
         if isinstance(item, str):
@@ -309,7 +339,7 @@ def embed_request(body: EmbeddingBody, request_id: str, priority: int) -> pb.Emb
         elif _is_ids(item):
             inputs.append(pb.EmbedInput(token_ids=pb.TokenIds(ids=item)))
         else:
-            raise invalid(f"input {i} must be a string or a list of token ids")
+            raise invalid(f"input {i} must be a string or a list of token ids", f"input.{i}")
     return pb.EmbedRequest(
         inputs=inputs,
         pooling=pb.LAST if body.pooling == "last" else pb.MEAN,
@@ -341,7 +371,8 @@ class Choice:
         self.logprobs: list[pb.TokenLogprob] = []
         self.finish: str | None = None
         self.usage: pb.Usage | None = None
-        self.offset = 0  # characters sent so far (text_offset of completion logprobs)
+        self.offset = 0  # characters of the tokens so far (text_offset of completion logprobs)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # a character's bytes
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.text.append(response.text)
@@ -364,17 +395,14 @@ def total_usage(choices: list[Choice]) -> dict[str, Any]:
     )
 
 
-TokenText = Callable[[int], str]
-
-
 class _Shape:
     """How an endpoint shapes choices: with logprobs (`logprobs` alternatives per token;
-    None: none) and token ids or not; `token_text` names a token."""
+    None: none) and token ids or not; `tokens` gives a token's bytes and name."""
 
-    def __init__(self, logprobs: int | None, token_ids: bool, token_text: TokenText) -> None:
+    def __init__(self, logprobs: int | None, token_ids: bool, tokens: TokenBytes) -> None:
         self._logprobs = logprobs
         self._token_ids = token_ids
-        self._token_text = token_text
+        self._tokens = tokens
 
 
 class CompletionShape(_Shape):
@@ -400,16 +428,17 @@ class CompletionShape(_Shape):
         return out
 
     def _format(self, logprobs, c: Choice) -> dict[str, Any]:
-        tokens = [self._token_text(lp.token_id) for lp in logprobs]
+        """A token's offset is where its first character starts; a token holding part of
+        a character starts where that character does."""
         offsets = []
-        for token in tokens:
+        for lp in logprobs:
             offsets.append(c.offset)
-            c.offset += len(token)
+            c.offset += len(c.utf8.decode(self._tokens.of(lp.token_id)))
         return {
-            "tokens": tokens,
+            "tokens": [self._tokens.text(lp.token_id) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [
-                {self._token_text(t.token_id): t.logprob for t in lp.top[: self._logprobs]}
+                {self._tokens.text(t.token_id): t.logprob for t in lp.top[: self._logprobs]}
                 for lp in logprobs
             ],
             "text_offset": offsets,
@@ -468,5 +497,5 @@ class ChatShape(_Shape):
         }
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self._token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": self._tokens.text(token_id), "logprob": logprob,
+                "bytes": list(self._tokens.of(token_id))}

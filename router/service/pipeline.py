@@ -64,6 +64,7 @@ class Caller:
     tenant: Tenant
     adapter: str = ""  # LoRA adapter name as the client gave it; "" = the base model
     deadline: float | None = None  # monotonic seconds; None: the client set none
+    choices: int = 1  # requests served side by side for one client request (HTTP's n)
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -314,7 +315,8 @@ class Pipeline:
                 "unknown_adapter",
             )
         queue = self._dispatcher.queue
-        permit = await self._admission.admit(tenant, valid.cost, len(queue), queue.tokens)
+        permit = await self._admission.admit(tenant, valid.cost, len(queue), queue.tokens,
+                                             caller.choices)
         if adapter:
             self._metrics.adapter_requests.labels(adapter).inc()
         return _Job(valid, caller, permit, arrival)

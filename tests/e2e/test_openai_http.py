@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import json
 import os
 import struct
@@ -239,20 +240,60 @@ def test_n_choices_are_seeded_seed_plus_i(cluster):
     assert reply.usage.completion_tokens == 24
 
 
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    """A byte-level BPE token's bytes, by transformers' own table (the oracle)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(byte_of[c] for c in tokenizer.id_to_token(token_id))
+
+
+def openai_name(data: bytes) -> str:
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
 def test_completion_logprobs_equal_grpc(cluster):
-    responses = cluster.grpc(greedy_grpc(PROMPT, 4, logprobs=2, ignore_eos=True))
+    responses = cluster.grpc(greedy_grpc(PROMPT, 8, logprobs=2, ignore_eos=True))
     expected = [lp for r in responses for lp in r.logprobs]
     reply = cluster.client().completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2,
         extra_body={"ignore_eos": True})  # fmt: skip
     logprobs = reply.choices[0].logprobs
     assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected])
     tokenizer = Tokenizer.from_file(str(cluster.model / "tokenizer.json"))
     for got, want in zip(logprobs.top_logprobs, expected, strict=True):
-        tops = {tokenizer.decode([t.token_id], skip_special_tokens=False): t.logprob for t in want.top}
+        tops = {openai_name(token_bytes(tokenizer, t.token_id)): t.logprob for t in want.top}
         assert got == pytest.approx(tops) and len(want.top) == 2
-    assert "".join(logprobs.tokens) == reply.choices[0].text
-    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(4)]
+    chosen = [token_bytes(tokenizer, lp.token_id) for lp in expected]
+    assert logprobs.tokens == [openai_name(b) for b in chosen]
+    assert b"".join(chosen).decode(errors="replace") == reply.choices[0].text
+    # a token starts after the characters that the tokens before it completed
+    def completed(prefix: list[bytes]) -> int:
+        utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        return len("".join(utf8.decode(b) for b in prefix))
+
+    offsets = [completed(chosen[:i]) for i in range(8)]
+    assert logprobs.text_offset == offsets
+
+
+def test_chat_logprobs_carry_each_tokens_real_bytes(cluster):
+    reply = cluster.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    tokenizer = Tokenizer.from_file(str(cluster.model / "tokenizer.json"))
+    content = reply.choices[0].logprobs.content
+    ids = [tokenizer.token_to_id(t.token) if not t.token.startswith("bytes:") else None for t in content]
+    assert len(content) == 8
+    joined = b"".join(bytes(t.bytes) for t in content)
+    assert joined.decode(errors="replace") == reply.choices[0].message.content
+    for item, token_id in zip(content, ids):
+        assert item.token == openai_name(bytes(item.bytes))
+        assert len(item.top_logprobs) == 2
+        if token_id is not None and item.token in tokenizer.get_vocab():
+            assert bytes(item.bytes) == token_bytes(tokenizer, token_id)
 
 
 # ---- LoRA adapters --------------------------------------------------------------------
@@ -278,6 +319,13 @@ def test_models_lists_the_base_model_and_the_tenants_adapters(cluster):
     assert ids("key-initech") == [MODEL, "a-r2", "b-r8"]
     (adapter,) = [m for m in cluster.client("key-acme").models.list().data if m.id == "a-r2"]
     assert adapter.parent == MODEL
+    # models.retrieve: one entry, under the same tenant's list
+    assert cluster.client("key-acme").models.retrieve("a-r2").parent == MODEL
+    assert cluster.client("key-acme").models.retrieve(MODEL).id == MODEL
+    for key, model in (("key-acme", "b-r8"), ("key-acme", "nope")):
+        err = status_of(lambda: cluster.client(key).models.retrieve(model))  # noqa: B023
+        assert (err.status_code, err.body["param"]) == (404, "model")
+        assert err.body["message"].startswith(f"model {model!r} does not exist")
 
 
 # ---- embeddings -----------------------------------------------------------------------
@@ -298,6 +346,16 @@ def test_embeddings_equal_grpc_embed_in_both_encodings(cluster):
     packed = base64.b64decode(raw["data"][0]["embedding"])
     values = struct.unpack(f"<{len(packed) // 4}f", packed)
     assert values == pytest.approx(list(expected.embeddings[1].values), abs=1e-6)
+
+
+def test_embeddings_name_the_model_that_is_wrong(cluster):
+    client = cluster.client()
+    unknown = status_of(lambda: client.embeddings.create(model="nope", input="fox"))
+    assert (unknown.status_code, unknown.body["param"]) == (404, "model")
+    assert unknown.body["message"].startswith("model 'nope' does not exist")
+    adapter = status_of(lambda: client.embeddings.create(model="a-r2", input="fox"))
+    assert (adapter.status_code, adapter.body["param"]) == (400, "model")
+    assert "embeddings come from the base model 'tiny-llama', not adapter 'a-r2'" in adapter.body["message"]
 
 
 # ---- errors ---------------------------------------------------------------------------
@@ -329,8 +387,11 @@ ERRORS = {
                     "prompt holds 2 prompts; send one prompt per request"),
     "context": ("main", "key-initech", {"max_tokens": 1020}, 400, "invalid_request_error",
                 "the model's context"),
-    "over-budget": ("main", "key-tight", {"max_tokens": 200}, 429, "rate_limit_error",
-                    "this request needs"),
+    # Over the tenant's limits even with nothing else running: retrying cannot help.
+    "never-fits-budget": ("main", "key-tight", {"max_tokens": 200}, 400, "invalid_request_error",
+                          "budget of 60 tokens per minute, so it can never be admitted"),
+    "n-over-concurrency": ("main", "key-tight", {"n": 2}, 400, "invalid_request_error",
+                           "n=2 choices run side by side but tenant 'tight' may run 1 requests"),
     "no-engine": ("orphan", "any", {}, 503, "service_unavailable_error",
                   "no engine worker is available; retry later"),
 }  # fmt: skip
@@ -346,6 +407,56 @@ def test_errors_have_the_http_status_of_their_grpc_status(cluster, name):
     assert err.status_code == status
     assert err.body["type"] == kind, err.body
     assert message in err.body["message"], err.body
+    assert "Retry-After" not in err.response.headers or status == 429
+
+
+PARAMS = {  # the field to blame, as OpenAI's error `param`
+    "temperature": ({"temperature": -1}, "temperature"),
+    "n": ({"n": 5}, "n"),
+    "unknown-field": ({"extra_body": {"best_guess": 1}}, "best_guess"),
+    "wrong-type": ({"extra_body": {"top_k": "5"}}, "top_k"),
+    "prompt": ({"prompt": ["a", "b"]}, "prompt"),
+    "max_tokens": ({"max_tokens": 0}, "max_tokens"),
+    "stop": ({"stop": [""]}, "stop"),
+    "budget": ({"max_tokens": 200}, "max_tokens"),
+}
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_errors_name_the_field_to_blame(cluster, name):
+    overrides, param = PARAMS[name]
+    client = cluster.client("key-tight" if name == "budget" else "key-initech")
+    kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, **overrides}
+    err = status_of(lambda: client.completions.create(**kw))
+    assert (err.status_code, err.body["param"]) == (400, param), err.body
+
+
+def test_fields_sent_as_null_take_their_defaults(cluster):
+    url, auth = cluster.url(), {"Authorization": "Bearer key-initech"}
+    nulls = {"n": None, "echo": None, "stream": None, "presence_penalty": None,
+             "frequency_penalty": None, "logprobs": None, "stream_options": None}  # fmt: skip
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, **nulls}
+    reply = httpx.post(url + "/completions", json=body, headers=auth, timeout=30)
+    assert reply.status_code == 200, reply.text
+    plain = httpx.post(url + "/completions", headers=auth, timeout=30,
+                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "temperature": 0})
+    assert reply.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    chat = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "n": None, "logprobs": None,
+            "stream": None, "presence_penalty": None}  # fmt: skip
+    assert httpx.post(url + "/chat/completions", json=chat, headers=auth, timeout=30).status_code == 200
+
+
+def test_max_completion_tokens_is_checked_under_its_own_name(cluster):
+    client = cluster.client()
+    for value in (0, -1):
+        err = status_of(lambda: client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_completion_tokens=value))  # noqa: B023
+        assert err.status_code == 400 and err.body["param"] == "max_completion_tokens"
+        assert err.body["message"].startswith(f"max_completion_tokens must be in [1, ") and \
+            err.body["message"].endswith(f"got {value}")
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=2,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 2
 
 
 def test_429_carries_retry_after_and_the_budget_refills(cluster):
@@ -396,6 +507,15 @@ def test_raw_http_errors_are_openai_json(cluster):
                       content=b'{"model": "%s", "prompt": "hi \\ud800", "max_tokens": 4}' % MODEL.encode())
     assert lone.status_code == 400, lone.text
     assert lone.json()["error"]["message"].startswith("prompt: the string holds a lone UTF-16 surrogate")
+    deep = httpx.post(url + "/completions", headers={**auth, "Content-Type": "application/json"},
+                      content=b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert (deep.status_code, deep.json()["error"]["message"]) == (
+        400, "the request body is nested too deeply to be a request")
+    # Over the request size limit: 413 however far over (the router's check or aiohttp's).
+    for size in (1_100_000, 3_000_000):  # the limit is 1 MiB (aiohttp's is 2 MiB + 4 KiB)
+        big = httpx.post(url + "/completions", headers=auth, timeout=30,
+                         json={"model": MODEL, "prompt": "x" * size})
+        assert big.status_code == 413, (size, big.text)
 
 
 def test_queue_timeout_is_504(cluster):

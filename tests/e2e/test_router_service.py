@@ -438,10 +438,11 @@ def test_tenant_token_budget(cluster):
             cluster.keyed, pb.GenerateRequest(text=PROMPT, sampling=S(max_tokens=200)), bob
         )
     )
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT  # waiting cannot help
     assert err.details() == (
         f"this request needs {prompt_len + 200} tokens (prompt + max_tokens) but tenant 'bob' "
         "has a budget "
-        "of 100 tokens per minute; lower max_tokens"
+        "of 100 tokens per minute, so it can never be admitted; lower max_tokens"
     )
 
 

@@ -1,6 +1,8 @@
 """OpenAI bodies that are valid JSON but not Unicode text, and handler failures, come back
 as OpenAI JSON errors a client can act on, never as aiohttp's plain-text 500."""
 
+import json
+
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -31,6 +33,56 @@ def test_a_lone_surrogate_in_a_chat_message_is_refused():
 def test_a_surrogate_pair_and_an_escaped_backslash_are_text():
     body = oa.parse(oa.CompletionBody, rb'{"model": "m", "prompt": "ok \ud83d\ude00 \\ud800"}')
     assert body.prompt == "ok \U0001f600 \\ud800"
+
+
+@pytest.mark.parametrize(("raw", "message", "param"), [
+    # a value of the wrong JSON type is refused, not converted
+    (b'{"model": "m", "prompt": "x", "max_tokens": "5"}', "max_tokens: Input should be a valid integer",
+     "max_tokens"),
+    (b'{"model": "m", "prompt": "x", "max_tokens": 5.0}', "max_tokens: Input should be a valid integer",
+     "max_tokens"),
+    (b'{"model": "m", "prompt": "x", "max_tokens": true}', "max_tokens: Input should be a valid integer",
+     "max_tokens"),
+    (b'{"model": "m", "prompt": "x", "temperature": false}', "temperature: Input should be a valid number",
+     "temperature"),
+    (b'{"model": "m", "prompt": "x", "stream": "yes"}', "stream: Input should be a valid boolean", "stream"),
+    (b'{"model": "m", "prompt": [["a"]]}', "prompt must be a non-empty string or a non-empty list of token ids",
+     "prompt"),
+    (b'{"model": "m", "prompt": "x", "echo": true}', "echo is not supported", "echo"),
+    (b'{"model": null, "prompt": "x"}', "model is required", "model"),
+])  # fmt: skip
+def test_completion_bodies_are_typed_strictly(raw, message, param):
+    with pytest.raises(RequestError) as err:
+        oa.completion_prompt(oa.parse(oa.CompletionBody, raw).prompt)
+    assert err.value.message.startswith(message) and err.value.param == param
+
+
+def test_null_is_the_default_and_nesting_is_bounded():
+    body = oa.parse(oa.CompletionBody, b'{"model": "m", "prompt": "x", "n": null, "echo": null, '
+                    b'"stream": null, "presence_penalty": null, "frequency_penalty": null}')
+    assert (body.n, body.echo, body.stream, body.presence_penalty) == (1, False, False, 0.0)
+    with pytest.raises(RequestError, match="unknown field 'nope'"):  # null does not hide a typo
+        oa.parse(oa.CompletionBody, b'{"model": "m", "prompt": "x", "nope": null}')
+    for depth in (900, 5000):  # under and over the JSON parser's own limit
+        raw = b'{"model": "m", "prompt": "x", "user": ' + b"[" * depth + b"]" * depth + b"}"
+        with pytest.raises(RequestError) as err:
+            oa.parse(oa.CompletionBody, raw)
+        assert err.value.message in ("the request body is nested too deeply to be a request",
+                                     "user: Input should be a valid string")
+
+
+@pytest.mark.parametrize(("message", "error"), [
+    ({"role": "foo", "content": "x"}, "messages.0.role: Input should be 'system', 'developer', 'user'"),
+    ({"role": "user"}, "messages.0.content is required for a user message"),
+    ({"role": "system", "content": None}, "messages.0.content is required for a system message"),
+])  # fmt: skip
+def test_chat_messages_need_a_known_role_and_content(message, error):
+    with pytest.raises(RequestError) as err:
+        body = oa.parse(oa.ChatBody, json.dumps({"model": "m", "messages": [message]}).encode())
+        [m.for_template(i) for i, m in enumerate(body.messages)]
+    assert err.value.message.startswith(error)
+    assistant = oa.parse(oa.ChatBody, b'{"model": "m", "messages": [{"role": "assistant", "content": null}]}')
+    assert assistant.messages[0].for_template(0)["content"] == ""
 
 
 async def test_a_handler_s_unexpected_error_is_a_json_500():

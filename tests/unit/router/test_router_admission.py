@@ -73,6 +73,26 @@ def test_token_budget_refuses_with_retry_time_and_refunds_unused_tokens():
         admission.admit_local(bob, 601, 0, 0)
 
 
+async def test_requests_the_limits_can_never_admit_are_invalid_not_retryable():
+    admission = Admission(100, 10_000, FakeClock())
+    carol = Tenant("carol", TenantLimits(tokens_per_minute=600, max_concurrent=2))
+    for cost, choices, param, message in (
+        (601, 1, "max_tokens", "this request needs 601 tokens (prompt + max_tokens) but tenant "
+         "'carol' has a budget of 600 tokens per minute, so it can never be admitted; lower max_tokens"),
+        (301, 2, "max_tokens", "this request needs 2 choices of 301 tokens (prompt + max_tokens) but "
+         "tenant 'carol' has a budget of 600 tokens per minute, so it can never be admitted; lower "
+         "max_tokens or n"),
+        (10, 3, "n", "n=3 choices run side by side but tenant 'carol' may run 2 requests at once; lower n"),
+    ):
+        with pytest.raises(RequestError) as err:
+            await admission.admit(carol, cost, 0, 0, choices)
+        assert (err.value.code, err.value.param, err.value.message) == (
+            grpc.StatusCode.INVALID_ARGUMENT, param, message)
+        assert err.value.retry_after_s is None
+    assert admission.active("carol") == 0  # nothing was taken
+    await admission.admit(carol, 300, 0, 0, 2)  # exactly the budget, two at once
+
+
 def test_queue_caps_say_server_overloaded():
     admission = Admission(max_queued_requests=3, max_queued_tokens=1000)
     anyone = Tenant("default")

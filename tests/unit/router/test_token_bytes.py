@@ -1,0 +1,61 @@
+"""A token's bytes for logprobs: concatenated over any ids they are the decoded text's
+bytes, partial characters included, on byte-level BPE and SentencePiece byte fallback."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omnibus.router.text.token_bytes import TokenBytes, as_text
+from tests.unit.router.test_router_detokenizer import BPE, SENTENCEPIECE, TEXT
+
+TOKENIZERS = {"byte_level_bpe": BPE, "byte_fallback": SENTENCEPIECE}
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=200, deadline=None)
+@given(text=TEXT)
+def test_token_bytes_concatenate_to_the_text(name: str, text: str) -> None:
+    tokenizer = TOKENIZERS[name]
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    token_bytes = TokenBytes(tokenizer)
+    joined = b"".join(token_bytes.of(i) for i in ids).decode()
+    decoded = tokenizer.decode(ids)
+    # SentencePiece's decoder strips the first token's leading space; a token keeps it.
+    assert joined == decoded or joined == " " + decoded
+
+
+def test_a_character_split_over_byte_tokens_gives_its_real_bytes() -> None:
+    for tokenizer in (BPE, SENTENCEPIECE):
+        token_bytes = TokenBytes(tokenizer)
+        ids = tokenizer.encode("😀", add_special_tokens=False).ids
+        # SentencePiece's normalizer puts a "▁" token first
+        parts = [b for b in map(token_bytes.of, ids) if b != b" "]
+        assert len(parts) > 1  # split: no token holds the whole emoji
+        ids = [i for i in ids if token_bytes.of(i) != b" "]
+        assert b"".join(parts) == "😀".encode()
+        texts = [token_bytes.text(i) for i in ids]
+        assert all(t.startswith("bytes:\\x") for t in texts)
+        assert len(set(texts)) == len(set(parts))  # different bytes, different names
+
+
+def test_the_leading_space_of_a_sentencepiece_word_is_kept() -> None:
+    token_bytes = TokenBytes(SENTENCEPIECE)
+    assert token_bytes.text(SENTENCEPIECE.token_to_id("▁the")) == " the"
+    assert SENTENCEPIECE.decode([SENTENCEPIECE.token_to_id("▁the")]) == "the"
+
+
+def test_special_tokens_are_their_content() -> None:
+    for tokenizer in (BPE, SENTENCEPIECE):
+        assert TokenBytes(tokenizer).text(tokenizer.token_to_id("</s>")) == "</s>"
+
+
+@given(data=st.binary(max_size=8))
+def test_as_text_is_utf8_or_the_bytes_form(data: bytes) -> None:
+    text = as_text(data)
+    try:
+        assert text == data.decode()
+    except UnicodeDecodeError:
+        assert text.startswith("bytes:")
+        assert bytes(int(h, 16) for h in text[len("bytes:"):].split("\\x")[1:]) == data
