@@ -191,8 +191,8 @@ class Scheduler:
         for seq in seqs:
             if budget == 0:
                 break
-            if seq.status is not running:
-                continue  # preempted earlier in this step
+            if seq.status is not running or seq.scheduled_step == self._step:
+                continue  # preempted earlier in this step, or preempted and seated again
             start = seq.num_computed_tokens
             n = min(seq.planned_len - start, budget)
             # (a decode step's last block mostly has room: no call to the allocator)
@@ -256,17 +256,20 @@ class Scheduler:
                 self._end_waiting(seq, "deadline", f"the request's deadline passed {now - seq.deadline:.3f} s "
                                   "before the engine could prefill it")
                 continue
-            if room <= 0:  # no seat: only a strictly lower-priority running sequence gives one up
-                refund = None if self.policy.forms_batches else self._preempt_for(seq, out)
-                if refund is None:
-                    break
-                budget, room = budget + refund, room + 1
-                continue
+            # The adapter first: a head waiting on it must not preempt for a seat it cannot
+            # take (the victim would take it back, and be preempted again every step).
             gate = self._adapter_gate(seq)
             if gate != "ok":
                 self._waiting.pop(seq)
                 if gate == "wait":
                     deferred.append(seq)
+                continue
+            if room <= 0:  # no seat: only a strictly lower-priority running sequence gives one up
+                refund = None if self.policy.forms_batches else self._preempt_for(seq, out)
+                if refund is None:
+                    self._leave_running(seq)  # unpins the adapter slot the gate pinned
+                    break
+                budget, room = budget + refund, room + 1
                 continue
             cached = self.allocator.allocate_prefix(seq)
             n = min(seq.num_tokens - cached, budget)
@@ -318,7 +321,7 @@ class Scheduler:
     def _adapter_gate(self, seq: Sequence) -> str:
         """"ok" (base model, or adapter loaded into a pinned slot), "wait" (loading, or
         every slot pinned by running sequences) or "failed" (the request is finished)."""
-        if seq.adapter is None:
+        if seq.adapter is None or seq.lora_slot is not None:  # base model, or pinned already
             return "ok"
         gate = self.adapters.gate(seq.adapter)
         if gate.error is not None:

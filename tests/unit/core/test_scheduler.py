@@ -454,3 +454,53 @@ def test_overlapped_scheduling_reports_exactly_what_lockstep_does(reqs, num_bloc
     for rid, toks in lag_streams.items():  # every stream is a prefix of what the model says
         n_prompt = next(len(r.prompt_token_ids) for rs in arrivals.values() for r in rs if r.request_id == rid)
         assert toks == [oracle_token(rid, n_prompt + k) for k in range(len(toks))]
+
+
+class OneSlotAdapters:
+    """A LoRA manager stand-in with one device slot: `loading` adapters are not ready yet;
+    pins are counted so a leaked one shows."""
+
+    def __init__(self, loading: set[str] = frozenset()) -> None:
+        self.loading, self.holder, self.pins = set(loading), None, 0
+
+    def gate(self, name):
+        from omnibus.engine.lora.manager import WAIT, Gate
+
+        if name in self.loading or self.holder not in (None, name):
+            return WAIT
+        self.holder, self.pins = name, self.pins + 1
+        return Gate(slot=0)
+
+    def release(self, name):
+        self.pins -= 1
+        if self.pins == 0:
+            self.holder = None
+
+
+@pytest.mark.parametrize("blocked_by", ["slot", "loading"])
+def test_a_head_waiting_on_its_adapter_preempts_nobody(blocked_by):
+    """A higher-priority head whose adapter cannot run yet (the one slot is held, or it is
+    still loading) used to preempt a running prefill that then took the freed seat again in
+    the same step: planned twice (wrong tokens), and preempted again every step."""
+    adapters = OneSlotAdapters(loading={"b"} if blocked_by == "loading" else set())
+    s = Scheduler(SchedulerConfig(2, 8, 512), BlockAllocator(64, 4, True), make_policy("continuous"),
+                  (EOS,), adapters)
+    def with_adapter(sequence: Sequence, name: str | None) -> Sequence:
+        sequence.adapter = name
+        return sequence
+
+    s.add(with_adapter(seq("A", 5, max_tokens=20), "a" if blocked_by == "slot" else None))
+    s.add(seq("X", 22, max_tokens=6, start=40))
+    for _ in range(3):  # A decoding, X part-way through its chunked prefill
+        fake_step(s)
+    s.add(with_adapter(seq("H", 5, max_tokens=4, priority=1, start=80), "b"))
+    for _ in range(200):
+        if not s.has_unfinished():
+            break
+        plan, _ = fake_step(s)
+        ids = [item.seq.request_id for item in plan.scheduled]
+        assert len(ids) == len(set(ids)), ids  # nobody planned twice
+        if blocked_by == "loading" and "X" not in s.requests:
+            adapters.loading.clear()
+    assert not s.has_unfinished() and s.num_preemptions == 0
+    assert adapters.pins == 0
