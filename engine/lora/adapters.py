@@ -90,7 +90,7 @@ class AdapterSpec:
     path: Path  # adapter_model.safetensors
     rank: int  # the largest of any module (r, or a larger rank_pattern value)
     scale: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
-    fingerprint: str  # changes when the file does: salts the prefix cache
+    fingerprint: str  # changes when the weights or adapter_config.json do: salts the prefix cache
     # PEFT's per-module overrides: (pattern, rank) and (pattern, alpha), in file order
     rank_pattern: tuple[tuple[str, int], ...] = ()
     alpha_pattern: tuple[tuple[str, float], ...] = ()
@@ -128,10 +128,11 @@ class AdapterSpec:
             raise AdapterError(f"adapter_config.json of {name!r} is not valid JSON: {exc}") from exc
         if not isinstance(raw, dict):
             raise AdapterError(f"adapter_config.json of {name!r} is not a JSON object")
-        return cls._from_config(name, weights, raw, max_rank)
+        cfg = cfg_file.stat()
+        return cls._from_config(name, weights, raw, max_rank, f"{cfg.st_size}:{cfg.st_mtime_ns}")
 
     @classmethod
-    def _from_config(cls, name: str, weights: Path, raw: dict, max_rank: int) -> "AdapterSpec":
+    def _from_config(cls, name: str, weights: Path, raw: dict, max_rank: int, cfg_version: str) -> "AdapterSpec":
         if raw.get("peft_type", "LORA") != "LORA":
             raise AdapterError(f"adapter {name!r} is {raw.get('peft_type')!r}, only LORA is supported")
         for unsupported in ("use_dora", "modules_to_save", "lora_bias"):
@@ -151,7 +152,8 @@ class AdapterSpec:
         rslora = bool(raw.get("use_rslora"))
         scale = float(alpha) / (math.sqrt(rank) if rslora else rank)
         st = weights.stat()
-        return cls(name, weights, largest, scale, f"{name}@{st.st_size}:{st.st_mtime_ns}",
+        fingerprint = f"{name}@{st.st_size}:{st.st_mtime_ns}+{cfg_version}"
+        return cls(name, weights, largest, scale, fingerprint,
                    ranks, alphas, rank, float(alpha), rslora)
 
 

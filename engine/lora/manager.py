@@ -115,7 +115,15 @@ class LoraManager:
         """Check `name` and its adapter_config.json (no tensors are read) and start reading
         its weights in the background unless they are in memory or loading. Returns the
         adapter's fingerprint, which salts the prefix cache. Raises AdapterError,
-        UnknownAdapterError, OSError."""
+        UnknownAdapterError, OSError.
+
+        While the adapter is in memory (or loading) its fingerprint is the one of the files
+        read: KV computed with those weights must be salted as theirs. Files rewritten on
+        disk take effect once it is unloaded (or leaves host memory) and read again."""
+        with self._lock:
+            in_memory = name in self._host or name in self._loading
+        if in_memory and name in self._specs:
+            return self._specs[name].fingerprint
         spec = self._spec(name)
         self._load_async(name)
         return spec.fingerprint

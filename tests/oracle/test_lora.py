@@ -402,3 +402,24 @@ def test_bad_rank_and_alpha_patterns_are_refused(setup, tmp_path, patterns, erro
                                  max_lora_rank=16))
     with pytest.raises(AdapterError, match=error):
         engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="bad")
+
+
+def test_an_adapter_rewritten_on_disk_never_mixes_its_versions_in_the_prefix_cache(setup, tmp_path):
+    """While loaded, an adapter serves (and salts the prefix cache as) the files it was read
+    from; after an unload it is read again. KV computed with the old weights used to be
+    salted as the new files', then served to them after the unload: neither version."""
+    base, _, _ = setup
+    import shutil
+
+    spec = ADAPTERS["b-r8"]
+    root = tmp_path / "rewrite"
+    v1 = make_adapter(base, root / "x", *spec, seed=100)
+    v2 = make_adapter(base, tmp_path / "v2", *spec, seed=200)
+    prompt = [9, 40, 41, 77, 5, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26]
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(root), block_size=4))
+    assert run(engine, [("x", prompt, 6)]) == [expected({"x": v1}, "x", prompt, 6)]
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copyfile(tmp_path / "v2" / name, root / "x" / name)
+    assert run(engine, [("x", prompt, 6)]) == [expected({"x": v1}, "x", prompt, 6)]  # still loaded
+    assert engine.adapters.unload("x")
+    assert run(engine, [("x", prompt, 6)]) == [expected({"x": v2}, "x", prompt, 6)]
