@@ -5,7 +5,6 @@ message either way)."""
 
 from __future__ import annotations
 
-import codecs
 import json
 import re
 from typing import Any, Literal
@@ -13,7 +12,9 @@ from typing import Any, Literal
 from omnibus.v1 import inference_pb2 as pb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from omnibus.router.admission.validation import MAX_REQUEST_ID_CHARS
 from omnibus.router.service.errors import invalid
+from omnibus.router.text.detokenizer import IncrementalDetokenizer
 from omnibus.router.text.token_bytes import TokenBytes
 
 MAX_SEED = 2**64 - 1  # SamplingParams.seed is a uint64
@@ -310,6 +311,10 @@ def fan_out(
         raise invalid(f"n must be in [1, {max_n}], got {body.n}", "n")
     if body.seed is not None and not 0 <= body.seed <= MAX_SEED - (body.n - 1):
         raise invalid(f"seed must be in [0, {MAX_SEED - (body.n - 1)}], got {body.seed}", "seed")
+    longest = MAX_REQUEST_ID_CHARS - len(f"-{body.n - 1}")
+    if body.n > 1 and len(request_id) > longest:  # choice i's id is the request's + "-i"
+        raise invalid(f"with n={body.n} the request id (x-request-id) must be at most {longest} "
+                      f"characters, as each choice's id appends -i; it has {len(request_id)}")
     requests = []
     for i in range(body.n):
         one = pb.GenerateRequest()
@@ -371,8 +376,8 @@ class Choice:
         self.logprobs: list[pb.TokenLogprob] = []
         self.finish: str | None = None
         self.usage: pb.Usage | None = None
-        self.offset = 0  # characters of the tokens so far (text_offset of completion logprobs)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # a character's bytes
+        self.offset = 0  # characters of text the tokens so far gave (completions' text_offset)
+        self.text_so_far: IncrementalDetokenizer | None = None  # for text_offset
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.text.append(response.text)
@@ -428,12 +433,22 @@ class CompletionShape(_Shape):
         return out
 
     def _format(self, logprobs, c: Choice) -> dict[str, Any]:
-        """A token's offset is where its first character starts; a token holding part of
-        a character starts where that character does."""
+        """A token's text_offset is where it starts in the choice's text, detokenized as the
+        text is: the text so far ends with the token's own text, unless it is held back (a
+        run of byte tokens that later ones complete or close) or shorter (SentencePiece's
+        stripped first space, a skipped special token). A token holding part of a
+        character starts where that character does."""
+        if c.text_so_far is None:
+            c.text_so_far = self._tokens.detokenizer()
         offsets = []
         for lp in logprobs:
-            offsets.append(c.offset)
-            c.offset += len(c.utf8.decode(self._tokens.of(lp.token_id)))
+            before = c.offset
+            c.offset += len(c.text_so_far.push([lp.token_id]))
+            try:
+                own = len(self._tokens.of(lp.token_id).decode())
+            except UnicodeDecodeError:  # part of a character
+                own = c.offset - before
+            offsets.append(max(before, c.offset - own))
         return {
             "tokens": [self._tokens.text(lp.token_id) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],

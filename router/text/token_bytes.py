@@ -11,7 +11,8 @@ the vocabulary instead:
 - any other token: its text decoded after a plain anchor token, so a decoder that
   strips a leading space from the first token (SentencePiece's) keeps it here.
 
-Added tokens (special or not) are their content. A token's text for the OpenAI API is
+Added tokens (special or not) are what decoding them gives (a normalized added token's
+normalized form). A token's text for the OpenAI API is
 its bytes as UTF-8, or, when they are not valid UTF-8 on their own, OpenAI's
 `bytes:\\xNN...` form, which keeps different byte tokens apart.
 """
@@ -23,6 +24,8 @@ import re
 from functools import lru_cache
 
 from tokenizers import Tokenizer
+
+from omnibus.router.text.detokenizer import IncrementalDetokenizer, byte_fallback_ids, special_ids
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -62,7 +65,8 @@ class TokenBytes:
         types = _decoder_types(json.loads(tokenizer.to_str()).get("decoder"))
         self._byte_level = "ByteLevel" in types
         self._byte_fallback = "ByteFallback" in types
-        self._added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self._added = set(tokenizer.get_added_tokens_decoder())
+        self._byte_ids, self._special_ids = byte_fallback_ids(tokenizer), special_ids(tokenizer)
         self._anchor = self._find_anchor()
         self.of = lru_cache(maxsize=1 << 16)(self._bytes)
 
@@ -70,9 +74,14 @@ class TokenBytes:
         """The token as the OpenAI API names it in logprobs."""
         return as_text(self.of(token_id))
 
+    def detokenizer(self) -> IncrementalDetokenizer:
+        """A detokenizer as the router's streams use (special tokens skipped): what it has
+        emitted before a token is where that token starts in the text."""
+        return IncrementalDetokenizer(self._tokenizer, self._byte_ids, self._special_ids)
+
     def _bytes(self, token_id: int) -> bytes:
         if token_id in self._added:
-            return self._added[token_id].encode()
+            return self._decode([token_id]).encode()
         token = self._tokenizer.id_to_token(token_id)
         if token is None:  # outside the vocabulary (a padded embedding row)
             return b""

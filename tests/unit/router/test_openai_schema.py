@@ -97,3 +97,13 @@ async def test_a_handler_s_unexpected_error_is_a_json_500():
         assert (await resp.json())["error"] == {
             "message": "internal error: KeyError", "type": "server_error", "param": None,
             "code": "internal"}
+
+
+def test_a_request_id_leaves_room_for_the_choice_suffix():
+    from omnibus.v1 import inference_pb2 as pb
+
+    body = oa.parse(oa.CompletionBody, b'{"model": "m", "prompt": "x", "n": 2}')
+    assert [r.request_id for r in oa.fan_out(body, pb.GenerateRequest(), 4, "a" * 126, 0)] == [
+        "a" * 126 + "-0", "a" * 126 + "-1"]
+    with pytest.raises(RequestError, match="with n=2 the request id .* at most 126 characters.* it has 127"):
+        oa.fan_out(body, pb.GenerateRequest(), 4, "a" * 127, 0)

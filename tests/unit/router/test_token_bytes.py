@@ -59,3 +59,31 @@ def test_as_text_is_utf8_or_the_bytes_form(data: bytes) -> None:
     except UnicodeDecodeError:
         assert text.startswith("bytes:")
         assert bytes(int(h, 16) for h in text[len("bytes:"):].split("\\x")[1:]) == data
+
+
+def offsets(tokenizer, ids: list[int]) -> tuple[list[int], str]:
+    """text_offset of completions logprobs for `ids`, and the text the router streams."""
+    from omnibus.v1 import inference_pb2 as pb
+
+    from omnibus.router.http.openai_schema import Choice, CompletionShape
+    from omnibus.router.text.detokenizer import IncrementalDetokenizer
+
+    shape, choice = CompletionShape(0, False, TokenBytes(tokenizer)), Choice(0)
+    logprobs = [pb.TokenLogprob(token_id=i, logprob=-1.0) for i in ids]
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.push([i]) for i in ids) + detok.flush()
+    return shape._format(logprobs, choice)["text_offset"], text
+
+
+def test_text_offsets_index_the_streamed_text():
+    sp, ids = SENTENCEPIECE, SENTENCEPIECE.token_to_id
+    # SentencePiece strips the first space: " fox" starts at 0 of "foxab"
+    assert offsets(sp, [ids("▁fox"), ids("a"), ids("b")]) == ([0, 3, 4], "foxab")
+    # an invalid byte run is one U+FFFD per byte, held until a token closes it
+    assert offsets(sp, [ids("<0xE6>"), ids("<0x97>"), ids("a"), ids("b")]) == ([0, 0, 2, 3], "\ufffd\ufffdab")
+    # a character split over byte tokens: each part starts where the character does
+    run = [ids(f"<0x{b:02X}>") for b in "日".encode()]
+    assert offsets(sp, [ids("a"), *run, ids("b")]) == ([0, 1, 1, 1, 2], "a日b")
+    # a skipped special token adds nothing to the text
+    assert offsets(BPE, [BPE.token_to_id("a"), BPE.token_to_id("</s>"), BPE.token_to_id("b")]) == (
+        [0, 1, 1], "ab")
