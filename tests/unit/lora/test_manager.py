@@ -50,7 +50,9 @@ def test_gate_waits_for_the_load_then_pins_the_slot(manager):
     assert (manager.stats().loads, manager.stats().evictions) == (2, 1)
 
 
-def test_inventory_salts_follow_the_adapter_file(manager, model):
+def test_inventory_salts_follow_the_adapter_files_read(manager, model):
+    """The salt is the version in memory: a file replaced on disk changes it only once the
+    adapter is read again (after an unload), so KV of one version never serves another."""
     _, root = model
     weights = root / "k-r2" / "adapter_model.safetensors"
     st = weights.stat()
@@ -59,7 +61,12 @@ def test_inventory_salts_follow_the_adapter_file(manager, model):
     assert manager.inventory().salts == (("k-r2", salt),)
     try:
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # the file was replaced
-        new = manager.prefetch("k-r2")  # the next request's blocks get the new salt
+        assert manager.prefetch("k-r2") == salt  # loading or loaded: the version read
+        settle(lambda: manager.ready("k-r2") or None)
+        assert manager.prefetch("k-r2") == salt and manager.inventory().salts == (("k-r2", salt),)
+        assert manager.unload("k-r2") is True
+        assert manager.inventory().salts == ()
+        new = manager.prefetch("k-r2")  # read again: the new version's salt
         assert new != salt and manager.inventory().salts == (("k-r2", new),)
     finally:
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
