@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from omnibus.engine.lora.adapters import PROJECTIONS
 from omnibus.engine.lora.slots import DeviceSlots
 from omnibus.engine.worker.transfer import to_device
 from omnibus.kernels import lora_expand, lora_shrink
@@ -34,9 +33,8 @@ class LoraBatch:
 
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, fused: str) -> None:
         """out (T, out_fused) += LoRA delta of every projection in `fused`, per segment."""
-        stacked, scales = self.slots.stacked[layer], self.slots.scales[layer]
+        stacked, scales = self.slots.stacked[layer], self.slots.proj_scales[layer]
         for proj, lo, hi in self.columns[fused]:
             a, b = stacked[proj]
             y = lora_shrink(x, a, self.seg_starts, self.seg_slots, self.max_seg_len)  # (T, r) float32
-            lora_expand(y, b, self.seg_starts, self.seg_slots, scales[PROJECTIONS.index(proj)], out[:, lo:hi],
-                        self.max_seg_len)
+            lora_expand(y, b, self.seg_starts, self.seg_slots, scales[proj], out[:, lo:hi], self.max_seg_len)

@@ -42,6 +42,9 @@ class DeviceSlots:
         ]
         # scales[layer, p] = each slot's scale for PROJECTIONS[p] (rank/alpha patterns vary it)
         self.scales = torch.zeros(model_config.num_layers, len(PROJECTIONS), n, dtype=torch.float32, device=device)
+        # views of it per layer and projection, made once (not per step): layer -> proj -> (n,)
+        self.proj_scales = [{p: self.scales[layer, i] for i, p in enumerate(PROJECTIONS)}
+                            for layer in range(model_config.num_layers)]
         # fused module -> (projection, first column, end column) inside its output
         self.columns: dict[str, list[tuple[str, int, int]]] = {}
         for fused, projs in FUSED.items():

@@ -13,7 +13,7 @@ from google.protobuf.message import Message
 from omnibus.v1 import engine_pb2, inference_pb2
 from tokenizers import Tokenizer
 
-from omnibus.common.sampling import SamplingParams, check_context, check_token_ids
+from omnibus.common.sampling import FieldError, SamplingParams, check_context, check_token_ids
 from omnibus.router.config import RouterConfig
 from omnibus.router.service.errors import TOO_LARGE, RequestError, invalid
 
@@ -185,8 +185,10 @@ class Validator:
             )
             if params.stop_token_ids:
                 check_token_ids(list(params.stop_token_ids), self._limits.vocab_size, "stop_token_ids")
-        except ValueError as exc:  # each message starts with the field's name
-            raise invalid(str(exc), str(exc).split(" ", 1)[0].rstrip(":")) from None
+        except FieldError as exc:
+            raise invalid(str(exc), exc.field) from None
+        except ValueError as exc:  # check_token_ids: the stop token ids
+            raise invalid(str(exc), "stop_token_ids") from None
         return params.to_proto()
 
     def _stop_strings(self, p: inference_pb2.SamplingParams) -> tuple[str, ...]:

@@ -318,7 +318,8 @@ class OpenAIFront:
     async def _completion_request(self, body: oa.CompletionBody) -> Prepared:
         prompt = oa.completion_prompt(body.prompt)
         prompt.sampling.CopyFrom(oa.sampling(body, body.max_tokens, body.logprobs))
-        return prompt, oa.CompletionShape(body.logprobs, body.return_token_ids, self._token_bytes)
+        return prompt, oa.CompletionShape(body.logprobs, body.return_token_ids, self._token_bytes,
+                                          self._pipeline.detokenizer)
 
     async def _chat_request(self, body: oa.ChatBody) -> Prepared:
         ids = await self._chat_prompt(body)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, Literal
 
 from omnibus.v1 import inference_pb2 as pb
@@ -65,12 +66,12 @@ class _Body(_Strict):
     priority: int | None = None  # or the x-priority header
     return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
 
-    def unsupported(self) -> str | None:
-        """The first field set to something this server cannot do, as a message."""
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first field set to something this server cannot do, and a message."""
         if self.logit_bias:
-            return "logit_bias is not supported; remove it"
+            return "logit_bias", "logit_bias is not supported; remove it"
         if self.stream_options is not None and not self.stream:
-            return "stream_options is only allowed with stream: true"
+            return "stream_options", "stream_options is only allowed with stream: true"
         return None
 
 
@@ -81,13 +82,13 @@ class CompletionBody(_Body):
     suffix: str | None = None
     best_of: int | None = None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.echo:
-            return "echo is not supported; the prompt is not repeated in the completion"
+            return "echo", "echo is not supported; the prompt is not repeated in the completion"
         if self.suffix:
-            return "suffix (insertion) is not supported"
+            return "suffix", "suffix (insertion) is not supported"
         if self.best_of not in (None, 1):
-            return "best_of is not supported; use n for several completions"
+            return "best_of", "best_of is not supported; use n for several completions"
         return super().unsupported()
 
 
@@ -116,16 +117,16 @@ class ChatBody(_Body):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> tuple[str, str] | None:
         if self.tools or self.tool_choice not in (None, "none"):
-            return "tools and tool_choice are not supported"
+            return "tools", "tools and tool_choice are not supported"
         if self.response_format not in (None, {"type": "text"}):
-            return "response_format is not supported; only {\"type\": \"text\"}"
+            return "response_format", "response_format is not supported; only {\"type\": \"text\"}"
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
-                return "max_tokens and max_completion_tokens differ; set one of them"
+                return "max_completion_tokens", "max_tokens and max_completion_tokens differ; set one of them"
         if not self.messages:
-            return "messages must not be empty"
+            return "messages", "messages must not be empty"
         return super().unsupported()
 
     @property
@@ -170,8 +171,9 @@ def parse(kind: type[_Bodies], raw: bytes) -> Any:
     except ValidationError as exc:
         raise invalid(*_describe(exc)) from None
     problem = body.unsupported() if hasattr(body, "unsupported") else None
-    if problem:  # each message starts with the field's name
-        raise invalid(problem, problem.split(" ", 1)[0])
+    if problem:
+        field, message = problem
+        raise invalid(message, field)
     return body
 
 
@@ -203,8 +205,8 @@ def _check_unicode(value: object, where: str) -> None:
 
 def _describe(exc: ValidationError) -> tuple[str, str | None]:
     """The first few errors as one message, and the first error's field."""
-    parts = []
-    for error in exc.errors(include_url=False)[:4]:
+    errors, parts = exc.errors(include_url=False), []
+    for error in errors[:4]:
         where = ".".join(str(p) for p in error["loc"]) or "body"
         if error["type"] == "extra_forbidden":
             parts.append(f"unknown field {where!r}")
@@ -212,7 +214,7 @@ def _describe(exc: ValidationError) -> tuple[str, str | None]:
             parts.append(f"{where} is required")
         else:
             parts.append(f"{where}: {error['msg']}")
-    first = exc.errors(include_url=False)[0]["loc"] if exc.errors() else ()
+    first = errors[0]["loc"] if errors else ()
     return "; ".join(parts), ".".join(str(p) for p in first) or None
 
 
@@ -411,10 +413,16 @@ class _Shape:
 
 
 class CompletionShape(_Shape):
-    """/v1/completions: `text_completion` objects and chunks."""
+    """/v1/completions: `text_completion` objects and chunks. `detokenizer` makes a
+    stream's detokenizer, as the text's (for text_offset)."""
 
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
+
+    def __init__(self, logprobs: int | None, token_ids: bool, tokens: TokenBytes,
+                 detokenizer: Callable[[], IncrementalDetokenizer]) -> None:
+        super().__init__(logprobs, token_ids, tokens)
+        self._detokenizer = detokenizer
 
     def choice(self, c: Choice) -> dict[str, Any]:
         return self._choice(c.index, "".join(c.text), c.token_ids, c.logprobs, c.finish, c)
@@ -439,7 +447,7 @@ class CompletionShape(_Shape):
         stripped first space, a skipped special token). A token holding part of a
         character starts where that character does."""
         if c.text_so_far is None:
-            c.text_so_far = self._tokens.detokenizer()
+            c.text_so_far = self._detokenizer()
         offsets = []
         for lp in logprobs:
             before = c.offset

@@ -210,6 +210,10 @@ class Pipeline:
         except RequestError as err:
             raise self.refused(err, "") from None
 
+    def detokenizer(self) -> IncrementalDetokenizer:
+        """A new stream's detokenizer (special tokens skipped), as every stream's text is made."""
+        return IncrementalDetokenizer(self.tokenizer, self._byte_ids, self._special_ids)
+
     def list_models(self, tenant: Tenant) -> inference_pb2.ListModelsResponse:
         """The base model and its limits, and the adapters `tenant` may use that some
         engine has."""
@@ -378,7 +382,7 @@ class Pipeline:
         """Streams the request from an engine, moving it to another engine (prompt + the
         tokens sent so far) when one fails, drains or stalls, at most
         max_engine_attempts engines in all."""
-        job.detok = IncrementalDetokenizer(self.tokenizer, self._byte_ids, self._special_ids)
+        job.detok = self.detokenizer()
         job.stop = StopStringMatcher(job.request.stop)
         job.queued_at = job.arrival
         try:

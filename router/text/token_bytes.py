@@ -25,8 +25,6 @@ from functools import lru_cache
 
 from tokenizers import Tokenizer
 
-from omnibus.router.text.detokenizer import IncrementalDetokenizer, byte_fallback_ids, special_ids
-
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -66,18 +64,13 @@ class TokenBytes:
         self._byte_level = "ByteLevel" in types
         self._byte_fallback = "ByteFallback" in types
         self._added = set(tokenizer.get_added_tokens_decoder())
-        self._byte_ids, self._special_ids = byte_fallback_ids(tokenizer), special_ids(tokenizer)
         self._anchor = self._find_anchor()
+        self._anchor_text = "" if self._anchor is None else self._decode([self._anchor])
         self.of = lru_cache(maxsize=1 << 16)(self._bytes)
 
     def text(self, token_id: int) -> str:
         """The token as the OpenAI API names it in logprobs."""
         return as_text(self.of(token_id))
-
-    def detokenizer(self) -> IncrementalDetokenizer:
-        """A detokenizer as the router's streams use (special tokens skipped): what it has
-        emitted before a token is where that token starts in the text."""
-        return IncrementalDetokenizer(self._tokenizer, self._byte_ids, self._special_ids)
 
     def _bytes(self, token_id: int) -> bytes:
         if token_id in self._added:
@@ -90,10 +83,9 @@ class TokenBytes:
         if self._byte_fallback and (match := _BYTE_TOKEN.fullmatch(token)):
             return bytes([int(match.group(1), 16)])
         if self._anchor is not None:
-            prefix = self._decode([self._anchor])
             both = self._decode([self._anchor, token_id])
-            if both.startswith(prefix):
-                return both[len(prefix):].encode()
+            if both.startswith(self._anchor_text):
+                return both[len(self._anchor_text):].encode()
         return self._decode([token_id]).encode()
 
     def _decode(self, ids: list[int]) -> str:

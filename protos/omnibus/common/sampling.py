@@ -25,16 +25,24 @@ _GREEDY_TEMPERATURE = 1e-5
 _SEED_MAX = 2**64 - 1
 
 
+class FieldError(ValueError):
+    """A ValueError about one field, named in `field` (the router's OpenAI errors name it)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def _int_field(name: str, value: object, allowed: str, lo: int, hi: int | None = None) -> int:
     if type(value) is int:  # the common case, without the ABC check (every request, twice)
         v = value
     # bool is an int subclass, but `max_tokens=True` is a caller bug, not a count.
     elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+        raise FieldError(name, f"{name} must be an integer {allowed}, got {value!r}")
     else:
         v = int(value)
     if v < lo or (hi is not None and v > hi):
-        raise ValueError(f"{name} must be {allowed}, got {v}")
+        raise FieldError(name, f"{name} must be {allowed}, got {v}")
     return v
 
 
@@ -42,11 +50,11 @@ def _float_field(name: str, value: object, allowed: str, ok: Callable[[float], b
     if type(value) is float or type(value) is int:  # the common cases, without the ABC check
         v = float(value)
     elif isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number {allowed}, got {value!r}")
+        raise FieldError(name, f"{name} must be a number {allowed}, got {value!r}")
     else:
         v = float(value)
     if not math.isfinite(v) or not ok(v):
-        raise ValueError(f"{name} must be a finite number {allowed}, got {v}")
+        raise FieldError(name, f"{name} must be a finite number {allowed}, got {v}")
     return v
 
 
@@ -87,7 +95,7 @@ class SamplingParams:
             put("seed", check_seed(self.seed))
         put("stop_token_ids", _stop_ids(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise FieldError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         put(
             "repetition_penalty",
             _float_field("repetition_penalty", self.repetition_penalty, "> 0", lambda v: v > 0),
@@ -136,10 +144,10 @@ _FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "igno
 def _stop_ids(value: object) -> tuple[int, ...]:
     allowed = "a list or tuple of token ids >= 0"
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be {allowed}, got {value!r}")
+        raise FieldError("stop_token_ids", f"stop_token_ids must be {allowed}, got {value!r}")
     for t in value:
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
-            raise ValueError(f"stop_token_ids must be {allowed}, got element {t!r}")
+            raise FieldError("stop_token_ids", f"stop_token_ids must be {allowed}, got element {t!r}")
     return tuple(int(t) for t in value)
 
 

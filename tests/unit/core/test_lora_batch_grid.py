@@ -20,7 +20,7 @@ def test_longest_segment_reaches_both_kernels(monkeypatch: pytest.MonkeyPatch) -
                         lambda *args, max_seg_len=None: calls.append(("expand", args[6] if len(args) > 6
                                                                       else max_seg_len)))
     slots = SimpleNamespace(device=torch.device("cpu"), targets=[frozenset({"o_proj"})] * 2,
-                            columns={"o": [("o_proj", 0, 4)]}, scales=torch.ones(1, 7, 2),
+                            columns={"o": [("o_proj", 0, 4)]}, proj_scales=[{"o_proj": torch.ones(2)}],
                             stacked=[{"o_proj": (torch.zeros(2, 2, 4), torch.zeros(2, 4, 2))}])
     # runs of one sequence each; sequences 3 and 4 share slot 1, so one 20-token segment
     batch = lora_batch.LoraBatch(slots, [(0, 3), (-1, 5), (1, 18), (1, 2)])

@@ -68,7 +68,8 @@ def offsets(tokenizer, ids: list[int]) -> tuple[list[int], str]:
     from omnibus.router.http.openai_schema import Choice, CompletionShape
     from omnibus.router.text.detokenizer import IncrementalDetokenizer
 
-    shape, choice = CompletionShape(0, False, TokenBytes(tokenizer)), Choice(0)
+    shape = CompletionShape(0, False, TokenBytes(tokenizer), lambda: IncrementalDetokenizer(tokenizer))
+    choice = Choice(0)
     logprobs = [pb.TokenLogprob(token_id=i, logprob=-1.0) for i in ids]
     detok = IncrementalDetokenizer(tokenizer)
     text = "".join(detok.push([i]) for i in ids) + detok.flush()
