@@ -333,7 +333,14 @@ class Scheduler:
             self._aborted.append(out)
             return "failed"
         seq.lora_slot = gate.slot
-        return "wait" if seq.lora_slot is None else "ok"
+        if seq.lora_slot is None:
+            return "wait"
+        if gate.salt is not None and gate.salt != seq.cache_salt:
+            # Its adapter's files were read again after it arrived (it left memory, and was
+            # rewritten): its KV will be these weights', so it is salted and hashed as theirs.
+            seq.cache_salt = gate.salt
+            seq.block_hashes.clear()
+        return "ok"
 
     def _end_waiting(self, seq: Sequence, reason: str, error: str) -> None:
         """Finish a waiting request the engine itself ends; `error` says why."""

@@ -57,10 +57,13 @@ class LoraConfig:
 class Gate:
     """The admission decision for a waiting request's adapter: ready (`slot` is pinned
     for the request until `release`), wait (still loading, or every slot pinned) or
-    error (`error` says why the request must end)."""
+    error (`error` says why the request must end). A ready gate's `salt` is the
+    fingerprint of the weights in the slot: the request's prefix-cache salt from then on
+    (it was salted when it arrived; the files may have been read again since)."""
 
     slot: int | None = None
     error: str | None = None
+    salt: str | None = None
 
     @property
     def state(self) -> str:
@@ -137,7 +140,7 @@ class LoraManager:
         if state == "failed":
             return Gate(error=str(AdapterLoadError(name, self._failed[name])))
         slot = self._acquire(name)
-        return WAIT if slot is None else Gate(slot=slot)
+        return WAIT if slot is None else Gate(slot=slot, salt=self._host[name].spec.fingerprint)
 
     def release(self, name: str) -> None:
         """Unpin the slot a ready `gate` pinned for one request."""
@@ -160,6 +163,8 @@ class LoraManager:
         were in host memory already. Raises AdapterError, UnknownAdapterError, OSError."""
         if name in self._host:
             return True
+        if name in self._loading:  # its spec is the one being read: keep its salt
+            return False
         self._spec(name)  # the name and adapter_config.json, checked before any read
         self._load_async(name)
         return False

@@ -504,3 +504,51 @@ def test_a_head_waiting_on_its_adapter_preempts_nobody(blocked_by):
             adapters.loading.clear()
     assert not s.has_unfinished() and s.num_preemptions == 0
     assert adapters.pins == 0
+
+
+class SaltedAdapters(OneSlotAdapters):
+    """The one-slot stand-in whose ready gates carry the salt of the weights it holds."""
+
+    def __init__(self, salt: str) -> None:
+        super().__init__()
+        self.salt = salt
+
+    def gate(self, name):
+        from omnibus.engine.lora.manager import Gate
+
+        gate = super().gate(name)
+        return gate if gate.slot is None else Gate(slot=gate.slot, salt=self.salt)
+
+
+def test_a_request_runs_salted_as_the_weights_its_slot_holds():
+    """A request salted with its adapter's fingerprint on arrival, whose adapter then left
+    memory and was read again from rewritten files, runs with the new weights: it must not
+    hit the old version's cached blocks, and its own blocks are cached as the new ones'."""
+    adapters = SaltedAdapters("v1")
+    s = Scheduler(SchedulerConfig(2, 64, 512), BlockAllocator(64, 4, True), make_policy("continuous"),
+                  (EOS,), adapters)
+
+    def salted(rid: str) -> Sequence:
+        sequence = seq(rid, 13, max_tokens=2)
+        sequence.adapter, sequence.cache_salt = "a", "v1"
+        return sequence
+
+    old = salted("old")
+    s.add(old)
+    run_to_end(s)
+    assert old.num_cached_tokens == 0 and adapters.pins == 0
+    again = salted("again")  # same version: a prefix hit
+    s.add(again)
+    run_to_end(s)
+    assert again.num_cached_tokens == 12
+    adapters.salt = "v2"  # the files were rewritten and read again
+    late = salted("late")  # arrived salted "v1", gated onto "v2" weights
+    s.add(late)
+    run_to_end(s)
+    assert late.cache_salt == "v2" and late.num_cached_tokens == 0
+    fresh = seq("fresh", 13, max_tokens=2)
+    fresh.adapter, fresh.cache_salt = "a", "v2"
+    s.add(fresh)
+    run_to_end(s)
+    assert fresh.num_cached_tokens == 12  # the blocks `late` computed are v2's
+    assert adapters.pins == 0

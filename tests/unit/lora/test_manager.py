@@ -75,6 +75,35 @@ def test_inventory_salts_follow_the_adapter_files_read(manager, model):
     assert manager.inventory().salts == ()
 
 
+
+def test_a_ready_gate_carries_the_salt_of_the_weights_read(manager, model):
+    """A request salted when it arrived may find its adapter read again by the time it is
+    admitted (it left host memory and its files were rewritten in between): the gate tells
+    the scheduler which version the slot holds. A load while a read runs keeps its salt."""
+    _, root = model
+    weights = root / "k-r2" / "adapter_model.safetensors"
+    st = weights.stat()
+    salt = manager.prefetch("k-r2")
+    assert manager.load("k-r2") is False  # still loading
+    try:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+        assert manager.load("k-r2") is False and manager.inventory().salts == (("k-r2", salt),)
+        gate = settle(lambda: manager.gate("k-r2"))
+        assert gate.salt == salt  # the version read, not the file now on disk
+        manager.release("k-r2")
+        for other in ("qv-r2", "mlp-r4"):  # two more fill the host tier (2): k-r2 leaves it
+            manager.prefetch(other)
+            settle(lambda: manager.ready(other) or None)
+            assert manager.place(other) is True  # and the one device slot
+        assert manager.inventory().cached == ("mlp-r4", "qv-r2")
+        new = manager.prefetch("k-r2")  # read again: the rewritten files
+        assert new != salt
+        assert settle(lambda: manager.gate("k-r2")).salt == new
+        manager.release("k-r2")
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
 def test_load_place_unload(manager):
     assert manager.load("mlp-r4") is False  # read from disk
     assert settle(lambda: manager.place("mlp-r4")) is True
