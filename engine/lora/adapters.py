@@ -2,7 +2,9 @@
 
 An adapter is a PEFT directory directly under the adapter root, named by
 `^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$`. Symlinks are resolved and must stay inside the
-root; nothing outside it is ever opened. Pickle weights are refused.
+root; nothing outside it is ever opened, nor anything but regular files. Pickle weights
+are refused, and so is every adapter_config.json with which PEFT computes something other
+than base + scale * B @ A on every token of the selected modules.
 """
 
 from __future__ import annotations
@@ -73,12 +75,17 @@ def resolve_adapter_dir(root: Path, name: str) -> Path:
 
 
 def _confined_file(root: Path, adapter_dir: Path, filename: str) -> Path | None:
+    """The file, proven to be a regular file in the adapter's own directory (a FIFO or a
+    device would block the read that follows, and with it the engine)."""
     f = adapter_dir / filename
     if not f.exists():
         return None
     real = f.resolve()
     if real.parent != adapter_dir or not real.is_relative_to(root.resolve()):
-        raise AdapterError(f"{filename} of adapter {adapter_dir.name!r} points outside the adapter root")
+        raise AdapterError(f"{filename} of adapter {adapter_dir.name!r} is a link to a file outside the "
+                           "adapter's own directory, which is refused")
+    if not real.is_file():
+        raise AdapterError(f"{filename} of adapter {adapter_dir.name!r} is not a regular file")
     return real
 
 
@@ -97,13 +104,19 @@ class AdapterSpec:
     default_rank: int = 0  # r; 0: `rank`
     default_alpha: float = 0.0
     rslora: bool = False
+    # which modules adapter_config.json selects (PEFT's check_target_module_exists); its
+    # tensors must lie within them
+    selection: "_Selection | None" = None
+
+    def selects(self, layer: int, proj: str) -> bool:
+        return self.selection is None or self.selection.selects(_module_path(layer, proj))
 
     def module_rank_scale(self, layer: int, proj: str) -> tuple[int, float]:
         """The rank and scale of one module, as PEFT gives them: the first rank_pattern
         (alpha_pattern) key that matches the end of the module's path, else r (lora_alpha)."""
         if not self.rank_pattern and not self.alpha_pattern:
             return self.rank, self.scale
-        path = f"model.layers.{layer}.{'self_attn' if proj in FUSED['qkv'] + FUSED['o'] else 'mlp'}.{proj}"
+        path = _module_path(layer, proj)
         rank = _pattern_value(self.rank_pattern, path, self.default_rank)
         alpha = _pattern_value(self.alpha_pattern, path, self.default_alpha)
         return rank, float(alpha) / (math.sqrt(rank) if self.rslora else rank)
@@ -135,10 +148,17 @@ class AdapterSpec:
     def _from_config(cls, name: str, weights: Path, raw: dict, max_rank: int, cfg_version: str) -> "AdapterSpec":
         if raw.get("peft_type", "LORA") != "LORA":
             raise AdapterError(f"adapter {name!r} is {raw.get('peft_type')!r}, only LORA is supported")
-        for unsupported in ("use_dora", "modules_to_save", "lora_bias"):
+        for unsupported, what in _UNSUPPORTED.items():
             if raw.get(unsupported):
-                raise AdapterError(f"adapter {name!r} uses {unsupported}, which is not supported")
-        rank, alpha = raw.get("r"), raw.get("lora_alpha", raw.get("r"))
+                raise AdapterError(f"adapter {name!r} uses {unsupported} ({what}), which Omnibus does not serve")
+        init = raw.get("init_lora_weights")
+        if isinstance(init, str) and init.lower().startswith(_INITS_THAT_CHANGE_THE_BASE):
+            raise AdapterError(
+                f"adapter {name!r} has init_lora_weights={init!r}: loading it changes the base model's "
+                "weights, which a shared base cannot do; convert it to a plain LoRA first (PEFT: "
+                "save_pretrained(..., path_initial_model_for_weight_conversion=...))")
+        # PEFT's defaults when the keys are absent (LoraConfig: r=8, lora_alpha=8)
+        rank, alpha = raw.get("r", _PEFT_DEFAULT_R), raw.get("lora_alpha", _PEFT_DEFAULT_ALPHA)
         if not _is_rank(rank):
             raise AdapterError(f"adapter {name!r} has an invalid rank r={rank!r}")
         if not _is_alpha(alpha):
@@ -154,7 +174,109 @@ class AdapterSpec:
         st = weights.stat()
         fingerprint = f"{name}@{st.st_size}:{st.st_mtime_ns}+{cfg_version}"
         return cls(name, weights, largest, scale, fingerprint,
-                   ranks, alphas, rank, float(alpha), rslora)
+                   ranks, alphas, rank, float(alpha), rslora, _Selection.read(name, raw))
+
+
+_PEFT_DEFAULT_R = _PEFT_DEFAULT_ALPHA = 8
+# adapter_config.json fields that change what the adapter computes in ways this engine does not
+_UNSUPPORTED = {
+    "use_dora": "weight-decomposed LoRA", "modules_to_save": "fully trained copies of modules",
+    "lora_bias": "a bias on lora_B", "alora_invocation_tokens": "activated LoRA, applied from its "
+    "invocation tokens on", "layer_replication": "a re-ordered or repeated stack of base layers",
+    "use_bdlora": "block-diagonal LoRA", "trainable_token_indices": "trained token embeddings",
+    "kasa_config": "KaSA", "velora_config": "VeLoRA", "monteclora_config": "MonteCLoRA",
+    "arrow_config": "Arrow routing among adapters",
+}
+# init_lora_weights values with which PEFT rewrites the base model's weights on load
+_INITS_THAT_CHANGE_THE_BASE = ("pissa", "olora", "corda", "loftq")
+
+
+def _module_path(layer: int, proj: str) -> str:
+    return f"model.layers.{layer}.{'self_attn' if proj in FUSED['qkv'] + FUSED['o'] else 'mlp'}.{proj}"
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """target_modules, exclude_modules, layers_to_transform and layers_pattern, matched
+    against a module path as PEFT matches them (peft.tuners.tuners_utils.
+    check_target_module_exists)."""
+
+    targets: str | tuple[str, ...]
+    exclude: str | tuple[str, ...] = ()
+    layers: int | tuple[int, ...] | None = None
+    layers_pattern: tuple[str, ...] = ()
+
+    @classmethod
+    def read(cls, name: str, raw: dict) -> "_Selection | None":
+        """None when the tensors cannot be checked against the config: no target_modules,
+        or target_parameters (which adapts parameters, not modules)."""
+        targets = raw.get("target_modules")
+        if targets is None or raw.get("target_parameters"):
+            return None
+        if isinstance(targets, str) and targets.lower() == "all-linear":
+            targets = PROJECTIONS
+        exclude = raw.get("exclude_modules") or []
+        if not isinstance(exclude, str):
+            if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
+                raise AdapterError(f"adapter {name!r}: exclude_modules must be a list of module names or a regex")
+            exclude = tuple(exclude)
+        else:
+            _regex(name, "exclude_modules", exclude)
+        layers = raw.get("layers_to_transform")
+        if isinstance(layers, list) and all(_is_index(i) for i in layers):
+            layers = tuple(layers) or None
+        elif layers is not None and not _is_index(layers):
+            raise AdapterError(f"adapter {name!r}: layers_to_transform must be a layer index or a list of them")
+        pattern = raw.get("layers_pattern") or ()
+        pattern = (pattern,) if isinstance(pattern, str) else pattern
+        if not isinstance(pattern, (list, tuple)) or not all(isinstance(p, str) for p in pattern):
+            raise AdapterError(f"adapter {name!r}: layers_pattern must be a name or a list of them")
+        for p in pattern:
+            _regex(name, "layers_pattern", p)
+        # as PEFT's LoraConfig refuses them
+        if isinstance(targets, str) and (raw.get("layers_to_transform") is not None or raw.get("layers_pattern") is not None):
+            raise AdapterError(f"adapter {name!r}: layers_to_transform and layers_pattern cannot be used "
+                               "with a target_modules regex string")
+        if pattern and raw.get("layers_to_transform") is None:
+            raise AdapterError(f"adapter {name!r}: layers_pattern needs layers_to_transform")
+        return cls(targets if isinstance(targets, str) else tuple(targets), exclude, layers, tuple(pattern))
+
+    def selects(self, path: str) -> bool:
+        if isinstance(self.exclude, str):
+            if re.fullmatch(self.exclude, path):
+                return False
+        elif path in self.exclude or any(path.endswith(f".{e}") for e in self.exclude):
+            return False
+        if isinstance(self.targets, str):
+            return re.fullmatch(self.targets, path) is not None
+        if path in self.targets:
+            return True
+        if not any(path.endswith(f".{t}") for t in self.targets):
+            return False
+        if self.layers is None:
+            return True
+        match = None
+        if not self.layers_pattern:
+            match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", path)
+        for pattern in self.layers_pattern:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", path)
+            if match is not None:
+                break
+        if match is None:
+            return False
+        index = int(match.group("idx"))
+        return index == self.layers if isinstance(self.layers, int) else index in self.layers
+
+
+def _is_index(i: object) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool) and i >= 0
+
+
+def _regex(name: str, field: str, pattern: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise AdapterError(f"adapter {name!r}: {field} {pattern!r} is not a valid regex: {exc}") from None
 
 
 def _is_rank(r: object) -> bool:
@@ -192,8 +314,8 @@ def _pattern_value(patterns: tuple[tuple[str, object], ...], path: str, default)
 def _check_targets(name: str, targets: object) -> None:
     """Refuses target_modules naming a module other than the 7 projections, in any form
     PEFT saves: a list of names or of module paths ("all-linear" is saved as the paths it
-    found), or a regex string (whose matches the tensors show). Which projections of which
-    layers an adapter adapts is read from its tensors, not from here."""
+    found), or a regex string. Which projections of which layers an adapter adapts is read
+    from its tensors, which must lie within what the config selects (_Selection)."""
     if targets is None:
         return
     if isinstance(targets, str):  # "all-linear", one name, or a regex: all compile
@@ -237,10 +359,15 @@ def load_adapter_weights(spec: AdapterSpec, cfg: ModelConfig, dtype: torch.dtype
         for key in f.keys():
             m = _KEY_RE.fullmatch(key)
             if m is None or m.group(2) not in PROJECTIONS:
-                raise AdapterError(f"adapter {spec.name!r}: unexpected tensor {key!r}")
+                raise AdapterError(_unexpected(spec.name, key))
             layer, proj, ab = int(m.group(1)), m.group(2), m.group(3)
             if layer >= cfg.num_layers:
                 raise AdapterError(f"adapter {spec.name!r} has layer {layer}, the base model has {cfg.num_layers}")
+            if not spec.selects(layer, proj):
+                raise AdapterError(
+                    f"adapter {spec.name!r} holds weights for {_module_path(layer, proj)}, a module its "
+                    "adapter_config.json does not select (target_modules, exclude_modules, "
+                    "layers_to_transform); PEFT would ignore them: remove them or correct the config")
             parts.setdefault((layer, proj), {})[ab] = f.get_tensor(key)
     tensors = {}
     scales = torch.zeros(cfg.num_layers, len(PROJECTIONS), dtype=torch.float32)
@@ -258,6 +385,14 @@ def load_adapter_weights(spec: AdapterSpec, cfg: ModelConfig, dtype: torch.dtype
     if not tensors:
         raise AdapterError(f"adapter {spec.name!r} holds no LoRA weights")
     return AdapterWeights(spec, tensors, pinned(scales, device))
+
+
+def _unexpected(name: str, key: str) -> str:
+    if key.endswith(".base_layer.bias") or key.endswith(".bias") and ".lora_" not in key:
+        return (f"adapter {name!r} holds a trained base-model bias ({key!r}; bias='all' or 'lora_only' "
+                "in adapter_config.json), which Omnibus does not serve: only LoRA's A and B weights")
+    return (f"adapter {name!r}: unexpected tensor {key!r}; Omnibus serves plain LoRA, the lora_A and "
+            f"lora_B weights of {', '.join(PROJECTIONS)}")
 
 
 def list_adapter_names(root: Path) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,7 +225,7 @@ def test_symlink_escaping_root_opens_nothing_outside(setup, tmp_path, monkeypatc
     monkeypatch.setattr("builtins.open", spy_open)
     with pytest.raises(UnknownAdapterError):
         engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="escape")
-    with pytest.raises(AdapterError, match="outside the adapter root"):
+    with pytest.raises(AdapterError, match="outside the adapter's own directory"):
         engine.add_request("y", [5], SamplingParams(max_tokens=1), adapter="filelink")
     assert not any(p.startswith(str(outside.resolve())) for p in opened)
 
@@ -277,14 +278,21 @@ def test_host_tier_as_small_as_the_slots_keeps_a_new_adapter(setup):
         assert out == expected(oracles, adapter, prompt, n)
 
 
-def test_unreadable_adapter_config_is_a_clear_error(setup, tmp_path):
-    base, _, _ = setup
-    bad = tmp_path / "root" / "dirconfig"
-    (bad / "adapter_config.json").mkdir(parents=True)  # a directory where a file should be
-    (bad / "adapter_model.safetensors").write_bytes(b"")
+@pytest.mark.parametrize("file", ["adapter_config.json", "adapter_model.safetensors"])
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_an_adapter_file_that_is_not_a_regular_file_is_refused_unread(setup, tmp_path, file, kind):
+    """A FIFO's read blocks until a writer comes (safetensors' holding the GIL: the whole
+    step loop froze, while health checks still said SERVING); a directory cannot be read."""
+    base, adapters_dir, _ = setup
+    bad = tmp_path / "root" / "odd"
+    bad.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if name != file:
+            (bad / name).write_bytes((adapters_dir / "a-r2" / name).read_bytes())
+    (bad / file).mkdir() if kind == "directory" else os.mkfifo(bad / file)
     engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(tmp_path / "root")))
-    with pytest.raises(AdapterError, match="cannot be read"):
-        engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="dirconfig")
+    with pytest.raises(AdapterError, match=f"{file} of adapter 'odd' is not a regular file"):
+        engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="odd")
 
 
 def test_a_slot_refilled_with_a_smaller_adapter_keeps_nothing_of_the_old_one(setup):
@@ -423,3 +431,91 @@ def test_an_adapter_rewritten_on_disk_never_mixes_its_versions_in_the_prefix_cac
     assert run(engine, [("x", prompt, 6)]) == [expected({"x": v1}, "x", prompt, 6)]  # still loaded
     assert engine.adapters.unload("x")
     assert run(engine, [("x", prompt, 6)]) == [expected({"x": v2}, "x", prompt, 6)]
+
+
+def _config_edit(src: Path, dst: Path, **changes) -> Path:
+    """A copy of adapter `src` with adapter_config.json's keys changed (None: removed)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "adapter_config.json").read_text())
+    for key, value in changes.items():
+        raw.pop(key, None) if value is None else raw.__setitem__(key, value)
+    (dst / "adapter_config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def test_a_config_without_lora_alpha_gets_peft_s_default(setup, tmp_path):
+    """PEFT reads a missing lora_alpha as 8 (LoraConfig's default), not as r."""
+    import peft
+
+    base, adapters_dir, _ = setup
+    root = tmp_path / "root"
+    _config_edit(adapters_dir / "a-r2", root / "noalpha", lora_alpha=None)
+    oracle = peft.PeftModel.from_pretrained(load_hf(base), root / "noalpha").eval()
+    assert oracle.base_model.model.model.layers[0].self_attn.q_proj.scaling["default"] == 8 / 2
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(root)))
+    prompt = [9, 40, 41, 77, 5]
+    assert run(engine, [("noalpha", prompt, 6)]) == [expected({"noalpha": oracle}, "noalpha", prompt, 6)]
+
+
+@pytest.mark.parametrize(("changes", "error"), [
+    ({"alora_invocation_tokens": [40, 41]}, "uses alora_invocation_tokens \\(activated LoRA"),
+    ({"layer_replication": [[1, 2], [0, 1]]}, "uses layer_replication"),
+    ({"use_bdlora": {"nblocks": 2}}, "uses use_bdlora"),
+    ({"trainable_token_indices": [5, 6]}, "uses trainable_token_indices"),
+    ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa': loading it changes the base"),
+    ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights='pissa_niter_4'"),
+    ({"init_lora_weights": "olora"}, "init_lora_weights='olora'"),
+    ({"exclude_modules": 3}, "exclude_modules must be"),
+    ({"layers_to_transform": ["0"]}, "layers_to_transform must be"),
+])  # fmt: skip
+def test_configs_peft_would_serve_differently_are_refused(setup, tmp_path, changes, error):
+    """Each of these makes PEFT compute something else than base + B·A on every token."""
+    base, adapters_dir, _ = setup
+    _config_edit(adapters_dir / "a-r2", tmp_path / "root" / "bad", **changes)
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(tmp_path / "root")))
+    with pytest.raises(AdapterError, match=error):
+        engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter="bad")
+
+
+def _load_error(engine: Engine, adapter: str) -> str:
+    engine.add_request("x", [5], SamplingParams(max_tokens=1), adapter=adapter)
+    outs = []
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        outs += engine.step()
+        time.sleep(0.002)
+    engine.check_integrity()
+    assert [o.finish_reason for o in outs] == ["abort"]
+    return outs[0].error
+
+
+@pytest.mark.parametrize(("changes", "module"), [
+    ({"target_modules": ["q_proj"]}, "model.layers.0.self_attn.v_proj"),  # a-r2 adapts q and v
+    ({"exclude_modules": ["v_proj"]}, "model.layers.0.self_attn.v_proj"),
+    ({"exclude_modules": r".*\.1\.self_attn\.q_proj"}, "model.layers.1.self_attn.q_proj"),
+    ({"layers_to_transform": [0]}, "model.layers.1.self_attn.q_proj"),
+])  # fmt: skip
+def test_weights_of_modules_the_config_does_not_select_are_refused(setup, tmp_path, changes, module):
+    """PEFT ignores them; serving them was silently another adapter."""
+    base, adapters_dir, _ = setup
+    _config_edit(adapters_dir / "a-r2", tmp_path / "root" / "extra", **changes)
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(tmp_path / "root")))
+    assert f"holds weights for {module}, a module its adapter_config.json does not select" in _load_error(
+        engine, "extra")
+
+
+def test_trained_base_biases_are_named_in_the_refusal(setup, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    base, adapters_dir, _ = setup
+    bad = tmp_path / "root" / "biased"
+    shutil.copytree(adapters_dir / "a-r2", bad)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.base_layer.bias"] = torch.zeros(64)
+    save_file(tensors, bad / "adapter_model.safetensors")
+    engine = Engine(EngineConfig(model=str(base), dtype="float32", adapter_dir=str(tmp_path / "root")))
+    assert "holds a trained base-model bias" in _load_error(engine, "biased")
