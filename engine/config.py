@@ -13,10 +13,13 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+from omnibus.common.checkpoint import architecture, context_length, max_positions
+
 LOAD_FORMATS = ("safetensors", "dummy", "null")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BATCHING_POLICIES = ("continuous", "dynamic", "static", "none")
+# transformers' num_key_value_heads when config.json has no such key (null: num_attention_heads)
+_DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32}
 
 
 class ModelLoadError(ValueError):
@@ -74,19 +77,18 @@ class ModelConfig:
             raw = json.loads(file.read_text())
         except json.JSONDecodeError as exc:
             raise ModelLoadError(f"{file} is not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{file} is not a JSON object")
         cfg = cls.from_dict(raw)
         generation = _generation_eos(path / "generation_config.json")
-        if generation:
-            cfg = replace(cfg, eos_token_ids=tuple(dict.fromkeys((*cfg.eos_token_ids, *generation))))
-        return cfg
+        return cfg if generation is None else replace(cfg, eos_token_ids=generation)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
-        model_type = raw.get("model_type", "")
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        try:
+            model_type = architecture(raw)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
         act = raw.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # the MLP is SwiGLU (kernels.fused silu_and_mul)
             raise ModelLoadError(f"unsupported hidden_act {act!r}; supported: silu")
@@ -94,7 +96,7 @@ class ModelConfig:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
             eos_ids = _eos_ids(raw.get("eos_token_id"), "config.json")
-            rope = raw.get("rope_parameters") or {}
+            rope_theta, rope_scaling = _parse_rope(raw, max_positions(raw))
             cfg = cls(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
@@ -102,12 +104,13 @@ class ModelConfig:
                 intermediate_size=int(raw["intermediate_size"]),
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=num_heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                num_kv_heads=int(raw.get("num_key_value_heads", _DEFAULT_KV_HEADS.get(model_type))
+                                 or num_heads),
                 head_dim=int(raw.get("head_dim") or hidden // num_heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-                rope_scaling=_parse_rope_scaling(raw.get("rope_scaling") or rope),
-                max_position_embeddings=_max_len(raw, model_type),
+                rope_theta=rope_theta,
+                rope_scaling=rope_scaling,
+                max_position_embeddings=context_length(raw),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 qkv_bias=model_type == "qwen2" or (model_type == "llama" and bool(raw.get("attention_bias"))),
                 o_bias=model_type == "llama" and bool(raw.get("attention_bias")),
@@ -116,6 +119,8 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             )
+        except ModelLoadError:
+            raise
         except KeyError as exc:
             raise ModelLoadError(f"config.json lacks required field {exc.args[0]!r}") from exc
         except (TypeError, ValueError, ZeroDivisionError) as exc:
@@ -127,6 +132,11 @@ class ModelConfig:
         bad = [f"{k}={v}" for k, v in sizes.items() if v < 1]
         if bad:
             raise ModelLoadError(f"config.json sizes must be positive: {', '.join(bad)}")
+        if cfg.head_dim % 2:
+            raise ModelLoadError(
+                f"head_dim is {cfg.head_dim}: rotary embeddings rotate pairs of channels and need an even "
+                "head_dim (hidden_size / num_attention_heads unless config.json sets head_dim)"
+            )
         if cfg.num_heads % cfg.num_kv_heads:
             raise ModelLoadError(
                 f"num_attention_heads ({cfg.num_heads}) must be a multiple of "
@@ -143,13 +153,13 @@ def _eos_ids(value: object, source: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _generation_eos(file: Path) -> tuple[int, ...]:
-    """The end-of-sequence ids of generation_config.json, if there is one. Instruct
-    checkpoints often list their end-of-turn token only there (Llama 3's <|eot_id|>), and
-    transformers' generate stops at them, so the engine stops at these as well as at
-    config.json's."""
+def _generation_eos(file: Path) -> tuple[int, ...] | None:
+    """The end-of-sequence ids of generation_config.json; None when there is no such file.
+    As in transformers' generate, where the file exists its ids are the ones generation
+    stops at (none if it lists none), whatever config.json says: instruct checkpoints
+    often list their end-of-turn token only there (Llama 3's <|eot_id|>)."""
     if not file.is_file():
-        return ()
+        return None
     try:
         raw = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -159,32 +169,40 @@ def _generation_eos(file: Path) -> tuple[int, ...]:
     return _eos_ids(raw.get("eos_token_id"), str(file))
 
 
-def _max_len(raw: dict, model_type: str) -> int:
-    """Context limit. A sliding window is not implemented, so it caps the context
-    instead: within the window, full attention and sliding-window attention agree."""
-    max_len = int(raw.get("max_position_embeddings", 2048))
-    window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", model_type == "mistral")
-    if window and uses_window:
-        max_len = min(max_len, int(window))
-    return max_len
-
-
-def _parse_rope_scaling(raw: dict) -> RopeScaling:
-    kind = raw.get("rope_type") or raw.get("type") or "default"
+def _parse_rope(raw: dict, max_positions: int) -> tuple[float, RopeScaling]:
+    """rope_theta and the scaling variant, as transformers standardizes them: a legacy
+    `rope_scaling` dict replaces `rope_parameters`; rope_theta is the dict's, else the
+    top-level one, else 10000; llama3's original_max_position_embeddings is a top-level
+    one when config.json has it (transformers gives that priority), else the dict's, else
+    max_position_embeddings. Values that make the frequencies infinite or NaN are refused."""
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if not theta > 0:
+        raise ModelLoadError(f"config.json rope_theta must be positive, got {theta}")
+    kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "default":
-        return RopeScaling()
+        return theta, RopeScaling()
+    if kind not in ("linear", "llama3"):
+        raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    required = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")
+    missing = [key for key in required if key not in rope]
+    if missing:
+        raise ModelLoadError(
+            f"{kind} rope scaling needs {', '.join(missing)} in config.json's rope parameters")
+    factor = float(rope["factor"])
+    if not factor > 0:
+        raise ModelLoadError(f"config.json rope scaling factor must be positive, got {factor}")
     if kind == "linear":
-        return RopeScaling(kind="linear", factor=float(raw["factor"]))
-    if kind == "llama3":
-        return RopeScaling(
-            kind="llama3",
-            factor=float(raw["factor"]),
-            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
-        )
-    raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+        return theta, RopeScaling(kind="linear", factor=factor)
+    original = raw.get("original_max_position_embeddings",
+                       rope.get("original_max_position_embeddings", max_positions))
+    return theta, RopeScaling(
+        kind="llama3",
+        factor=factor,
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(original),
+    )
 
 
 @dataclass(frozen=True)

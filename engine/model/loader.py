@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import structlog
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from omnibus.engine.config import ModelConfig, ModelLoadError
 from omnibus.engine.model.llama import LlamaForCausalLM
@@ -26,23 +27,29 @@ _FUSED = {
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+log = structlog.get_logger(__name__)
+
 
 def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory, or a ModelLoadError saying why not."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
-        files = sorted({path / name for name in weight_map.values()})
-        for f in files:
-            if f.parent != path or not f.is_file():
-                raise ModelLoadError(f"shard {f.name} listed in {index.name} is missing from {path}")
-        return files
+    """The safetensors files of a checkpoint directory, or a ModelLoadError saying why not.
+    A model.safetensors is read even next to an index (transformers looks for it first)."""
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [path / name for name in names]
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
+        for name, f in zip(names, files):
+            if Path(name).is_absolute() or ".." in Path(name).parts:  # never opened
+                raise ModelLoadError(
+                    f"shard {name!r} listed in {index.name} points outside the model directory {path}")
+            if not f.is_file():
+                raise ModelLoadError(f"shard {f.name} listed in {index.name} is missing from {path}")
+        return files
     if any(path.glob("*.bin")) or any(path.glob("*.pt")):
         raise ModelLoadError(
             f"{path} holds a pickle checkpoint (*.bin/*.pt), which is refused because loading it can "
@@ -91,9 +98,12 @@ def load_model(cfg: ModelConfig, path: str | Path, dtype: torch.dtype, device: t
 
     def tensors():
         for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+            except (SafetensorError, OSError) as exc:  # truncated or corrupt: name the file
+                raise ModelLoadError(f"{file} is not a readable safetensors file: {exc}") from exc
 
     load_weights(model, tensors(), str(path))
     return model
@@ -103,15 +113,40 @@ def load_weights(model: LlamaForCausalLM, tensors, source: str = "state dict") -
     """Fill every parameter from (HF name, tensor) pairs; refuse unknown, misshapen or missing ones."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    head = None  # a tied model's stored lm_head.weight, settled once the embeddings are in
     for name, tensor in tensors:
-        if not name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(_IGNORED_SUFFIXES):
+            continue
+        if model.cfg.tie_word_embeddings and _target(name)[0] == "lm_head.weight":
+            head = tensor
+        else:
             _copy(model, params, name, tensor, loaded)
-    if model.cfg.tie_word_embeddings:
-        loaded.add("lm_head.weight")
+    if head is not None:
+        _tie_or_untie(model, head, loaded, source)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ModelLoadError(f"checkpoint {source} lacks weights for: {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _tie_or_untie(model: LlamaForCausalLM, head: torch.Tensor, loaded: set[str], source: str) -> None:
+    """A tied model's checkpoint that stores lm_head.weight, as transformers loads it: with
+    no embedding table stored the head is both; equal to the table, nothing changes;
+    different, the two are untied and each is used as stored (config.json is wrong)."""
+    embed = model.embed_tokens.weight
+    if tuple(head.shape) != tuple(embed.shape):
+        raise ModelLoadError(f"shape mismatch for lm_head.weight: checkpoint has {tuple(head.shape)}, "
+                             f"config.json implies {tuple(embed.shape)}")
+    head = head.to(embed.device, embed.dtype)
+    if "embed_tokens.weight" not in loaded:
+        embed.data.copy_(head)
+        loaded.add("embed_tokens.weight")
+    elif not torch.equal(embed.data, head):
+        log.warning("tied_lm_head_differs", checkpoint=source,
+                    detail="config.json sets tie_word_embeddings but the checkpoint stores an lm_head.weight "
+                           "unlike the embeddings; serving both as stored, as transformers does (set "
+                           "tie_word_embeddings to false to silence this)")
+        model.lm_head.weight = torch.nn.Parameter(head)
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
@@ -131,8 +166,6 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max
 def _copy(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], name: str,
           tensor: torch.Tensor, loaded: set[str]) -> None:
     target, idx = _target(name)
-    if target == "lm_head.weight" and model.cfg.tie_word_embeddings:
-        return  # tied: some checkpoints store the duplicate anyway
     param = params.get(target)
     if param is None:
         raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (not a {model.cfg.model_type} weight)")

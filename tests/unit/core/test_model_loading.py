@@ -139,6 +139,7 @@ def test_rope_scaling_parsed():
     base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
                 num_hidden_layers=1, num_attention_heads=2)
     cfg = ModelConfig.from_dict(base | {"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                          "original_max_position_embeddings": 8192}})
     assert cfg.rope_scaling.kind == "llama3" and cfg.rope_scaling.factor == 8.0
     with pytest.raises(ModelLoadError, match="unsupported rope scaling 'yarn'"):
@@ -169,6 +170,37 @@ def test_generation_config_eos_ids_stop_generation_as_in_transformers(ckpt, tmp_
     ids = torch.tensor([prompt])
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert out[0, len(prompt):].tolist() == stopped
+
+
+@pytest.mark.parametrize("case", ["generation lists another", "generation lists none", "no generation config"])
+def test_the_eos_ids_are_the_ones_transformers_generate_stops_at(ckpt, tmp_path, case):
+    """generation_config.json's eos_token_id, where that file exists, replaces config.json's
+    (it was their union: the engine stopped where transformers goes on)."""
+    from omnibus.engine.worker.sampling import SamplingParams
+    from tests.checkpoints import load_hf
+
+    model = copy(ckpt, tmp_path)
+    prompt = [5, 6, 7, 8]
+    free = Engine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=32))
+    (tokens,) = free.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    fresh = [t for i, t in enumerate(tokens) if t not in tokens[:i]]
+    early, late = fresh[1], fresh[-1]  # config.json's id comes first, generation's later
+    raw = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(raw | {"eos_token_id": early}))
+    generation = model / "generation_config.json"
+    if case == "no generation config":
+        generation.unlink()
+    else:
+        gen = {k: v for k, v in json.loads(generation.read_text()).items() if k != "eos_token_id"}
+        generation.write_text(json.dumps(gen | ({"eos_token_id": [late]} if case == "generation lists another" else {})))
+    engine = Engine(EngineConfig(model=str(model), dtype="float32", num_kv_blocks=32))
+    (stopped,) = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
+    hf = load_hf(model)
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert stopped == out[0, len(prompt):].tolist()
+    stop = {"generation lists another": late, "generation lists none": None, "no generation config": early}[case]
+    assert stopped == (tokens if stop is None else tokens[: tokens.index(stop) + 1])
 
 
 @pytest.mark.parametrize(("content", "error"), [

@@ -1,0 +1,70 @@
+"""A checkpoint's context length, read from its config.json as transformers reads it
+(torch-free): the router advertises and checks the context the engines serve.
+
+transformers' per-architecture defaults apply to keys config.json leaves out
+(LlamaConfig, MistralConfig, Qwen2Config in transformers 5). Every refusal is a
+ValueError saying what is wrong.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "architecture", "context_length", "max_positions", "sliding_window"]
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
+_DEFAULT_WINDOW = 4096  # MistralConfig's and Qwen2Config's sliding_window
+_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config: layers from this index on slide
+
+
+def architecture(raw: dict) -> str:
+    """config.json's model_type, if Omnibus serves it."""
+    kind = raw.get("model_type")
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    if not kind:
+        raise ValueError(f"config.json has no model_type; supported: {supported}")
+    if kind not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {kind!r}; supported: {supported}")
+    return kind
+
+
+def max_positions(raw: dict) -> int:
+    """max_position_embeddings, or the architecture's default when config.json has none."""
+    return int(raw.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[architecture(raw)]))
+
+
+def sliding_window(raw: dict) -> int | None:
+    """The attention window of the layers that slide; None when every layer attends to
+    the whole context. Llama has none. Mistral applies `sliding_window` (default 4096;
+    null: none) to every layer and has no `use_sliding_window` switch. Qwen2 slides only
+    with `use_sliding_window`, on the layers `layer_types` marks "sliding_attention"
+    (by default those from `max_window_layers` on)."""
+    kind = architecture(raw)
+    if kind == "llama":
+        return None
+    window = raw.get("sliding_window", _DEFAULT_WINDOW)
+    if kind == "qwen2":
+        if not raw.get("use_sliding_window", False):
+            return None  # transformers sets sliding_window to None: no layer slides
+        layers = raw.get("layer_types")
+        if layers is not None:
+            slides = "sliding_attention" in layers
+        else:
+            first = int(raw.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
+            slides = first < int(raw["num_hidden_layers"])
+        if not slides:
+            return None
+    if window is None:
+        return None
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens or null, got {window}")
+    return window
+
+
+def context_length(raw: dict) -> int:
+    """Most tokens (prompt + output) one sequence may hold. Sliding-window attention is
+    not implemented, so the window caps the context: within it, sliding-window and full
+    attention are the same computation."""
+    length = max_positions(raw)
+    window = sliding_window(raw)
+    return length if window is None else min(length, window)
