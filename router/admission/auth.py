@@ -50,7 +50,9 @@ class Tenant:
 
 
 def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode()).digest()
+    # surrogateescape: an HTTP header's bytes that are not UTF-8 come as lone surrogates
+    # (aiohttp's decoding); they digest as those bytes, so such a key is just a wrong key.
+    return hashlib.sha256(key.encode(errors="surrogateescape")).digest()
 
 
 class KeyStore:

@@ -59,6 +59,25 @@ class TokenBucket:
         self._last = now
 
 
+@dataclass(frozen=True)
+class Cost:
+    """What a request may take from its tenant's budget: `choices` requests run side by
+    side (HTTP's n), each its prompt (an Embed request's inputs) + max_tokens."""
+
+    prompt: int  # tokens of the prompt, or of every input of an Embed request
+    max_tokens: int = 0  # the most each choice may generate; 0: an Embed request
+    choices: int = 1
+
+    @property
+    def each(self) -> int:
+        """Tokens one choice may span."""
+        return self.prompt + self.max_tokens
+
+    @property
+    def total(self) -> int:
+        return self.each * self.choices
+
+
 @dataclass
 class _TenantUsage:
     active: int = 0  # requests admitted and not yet released
@@ -76,9 +95,10 @@ class Permit(Protocol):
 class SharedLimits(Protocol):
     """Tenant limits counted for every router (router/admission/store.py)."""
 
-    async def acquire(self, tenant: Tenant, cost: int) -> Permit | None:
-        """A permit, or RequestError(RESOURCE_EXHAUSTED) over a limit; None when the
-        store is unreachable and the router should fall back to its own limits."""
+    async def acquire(self, tenant: Tenant, cost: Cost) -> list[Permit] | None:
+        """One permit per choice, all taken at once, or RequestError(RESOURCE_EXHAUSTED)
+        over a limit; None when the store is unreachable and the router should fall back
+        to its own limits."""
 
 
 class LocalPermit:
@@ -121,51 +141,52 @@ class Admission:
         return usage.active if usage else 0
 
     async def admit(
-        self, tenant: Tenant, cost: int, queued_requests: int, queued_tokens: int, choices: int = 1
-    ) -> Permit:
-        """Admits a request costing `cost` tokens (prompt + max_tokens) given what is
-        queued now, or raises RequestError: INVALID_ARGUMENT when the tenant's limits could
-        never admit it (with the `choices` - 1 others of its HTTP request, which run beside
-        it), RESOURCE_EXHAUSTED over a limit now, UNAVAILABLE when the shared store is down
-        and the router fails closed."""
-        never = never_admitted(tenant, cost, choices)
+        self, tenant: Tenant, cost: Cost, queued_requests: int, queued_tokens: int
+    ) -> list[Permit]:
+        """Admits the `cost.choices` requests of one client request together, given what
+        is queued now: one permit per choice, or none at all (nothing charged) when any
+        limit refuses. Raises RequestError: INVALID_ARGUMENT when the tenant's limits could
+        never admit them, RESOURCE_EXHAUSTED over a limit now, UNAVAILABLE when the shared
+        store is down and the router fails closed."""
+        never = never_admitted(tenant, cost)
         if never is not None:
             raise never
         if self._shared is not None:
             self._check_queue(cost, queued_requests, queued_tokens)
-            permit = await self._shared.acquire(tenant, cost)
-            if permit is not None:
-                return permit
+            permits = await self._shared.acquire(tenant, cost)
+            if permits is not None:
+                return permits
         return self.admit_local(tenant, cost, queued_requests, queued_tokens)
 
     def admit_local(
-        self, tenant: Tenant, cost: int, queued_requests: int, queued_tokens: int
-    ) -> LocalPermit:
+        self, tenant: Tenant, cost: Cost, queued_requests: int, queued_tokens: int
+    ) -> list[LocalPermit]:
         """`admit` counting in this router's memory only."""
         usage = self._usage(tenant)
         limit = tenant.limits.max_concurrent
-        if limit and usage.active >= limit:
-            raise concurrency_refusal(tenant)
+        if limit and usage.active + cost.choices > limit:
+            raise concurrency_refusal(tenant, cost)
         self._check_queue(cost, queued_requests, queued_tokens)
         if usage.bucket is not None:
-            wait = usage.bucket.take(cost)
+            wait = usage.bucket.take(cost.total)
             if wait:
                 raise budget_refusal(tenant, cost, wait, usage.bucket.level)
-        usage.active += 1
-        return LocalPermit(usage, cost)
+        usage.active += cost.choices
+        return [LocalPermit(usage, cost.each) for _ in range(cost.choices)]
 
-    def _check_queue(self, cost: int, queued_requests: int, queued_tokens: int) -> None:
-        if queued_requests >= self._max_requests:
+    def _check_queue(self, cost: Cost, queued_requests: int, queued_tokens: int) -> None:
+        adds = f", this request adds {cost.choices}" if cost.choices > 1 else ""
+        if queued_requests + cost.choices > self._max_requests:
             raise _exhausted(
-                f"server overloaded, retry later ({queued_requests} requests are queued, "
+                f"server overloaded, retry later ({queued_requests} requests are queued{adds}, "
                 f"the limit is {self._max_requests})",
                 "overloaded",
             )
         # An empty queue takes any request, or one larger than the cap could never run.
-        if queued_requests and queued_tokens + cost > self._max_tokens:
+        if queued_requests and queued_tokens + cost.total > self._max_tokens:
             raise _exhausted(
                 f"server overloaded, retry later ({queued_tokens} tokens are queued, this "
-                f"request adds {cost}, the limit is {self._max_tokens})",
+                f"request adds {cost.total}, the limit is {self._max_tokens})",
                 "overloaded",
             )
 
@@ -178,42 +199,64 @@ class Admission:
         return usage
 
 
-def concurrency_refusal(tenant: Tenant) -> RequestError:
+def concurrency_refusal(tenant: Tenant, cost: Cost) -> RequestError:
+    side = f" (this request runs {cost.choices} choices side by side)" if cost.choices > 1 else ""
     return _exhausted(
         f"tenant {tenant.name!r} has reached its limit of {tenant.limits.max_concurrent} "
-        "concurrent requests; retry when one of them has finished",
+        f"concurrent requests{side}; retry when one of them has finished",
         "tenant_concurrency",
     )
 
 
-def never_admitted(tenant: Tenant, cost: int, choices: int = 1) -> RequestError | None:
-    """INVALID_ARGUMENT when `choices` requests of `cost` tokens each, side by side, are
-    over the tenant's limits even when it runs nothing else: waiting cannot help, so this
-    is not a RESOURCE_EXHAUSTED to retry."""
+def never_admitted(tenant: Tenant, cost: Cost) -> RequestError | None:
+    """INVALID_ARGUMENT when the request is over the tenant's limits even when it runs
+    nothing else: waiting cannot help, so this is not a RESOURCE_EXHAUSTED to retry. The
+    message says what to change, and `param` names that field."""
     limits = tenant.limits
-    if limits.max_concurrent and choices > limits.max_concurrent:
+    if limits.max_concurrent and cost.choices > limits.max_concurrent:
         return RequestError(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"n={choices} choices run side by side but tenant {tenant.name!r} may run "
+            f"n={cost.choices} choices run side by side but tenant {tenant.name!r} may run "
             f"{limits.max_concurrent} requests at once; lower n",
             "tenant_concurrency",
             param="n",
         )
     budget = limits.tokens_per_minute
-    if budget and cost * choices > budget:
-        need = f"{choices} choices of {cost} tokens" if choices > 1 else f"{cost} tokens"
-        return RequestError(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"this request needs {need} (prompt + max_tokens) but tenant {tenant.name!r} has a "
-            f"budget of {budget} tokens per minute, so it can never be admitted; lower "
-            + ("max_tokens or n" if choices > 1 else "max_tokens"),
-            "tenant_budget",
-            param="max_tokens",
-        )
-    return None
+    if not budget or cost.total <= budget:
+        return None
+    advice, param = _budget_advice(cost, budget)
+    if not cost.max_tokens:
+        needs = f"this request's inputs have {cost.prompt} tokens"
+    else:
+        each = f"a prompt of {cost.prompt} + max_tokens {cost.max_tokens}"
+        if cost.choices > 1:
+            each = f"{cost.choices} choices of {each}"
+        needs = f"this request needs {cost.total} tokens ({each})"
+    return RequestError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{needs} but tenant {tenant.name!r} has a budget of {budget} tokens per minute, so it "
+        f"can never be admitted; {advice}",
+        "tenant_budget",
+        param=param,
+    )
 
 
-def budget_refusal(tenant: Tenant, cost: int, wait: float, level: float) -> RequestError:
+def _budget_advice(cost: Cost, budget: int) -> tuple[str, str]:
+    """What to change so that `cost` fits in `budget`, and the field to blame."""
+    if not cost.max_tokens:
+        return "send fewer or shorter inputs", "input"
+    if cost.prompt >= budget:  # not even one token of output fits beside the prompt
+        return "shorten the prompt", "prompt"
+    fit = budget // cost.choices - cost.prompt  # the most max_tokens that fits
+    if fit >= 1:
+        or_n = " or lower n" if cost.choices > 1 else ""
+        return f"lower max_tokens to at most {fit}{or_n}", "max_tokens"
+    if cost.each <= budget:
+        return f"lower n to at most {budget // cost.each}", "n"
+    return f"lower n to 1 and max_tokens to at most {budget - cost.prompt}", "n"
+
+
+def budget_refusal(tenant: Tenant, cost: Cost, wait: float, level: float) -> RequestError:
     """The tenant's budget has `level` tokens and `cost` fits in `wait` seconds (inf: never)."""
     budget = tenant.limits.tokens_per_minute
     if math.isinf(wait):  # a budget that changed under a request (checked before admission)
@@ -221,9 +264,10 @@ def budget_refusal(tenant: Tenant, cost: int, wait: float, level: float) -> Requ
             f"tenant {tenant.name!r} is over its budget of {budget} tokens per minute",
             "tenant_budget",
         )
+    needs = f"{cost.total}" + (f" for its {cost.choices} choices" if cost.choices > 1 else "")
     return _exhausted(
         f"tenant {tenant.name!r} is over its budget of {budget} tokens per minute "
-        f"(this request needs {cost}, {int(level)} are left); "
+        f"(this request needs {needs}, {int(level)} are left); "
         f"retry in {math.ceil(wait)} s",
         "tenant_budget",
         retry_after_s=wait,

@@ -6,7 +6,8 @@ one Redis instead, each check-and-take one Lua script (atomic on the server):
 
 - concurrency: a sorted set per tenant of leases (one per admitted request, scored by
   its expiry on Redis's clock). Admission drops expired leases, compares the count
-  with the cap and adds a lease; release removes it. Each router renews the leases of
+  with the cap and adds a lease per request (the n choices of one HTTP request at
+  once, or none); release removes one. Each router renews the leases of
   its live requests every lease/3 seconds, so a router that crashes stops counting
   after at most one lease period, without anyone cleaning up after it.
 - budget: a token bucket per tenant (level and last refill time, on Redis's clock),
@@ -40,6 +41,7 @@ from redis.exceptions import RedisError
 from omnibus.router.admission.auth import Tenant
 from omnibus.router.admission.limits import (
     Admission,
+    Cost,
     budget_refusal,
     concurrency_refusal,
 )
@@ -67,15 +69,16 @@ local function store(key, level)
 end
 """
 
-# KEYS: leases, bucket. ARGV: lease id, cap (0: none), per minute (0: none), cost, lease ms.
+# KEYS: leases, bucket. ARGV: cap (0: none), per minute (0: none), cost of them all,
+# lease ms, then one lease id per request admitted together (all or none).
 # Returns {0} admitted, {1, active} over the cap, {2, wait ms, level} over the budget.
 _ACQUIRE = _PRELUDE + """
-local cap, per_minute = tonumber(ARGV[2]), tonumber(ARGV[3])
-local cost, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+local cap, per_minute = tonumber(ARGV[1]), tonumber(ARGV[2])
+local cost, lease_ms = tonumber(ARGV[3]), tonumber(ARGV[4])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if cap > 0 then
   local active = redis.call('ZCARD', KEYS[1])
-  if active >= cap then return {1, active} end
+  if active + #ARGV - 4 > cap then return {1, active} end
 end
 if per_minute > 0 then
   local level = refilled(KEYS[2], per_minute)
@@ -86,7 +89,9 @@ if per_minute > 0 then
   end
   store(KEYS[2], level - cost)
 end
-redis.call('ZADD', KEYS[1], now + lease_ms, ARGV[1])
+for i = 5, #ARGV do
+  redis.call('ZADD', KEYS[1], now + lease_ms, ARGV[i])
+end
 redis.call('PEXPIRE', KEYS[1], 2 * lease_ms)
 return {0}
 """
@@ -179,23 +184,24 @@ class RedisLimits:
             registry=registry,
         )
 
-    async def acquire(self, tenant: Tenant, cost: int) -> RedisPermit | None:
-        """A permit, RequestError over a limit, or (store down) None to fail open or
-        RequestError(UNAVAILABLE) to fail closed."""
+    async def acquire(self, tenant: Tenant, cost: Cost) -> list[RedisPermit] | None:
+        """A permit per choice (all or none), RequestError over a limit, or (store down)
+        None to fail open or RequestError(UNAVAILABLE) to fail closed."""
         limits = tenant.limits
-        if not (limits.max_concurrent or limits.tokens_per_minute):
-            return RedisPermit(self, tenant, "", 0)  # nothing to count
+        if not (limits.max_concurrent or limits.tokens_per_minute):  # nothing to count
+            return [RedisPermit(self, tenant, "", 0) for _ in range(cost.choices)]
         if time.monotonic() >= self._skip_until:
-            lease = uuid.uuid4().hex
+            leases = [uuid.uuid4().hex for _ in range(cost.choices)]
             keys = _keys(tenant.name)
-            args = [lease, limits.max_concurrent, limits.tokens_per_minute, cost, self._lease_ms]
+            args = [limits.max_concurrent, limits.tokens_per_minute, cost.total, self._lease_ms,
+                    *leases]
             try:
                 reply = await self._acquire(keys=keys, args=args)
             except (RedisError, OSError) as exc:
                 self._failed("acquire", exc)
             else:
                 self._answered()
-                return self._permit(tenant, lease, cost, keys[0], reply)
+                return self._permits(tenant, leases, cost, keys[0], reply)
         mode = "open" if self._fail_open else "closed"
         self.fallbacks.labels(mode).inc()
         if self._fail_open:
@@ -207,20 +213,21 @@ class RedisLimits:
             "limits_store_unavailable",
         )
 
-    def _permit(
-        self, tenant: Tenant, lease: str, cost: int, key: str, reply: list
-    ) -> RedisPermit:
+    def _permits(
+        self, tenant: Tenant, leases: list[str], cost: Cost, key: str, reply: list
+    ) -> list[RedisPermit]:
         status = int(reply[0])
         if status == 1:
-            raise concurrency_refusal(tenant)
+            raise concurrency_refusal(tenant, cost)
         if status == 2:
             wait_ms, level = float(reply[1]), float(reply[2])
             raise budget_refusal(tenant, cost, wait_ms / 1000 if wait_ms >= 0 else float("inf"), level)
-        permit = RedisPermit(self, tenant, lease, cost)
-        self._live[lease] = (key, permit)
+        permits = [RedisPermit(self, tenant, lease, cost.each) for lease in leases]
+        for permit in permits:
+            self._live[permit.lease] = (key, permit)
         if self._renewer is None:
             self._renewer = asyncio.create_task(self._renew_forever(), name="limits-renew")
-        return permit
+        return permits
 
     def release(self, permit: RedisPermit, tenant: Tenant, refund: int) -> None:
         """Removes the permit's lease and refunds `refund` tokens, in the background (a

@@ -1,21 +1,27 @@
-"""Request validation: every refusal is INVALID_ARGUMENT with a message that says what
-to change. Produces the token ids and fully resolved sampling parameters the engine gets."""
+"""Request validation: every refusal of the request is INVALID_ARGUMENT with a message
+that says what to change (a tokenizer that does not belong to the model is the server's
+FAILED_PRECONDITION). Produces the token ids and fully resolved sampling parameters the
+engine gets."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
 from google.protobuf.message import Message
 from omnibus.v1 import engine_pb2, inference_pb2
+import structlog
 from tokenizers import Tokenizer
 
+from omnibus.common.checkpoint import context_length
 from omnibus.common.sampling import FieldError, SamplingParams, check_context, check_token_ids
 from omnibus.router.config import RouterConfig
 from omnibus.router.service.errors import TOO_LARGE, RequestError, invalid
+
+log = structlog.get_logger("router.validation")
 
 MAX_REQUEST_ID_CHARS = 128
 DEFAULT_MAX_TOKENS = 16  # inference.proto's default for an unset max_tokens
@@ -47,8 +53,9 @@ class ModelLimits:
         path = Path(config.model) / "config.json"
         try:
             raw = json.loads(path.read_text())
-            model_len, vocab = int(raw["max_position_embeddings"]), int(raw["vocab_size"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            # The engines' own rule (defaults, sliding-window cap), so what is advertised is served.
+            model_len, vocab = context_length(raw), int(raw["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"cannot read the model's limits from {path}: {exc!r}") from exc
         context = min(model_len, config.max_model_len or model_len)
         max_prompt = min(config.max_prompt_tokens or context - 1, context - 1)
@@ -59,6 +66,13 @@ class ModelLimits:
             max_prompt_tokens=max_prompt,
             max_tokens=min(config.max_tokens_limit, context - 1),
         )
+
+    def within(self, context: int) -> ModelLimits:
+        """These limits with the context at most `context` (what the engines serve)."""
+        if context >= self.context:
+            return self
+        return replace(self, context=context, max_prompt_tokens=min(self.max_prompt_tokens, context - 1),
+                       max_tokens=min(self.max_tokens, context - 1))
 
 
 @dataclass(frozen=True)
@@ -80,8 +94,14 @@ class ValidRequest:
 class Validator:
     def __init__(self, config: RouterConfig, limits: ModelLimits, tokenizer: Tokenizer) -> None:
         self._config = config
-        self._limits = limits
+        self.limits = limits  # the Pipeline keeps it to what the engines serve
         self._tokenizer = tokenizer
+        # A tokenizer with ids past the model's vocabulary belongs to another model (a
+        # deployment error): text that tokenizes to such an id is refused saying so.
+        self._tokenizer_ids = tokenizer.get_vocab_size(with_added_tokens=True)
+        if self._tokenizer_ids > limits.vocab_size:
+            log.warning("tokenizer_exceeds_vocabulary", tokenizer_ids=self._tokenizer_ids,
+                        vocab_size=limits.vocab_size)
 
     async def validate(
         self, request: inference_pb2.GenerateRequest, request_id: str
@@ -103,7 +123,7 @@ class Validator:
                 f"the request is {size} bytes; the limit is {self._config.max_request_bytes} bytes",
                 TOO_LARGE,
             )
-        _check_request_id(request.request_id)
+        check_request_id(request.request_id)
         self._check_priority(request.priority)
 
     async def embed_inputs(self, request: inference_pb2.EmbedRequest) -> list[list[int]]:
@@ -116,9 +136,9 @@ class Validator:
         inputs = []
         for i, item in enumerate(request.inputs):
             ids = await self._ids(item, "input", f"input {i}")
-            if len(ids) > self._limits.context:
+            if len(ids) > self.limits.context:
                 raise invalid(f"input {i} has {len(ids)} tokens; the model's context is "
-                              f"{self._limits.context}")
+                              f"{self.limits.context}")
             inputs.append(ids)
         return inputs
 
@@ -134,7 +154,7 @@ class Validator:
         if kind == "token_ids":
             ids = list(message.token_ids.ids)
             try:
-                check_token_ids(ids, self._limits.vocab_size, f"{subject} token_ids")
+                check_token_ids(ids, self.limits.vocab_size, f"{subject} token_ids")
             except ValueError as exc:
                 raise invalid(str(exc), oneof) from None
             return ids
@@ -144,10 +164,17 @@ class Validator:
         ids = (await asyncio.to_thread(self._tokenizer.encode, message.text)).ids
         if not ids:
             raise invalid(f"the {subject} text produced no tokens", oneof)
+        if self._tokenizer_ids > self.limits.vocab_size and max(ids) >= self.limits.vocab_size:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the {subject} text tokenized to id {max(ids)}, outside the model's vocabulary "
+                f"[0, {self.limits.vocab_size}): this server's tokenizer.json has "
+                f"{self._tokenizer_ids} ids and does not belong to its model (a deployment error)",
+                "tokenizer_mismatch")
         return ids
 
     def _check_length(self, prompt_tokens: int, max_tokens: int) -> None:
-        limits = self._limits
+        limits = self.limits
         if prompt_tokens > limits.max_prompt_tokens:
             raise invalid(
                 f"the prompt has {prompt_tokens} tokens; the limit is {limits.max_prompt_tokens}",
@@ -167,8 +194,8 @@ class Validator:
         """The request's sampling parameters, checked by the rule the engine runs them by
         (omnibus.common.sampling), plus this router's max_tokens cap and the vocabulary."""
         max_tokens = p.max_tokens if p.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-        if not 1 <= max_tokens <= self._limits.max_tokens:
-            raise invalid(f"max_tokens must be in [1, {self._limits.max_tokens}], got {max_tokens}",
+        if not 1 <= max_tokens <= self.limits.max_tokens:
+            raise invalid(f"max_tokens must be in [1, {self.limits.max_tokens}], got {max_tokens}",
                           "max_tokens")
         optional = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
         try:
@@ -184,7 +211,7 @@ class Validator:
                 **optional,
             )
             if params.stop_token_ids:
-                check_token_ids(list(params.stop_token_ids), self._limits.vocab_size, "stop_token_ids")
+                check_token_ids(list(params.stop_token_ids), self.limits.vocab_size, "stop_token_ids")
         except FieldError as exc:
             raise invalid(str(exc), exc.field) from None
         except ValueError as exc:  # check_token_ids: the stop token ids
@@ -210,9 +237,11 @@ class Validator:
         return tuple(p.stop)
 
 
-def _check_request_id(request_id: str) -> None:
+def check_request_id(request_id: str, name: str = "request_id") -> None:
+    """A request id (`name`: where the client set it) is at most MAX_REQUEST_ID_CHARS
+    printable ASCII characters without spaces. Raises RequestError(INVALID_ARGUMENT)."""
     if len(request_id) > MAX_REQUEST_ID_CHARS or not all(" " < c <= "~" for c in request_id):
         raise invalid(
-            f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters "
+            f"{name} must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters "
             "without spaces"
         )

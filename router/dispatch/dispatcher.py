@@ -26,7 +26,9 @@ tenant wait for a heavy tenant's requests to finish, however few requests it has
 while some tenant holds more than its weighted share of the total capacity
 (capacity x weight / the weights of the tenants in flight or queued), a queued tenant
 below its share is dispatched past the caps, up to twice an engine's capacity; the
-engine's own fair-share rule (engine/core/waiting.py) then gives it a seat.
+engine's own fair-share rule (engine/core/waiting.py) then gives it a seat. Only a
+request in the highest priority class waiting passes the caps: fair share is within a
+class, and a lower class never goes ahead of a higher one.
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ class Dispatcher:
                         break
                     try:
                         ticket = self.queue.pop(among=under)
-                    except IndexError:  # only passed tickets of theirs were left
+                    except IndexError:  # theirs wait behind a higher class, or were passed
                         break
                 if ticket.future.done():  # its waiter gave up and has yet to withdraw it
                     continue

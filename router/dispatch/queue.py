@@ -11,7 +11,9 @@ the highest class present, the policy picks:
   token counter (omnibus.common.fairness) whose best request is in that class, and
   that tenant's best-ranked request. A request's class is
   `priority + floor((now - arrival) / aging_seconds)`, which grows with the rank, so
-  each tenant's own heap head is its highest-class request.
+  each tenant's own heap head is its highest-class request. Picking among some
+  tenants only (the dispatcher's fair over-admission) still never takes a request
+  below the highest class waiting.
 """
 
 from __future__ import annotations
@@ -118,8 +120,9 @@ class RequestQueue(Generic[T]):
 
     def pop(self, now: float | None = None, among: Collection[str] | None = None) -> T:
         """Removes and returns the next item (see the module docstring); with `among`
-        (policy "vtc" only), the next of those tenants' items. Raises IndexError when
-        there is none."""
+        (policy "vtc" only), the next of those tenants' items in the highest class
+        waiting, so that none of them passes a request of a higher class. Raises
+        IndexError when there is none."""
         if among is not None and self.policy != "vtc":
             raise ValueError("only the vtc policy picks among tenants")
         heap = self._next_heap(time.monotonic() if now is None else now, among)
@@ -144,21 +147,27 @@ class RequestQueue(Generic[T]):
         return True
 
     def _next_heap(self, now: float, among: Collection[str] | None = None) -> list[_Slot] | None:
-        """The heap whose head is served next, or None when nothing is queued."""
+        """The heap whose head is served next (among those of `among`, if given, whose
+        head is in the highest class waiting), or None."""
         best: tuple[int, float, float, int] | None = None
         chosen = None
-        for key, heap in self._heaps.items():
-            if among is not None and key not in among:
-                continue
+        top: int | None = None  # the highest class waiting, whoever's
+        for tenant, heap in self._heaps.items():
             while heap and heap[0][2].removed:
                 heapq.heappop(heap)
             if not heap:
                 continue
             head = heap[0][2]
+            level = self._class(head, now)
+            top = level if top is None else max(top, level)
+            if among is not None and tenant not in among:
+                continue
             # Highest class, then the smallest counter, then the best rank, then arrival.
-            key = (-self._class(head, now), self.counters[head.tenant], -head.rank, head.order)
+            key = (-level, self.counters[head.tenant], -head.rank, head.order)
             if best is None or key < best:
                 best, chosen = key, heap
+        if best is not None and -best[0] != top:  # those tenants' best waits behind others'
+            return None
         return chosen
 
     def _class(self, entry: _Entry[T], now: float) -> int:

@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import sys
 import time
 import uuid
 from array import array
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import structlog
@@ -30,6 +31,7 @@ from aiohttp import web
 from omnibus.v1 import inference_pb2 as pb
 
 from omnibus.common.adapters import is_adapter_name
+from omnibus.router.admission.validation import check_request_id
 from omnibus.router.config import RouterConfig
 from omnibus.router.dispatch.adapters import ADAPTER_HEADER
 from omnibus.router.http import openai_schema as oa
@@ -42,6 +44,8 @@ log = structlog.get_logger("router.http")
 
 PRIORITY_HEADER = "x-priority"
 REQUEST_ID_HEADER = "x-request-id"
+# ASCII digits only: int() would also take "1_0" and other scripts' digits.
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # gRPC status → HTTP status and OpenAI error type.
 _HTTP_STATUS = {
@@ -58,7 +62,6 @@ _HTTP_STATUS = {
 }
 _HTTP_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error"}
 _STREAMING = "omnibus.streaming"  # set on a request once its event stream's headers are sent
-T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Prepared = tuple[pb.GenerateRequest, "oa.CompletionShape | oa.ChatShape"]  # prompt, shape
 
@@ -105,43 +108,6 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
             raise
         return web.json_response(error_body(f"internal error: {type(exc).__name__}", "server_error", "internal"),
                                  status=500)
-
-
-async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
-    """(index, item) from several streams as items arrive. The first error ends it
-    (and every stream); closing it closes every stream."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]) as only:
-            async for item in only:
-                yield 0, item
-        return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
-
-    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
-        try:
-            async with aclosing(stream) as items:
-                async for item in items:
-                    queue.put_nowait((index, item))
-            queue.put_nowait((index, done))
-        except Exception as exc:  # handed to the consumer, which raises it
-            queue.put_nowait((index, exc))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        running = len(tasks)
-        while running:
-            index, item = await queue.get()
-            if item is done:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class OpenAIFront:
@@ -254,8 +220,10 @@ class OpenAIFront:
     # ---- request → pipeline --------------------------------------------------
 
     async def _start(self, request: web.Request, kind: type, request_id: str) -> tuple[Caller, Any]:
-        """Authenticates (first, as on gRPC), then parses the body and resolves `model`."""
+        """Authenticates (first, as on gRPC), then checks the request id, parses the body
+        and resolves `model`."""
         tenant = self._pipeline.authenticate(_metadata(request))
+        check_request_id(request_id, REQUEST_ID_HEADER)  # before any protobuf field holds it
         body = oa.parse(kind, await request.read())
         header = request.headers.get(ADAPTER_HEADER)
         if kind is oa.EmbeddingBody and body.model != self._pipeline.limits.model_id:
@@ -267,8 +235,7 @@ class OpenAIFront:
                     "model",
                 )
             raise self._unknown_model(body.model)
-        choices = getattr(body, "n", 1)  # run side by side: admitted as one request
-        return Caller(tenant, self._adapter(body.model, header), choices=choices), body
+        return Caller(tenant, self._adapter(body.model, header)), body
 
     def _adapter(self, model: str, header: str | None) -> str:
         """`model` names the base model or an adapter (the vLLM / LoRAX convention); the
@@ -290,8 +257,7 @@ class OpenAIFront:
         header = request.headers.get(PRIORITY_HEADER)
         if header is None:
             return _int32(body_priority or 0, "priority")
-        # ASCII digits only: int() would also take "1_0" and other scripts' digits.
-        if not (header.isascii() and header.lstrip("+-").isdigit()):
+        if not _INTEGER.fullmatch(header):
             raise invalid(f"{PRIORITY_HEADER} must be an integer, got {header!r}")
         priority = _int32(int(header), PRIORITY_HEADER)
         if body_priority is not None and body_priority != priority:
@@ -366,7 +332,7 @@ class OpenAIFront:
     ) -> web.StreamResponse:
         choices = [oa.Choice(i) for i in range(len(requests))]
         head = {"id": shape.id_prefix + request_id, "created": int(time.time()), "model": body.model}
-        merged = merge([self._pipeline.generate(r, caller) for r in requests])
+        merged = self._pipeline.generate_choices(requests, caller)
         async with aclosing(merged):
             if not body.stream:
                 try:

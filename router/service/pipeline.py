@@ -30,6 +30,7 @@ import uuid
 from collections.abc import AsyncGenerator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -37,7 +38,7 @@ from omnibus.v1 import engine_pb2, inference_pb2
 from tokenizers import Tokenizer
 
 from omnibus.router.admission.auth import KeyStore, Tenant
-from omnibus.router.admission.limits import Permit
+from omnibus.router.admission.limits import Cost, Permit
 from omnibus.router.admission.store import admission_for
 from omnibus.router.admission.validation import ModelLimits, Validator, ValidRequest
 from omnibus.router.config import RouterConfig
@@ -55,6 +56,7 @@ STOP, UNSPECIFIED = inference_pb2.STOP, inference_pb2.FINISH_REASON_UNSPECIFIED
 ABORTED, LENGTH = inference_pb2.ABORTED, inference_pb2.LENGTH
 # Where else a refusal that points to ListModels sends HTTP callers.
 VIA_HTTP = " (GET /v1/models over HTTP)"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,6 @@ class Caller:
     tenant: Tenant
     adapter: str = ""  # LoRA adapter name as the client gave it; "" = the base model
     deadline: float | None = None  # monotonic seconds; None: the client set none
-    choices: int = 1  # requests served side by side for one client request (HTTP's n)
 
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -188,7 +189,8 @@ class Pipeline:
         metrics: RouterMetrics,
     ) -> None:
         self._config = config
-        self.limits = limits
+        self._model_limits = limits  # from config.json and the flags
+        self._served_context = 0  # the smallest context an engine reported serving (0: none yet)
         self.tokenizer = tokenizer
         self._byte_ids = byte_fallback_ids(tokenizer)
         self._special_ids = special_ids(tokenizer)
@@ -199,6 +201,22 @@ class Pipeline:
         self._engines = engines
         self._metrics = metrics
         self._watch = _Watch(config.client_stall_seconds)
+
+    @property
+    def limits(self) -> ModelLimits:
+        """The model's limits, at most the context every engine reports serving (an
+        engine's --max-model-len, or a cap the router cannot see in config.json), so that
+        what is advertised and admitted is what the engines take."""
+        return self._refresh_limits()
+
+    def _refresh_limits(self) -> ModelLimits:
+        """`limits`, handed to the validator too when an engine's report changed them."""
+        served = min((e.report.max_model_len for e in self._engines
+                      if e.report is not None and e.report.max_model_len > 0), default=0)
+        if served != self._served_context:
+            self._served_context = served
+            self._validator.limits = self._model_limits.within(served) if served else self._model_limits
+        return self._validator.limits
 
     # ---- calls ---------------------------------------------------------------
 
@@ -235,36 +253,25 @@ class Pipeline:
         the finish reason, usage and timing. Nothing happens until the first message is
         asked for; a refusal (before or during the stream) raises RequestError. Closing
         the generator early cancels the engine work."""
-        arrival = time.monotonic()
-        request_id = request.request_id or uuid.uuid4().hex
+        (job,) = await self._admitted([request], caller)
+        async with aclosing(self._served(job)) as responses:
+            async for response in responses:
+                yield response
+
+    async def generate_choices(
+        self, requests: list[inference_pb2.GenerateRequest], caller: Caller
+    ) -> AsyncGenerator[tuple[int, inference_pb2.GenerateResponse], None]:
+        """`generate` for the choices of one client request (HTTP's n), served side by
+        side: (index, response) as they come. The choices are admitted together, all or
+        none, so a refusal charges nothing and describes the whole request."""
+        jobs = await self._admitted(requests, caller)
         try:
-            job = await self._admit(request, request_id, caller, arrival)
-        except RequestError as err:
-            raise self.refused(err, request_id) from None
-        outcome = "cancelled"  # what an exception other than ours means here
-        self._watch.add(job)
-        try:
-            async with aclosing(self._serve(job)) as responses:
-                async for response in responses:
-                    if response.finish_reason != UNSPECIFIED:
-                        outcome = inference_pb2.FinishReason.Name(response.finish_reason).lower()
-                    job.wait("client")
-                    yield response
-                    job.wait("")
-                    if job.interrupted == "drain" and response.finish_reason == UNSPECIFIED:
-                        yield self._final(job, ABORTED)  # the drain came during that write
-                        return
-        except RequestError as err:
-            outcome = err.reason
-            raise self.refused(err, request_id) from None
+            async with aclosing(merge([self._served(job) for job in jobs])) as responses:
+                async for item in responses:
+                    yield item
         finally:
-            self._watch.jobs.discard(job)
-            if job.interrupted == "client_stalled":  # the write it was stuck in was cancelled
-                outcome = "client_stalled"
-                log.warning("client_stalled", request_id=request_id,
-                            seconds=self._config.client_stall_seconds)
-            job.permit.release(len(job.request.prompt_ids) + job.completion_tokens)
-            self._record(job, outcome)
+            for job in jobs:  # a choice closed before its stream started still holds a permit
+                job.permit.release(0)
 
     def drain(self) -> None:
         """The router's drain is out of time: every stream ends now, those being served
@@ -298,17 +305,29 @@ class Pipeline:
 
     # ---- admission -----------------------------------------------------------
 
+    async def _admitted(
+        self, requests: list[inference_pb2.GenerateRequest], caller: Caller
+    ) -> list[_Job]:
+        """The requests validated and admitted together, or the refusal, counted and logged."""
+        arrival = time.monotonic()
+        ids = [request.request_id or uuid.uuid4().hex for request in requests]
+        try:
+            return await self._admit(requests, ids, caller, arrival)
+        except RequestError as err:
+            raise self.refused(err, ids[0]) from None
+
     async def _admit(
         self,
-        request: inference_pb2.GenerateRequest,
-        request_id: str,
+        requests: list[inference_pb2.GenerateRequest],
+        request_ids: list[str],
         caller: Caller,
         arrival: float,
-    ) -> _Job:
+    ) -> list[_Job]:
         tenant, adapter = caller.tenant, caller.adapter
         if adapter:
             self._check_adapter_use(tenant, adapter)
-        valid = await self._validator.validate(request, request_id)
+        self._refresh_limits()
+        valid = [await self._validator.validate(r, i) for r, i in zip(requests, request_ids)]
         if not any(e.accepting for e in self._engines):
             raise _no_engine()
         if adapter and adapter not in available_adapters(self._engines):
@@ -319,11 +338,12 @@ class Pipeline:
                 "unknown_adapter",
             )
         queue = self._dispatcher.queue
-        permit = await self._admission.admit(tenant, valid.cost, len(queue), queue.tokens,
-                                             caller.choices)
+        first = valid[0]  # the choices of one request share its prompt and max_tokens
+        cost = Cost(len(first.prompt_ids), first.sampling.max_tokens, len(valid))
+        permits = await self._admission.admit(tenant, cost, len(queue), queue.tokens)
         if adapter:
-            self._metrics.adapter_requests.labels(adapter).inc()
-        return _Job(valid, caller, permit, arrival)
+            self._metrics.adapter_requests.labels(adapter).inc(len(valid))
+        return [_Job(v, caller, permit, arrival) for v, permit in zip(valid, permits)]
 
     def _check_adapter_use(self, tenant: Tenant, adapter: str) -> None:
         """A well-formed name (INVALID_ARGUMENT) the tenant may use (PERMISSION_DENIED)."""
@@ -346,13 +366,15 @@ class Pipeline:
                 f"embeddings come from the base model {self.limits.model_id!r}, not adapter "
                 f"{caller.adapter!r}: leave x-adapter-id empty"
             )
+        self._refresh_limits()
         inputs = await self._validator.embed_inputs(request)
         engines = [e for e in self._engines if e.accepting]
         if not engines:
             raise _no_engine()
         tokens = sum(map(len, inputs))
-        permit = await self._admission.admit(caller.tenant, tokens, 0, 0)  # tenant caps and budgets
+        (permit,) = await self._admission.admit(caller.tenant, Cost(tokens), 0, 0)  # tenant limits
         engine = min(engines, key=lambda e: e.load)
+        used = 0  # nothing unless the engine embeds them
         try:
             reply = await engine.stub.Embed(
                 engine_pb2.EngineEmbedRequest(
@@ -363,6 +385,7 @@ class Pipeline:
                 ),
                 timeout=caller.time_remaining(),
             )
+            used = tokens
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
@@ -372,11 +395,39 @@ class Pipeline:
                 message = exc.details() or code.name
             raise RequestError(code, message, code.name.lower()) from None
         finally:
-            permit.release(tokens)
+            permit.release(used)
         return inference_pb2.EmbedResponse(
             request_id=request_id, embeddings=reply.embeddings, total_tokens=tokens)
 
     # ---- serving -------------------------------------------------------------
+
+    async def _served(self, job: _Job) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
+        """An admitted request, served; its permit is released and its outcome recorded
+        when it ends."""
+        outcome = "cancelled"  # what an exception other than ours means here
+        self._watch.add(job)
+        try:
+            async with aclosing(self._serve(job)) as responses:
+                async for response in responses:
+                    if response.finish_reason != UNSPECIFIED:
+                        outcome = inference_pb2.FinishReason.Name(response.finish_reason).lower()
+                    job.wait("client")
+                    yield response
+                    job.wait("")
+                    if job.interrupted == "drain" and response.finish_reason == UNSPECIFIED:
+                        yield self._final(job, ABORTED)  # the drain came during that write
+                        return
+        except RequestError as err:
+            outcome = err.reason
+            raise self.refused(err, job.request.request_id) from None
+        finally:
+            self._watch.jobs.discard(job)
+            if job.interrupted == "client_stalled":  # the write it was stuck in was cancelled
+                outcome = "client_stalled"
+                log.warning("client_stalled", request_id=job.request.request_id,
+                            seconds=self._config.client_stall_seconds)
+            job.permit.release(_used_tokens(job, outcome))
+            self._record(job, outcome)
 
     async def _serve(self, job: _Job) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         """Streams the request from an engine, moving it to another engine (prompt + the
@@ -676,6 +727,59 @@ class Pipeline:
                 "were tried); the completion is incomplete, retry the request"
             )
         return _EngineLost(RequestError(grpc.StatusCode.UNAVAILABLE, message, why), why)
+
+
+# How an engine refuses a request before working on it (Pipeline._engine_error).
+_ENGINE_REFUSALS = frozenset(f"engine_{code.name.lower()}" for code in (
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED))
+
+
+def _used_tokens(job: _Job, outcome: str) -> int:
+    """What a request used of its budget: its prompt and output once an engine may have
+    worked on it; nothing when none did: it never left the queue (cancelled, timed out),
+    or the engine refused it before its first token. A request cancelled after dispatch
+    pays its prompt even without a token (the engine may have prefilled it)."""
+    if job.dispatched is None or (job.first_token is None and outcome in _ENGINE_REFUSALS):
+        return 0
+    return len(job.request.prompt_ids) + job.completion_tokens
+
+
+async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[int, T], None]:
+    """(index, item) from several streams as items arrive. The first error ends it
+    (and every stream); closing it closes every stream."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
+        try:
+            async with aclosing(stream) as items:
+                async for item in items:
+                    queue.put_nowait((index, item))
+            queue.put_nowait((index, done))
+        except Exception as exc:  # handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _no_engine() -> RequestError:

@@ -440,9 +440,9 @@ def test_tenant_token_budget(cluster):
     )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT  # waiting cannot help
     assert err.details() == (
-        f"this request needs {prompt_len + 200} tokens (prompt + max_tokens) but tenant 'bob' "
-        "has a budget "
-        "of 100 tokens per minute, so it can never be admitted; lower max_tokens"
+        f"this request needs {prompt_len + 200} tokens (a prompt of {prompt_len} + max_tokens "
+        "200) but tenant 'bob' has a budget of 100 tokens per minute, so it can never be "
+        f"admitted; lower max_tokens to at most {100 - prompt_len}"
     )
 
 

@@ -213,3 +213,51 @@ def test_a_tenant_under_its_share_passes_the_cap_while_another_is_over_it(policy
             await engine.close()
 
     asyncio.run(main())
+
+
+def test_picking_among_tenants_never_passes_a_higher_class():
+    q: RequestQueue[str] = RequestQueue(aging_seconds=10.0)
+    q.push("b-high", 50, 1, 0.0, "b")
+    q.push("a-low", -100, 1, 0.0, "a")
+    with pytest.raises(IndexError):  # a's best waits behind b's class
+        q.pop(now=1.0, among={"a"})
+    assert q.pop(now=1.0) == "b-high"
+    assert q.pop(now=1.0, among={"a"}) == "a-low"  # the highest class waiting now
+    q.push("b-aged", 0, 1, 0.0, "b")  # class 0 + 2 at 20 s
+    q.push("a-mid", 1, 1, 20.0, "a")
+    with pytest.raises(IndexError):
+        q.pop(now=20.0, among={"a"})
+    q.push("c-top", 2, 1, 20.0, "c")  # same class as b's: fair share picks within it
+    assert q.pop(now=20.0, among={"a", "c"}) == "c-top"
+
+
+def test_an_under_share_tenant_is_not_over_admitted_ahead_of_a_higher_priority():
+    """b keeps both seats busy at priority 50 with 4 more queued; a's priority -100
+    request is under its share but must not pass the cap ahead of them, nor take the
+    first freed seat."""
+    from omnibus.router.config import RouterConfig
+    from omnibus.router.dispatch.engines import EngineClient
+    from omnibus.v1 import engine_pb2
+
+    async def main():
+        config = RouterConfig(model="m", engines=("127.0.0.1:1",), max_inflight_per_engine=2)
+        engine = EngineClient(config.engines[0], config, lambda: None)
+        engine._on_report(engine_pb2.LoadReport(max_num_seqs=2, num_total_blocks=8))  # noqa: SLF001
+        d = Dispatcher([engine], RequestQueue(10.0, "vtc"))
+        try:
+            b = [Ticket(50, 1, i * 0.01, tenant="b") for i in range(6)]
+            for t in b:
+                d.submit(t)
+            d._match()  # noqa: SLF001
+            a = Ticket(-100, 1, 0.5, tenant="a")
+            d.submit(a)
+            d._match()  # noqa: SLF001
+            assert [t.future.done() for t in b] == [True, True, False, False, False, False]
+            assert not a.future.done() and engine.inflight == 2
+            engine.release("", "b")
+            d._match()  # noqa: SLF001
+            assert b[2].future.done() and not a.future.done()
+        finally:
+            await engine.close()
+
+    asyncio.run(main())

@@ -1,0 +1,111 @@
+"""The OpenAI HTTP front in process (tests/unit/router/inprocess.py: one scripted
+engine): headers it cannot use are the client's error (400 naming the header, 401 for
+a key), never a server error, whatever their bytes; the n choices of a request are
+admitted all or none; budget refusals name the field to change."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+from aiohttp.test_utils import TestServer
+
+from omnibus.router.http.app import OpenAIFront
+from tests.unit.router.inprocess import Router
+
+TENANTS = {"t": {"keys": ["sk-t"], "tokens_per_minute": 60}}
+AUTH = b"Authorization: Bearer sk-t\r\n"
+
+
+@pytest.fixture
+async def http(tmp_path):
+    router = await Router(tmp_path, TENANTS).start()
+    server = TestServer(OpenAIFront(router.pipeline, router.config, None).app())
+    await server.start_server()
+    yield server.port
+    await server.close()
+    await router.close()
+
+
+async def call(port: int, headers: bytes, body: dict | None = None,
+               path: bytes = b"/v1/completions") -> tuple[int, dict, dict]:
+    """Status, headers and JSON body of a request sent as these raw bytes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body or {"model": "m", "prompt": "w1 w2", "max_tokens": 2}).encode()
+    method = b"POST " if body is not None or path == b"/v1/completions" else b"GET "
+    writer.write(method + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                 b"Content-Type: application/json\r\n" + headers
+                 + b"Content-Length: %d\r\n\r\n" % len(data) + data)
+    reply = await reader.read()
+    writer.close()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    fields = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), fields, json.loads(payload)
+
+
+@pytest.mark.parametrize("value", [b"--5", b"+-5", b"5-", b"\xfc", "\u00b2".encode()])
+async def test_a_priority_header_that_is_no_integer_is_400(http, value):
+    status, _, body = await call(http, AUTH + b"x-priority: " + value + b"\r\n")
+    assert status == 400, body
+    assert body["error"]["message"].startswith("x-priority must be an integer, got ")
+
+
+@pytest.mark.parametrize("path", [b"/v1/completions", b"/v1/models"])
+@pytest.mark.parametrize("key", [b"sk-\xfc", "sk-\u00fc".encode()])
+async def test_a_key_whose_bytes_are_not_utf8_is_just_a_wrong_key(http, path, key):
+    status, _, body = await call(http, b"Authorization: Bearer " + key + b"\r\n", path=path)
+    assert (status, body["error"]["message"]) == (401, "invalid API key")
+
+
+@pytest.mark.parametrize("value", [b"\xfcni", "\u00fcn\u00ef".encode()])
+async def test_a_request_id_header_that_is_no_request_id_is_400_naming_it(http, value):
+    for path, body in ((b"/v1/completions", None),
+                       (b"/v1/embeddings", {"model": "m", "input": "w1"})):
+        status, _, reply = await call(http, AUTH + b"x-request-id: " + value + b"\r\n", body, path)
+        assert status == 400, reply
+        assert reply["error"]["message"] == (
+            "x-request-id must be at most 128 printable ASCII characters without spaces")
+
+
+async def test_an_adapter_header_that_is_not_utf8_is_400(http):
+    status, _, body = await call(http, AUTH + b"x-adapter-id: \xfc\r\n")
+    assert status == 400 and "x-adapter-id" in body["error"]["message"], body
+
+
+async def test_n_choices_are_refused_together_with_the_whole_requests_cost(http):
+    spend = {"model": "m", "prompt": "w1 w2 w3 w4 w5", "max_tokens": 40}
+    status, _, body = await call(http, AUTH, spend)
+    assert status == 200, body  # 5 + 3 used of 45 charged: 52 left
+    status, headers, body = await call(http, AUTH, {**spend, "max_tokens": 5, "n": 6})  # 6 x 10
+    assert status == 429, body
+    message = body["error"]["message"]
+    match = re.fullmatch(r"tenant 't' is over its budget of 60 tokens per minute \(this request "
+                         r"needs 60 for its 6 choices, 5[23] are left\); retry in ([78]) s", message)
+    assert match and headers["Retry-After"] == match[1], message
+    # Nothing was taken: the 52 tokens left still admit 5 choices of 10.
+    status, _, body = await call(http, AUTH, {**spend, "max_tokens": 5, "n": 5})
+    assert status == 200, body
+    assert len(body["choices"]) == 5
+
+
+@pytest.mark.parametrize("path, body, param, advice", [
+    (b"/v1/embeddings", {"model": "m", "input": " ".join(["w1"] * 61)}, "input",
+     "send fewer or shorter inputs"),
+    (b"/v1/completions", {"model": "m", "prompt": " ".join(["w1"] * 60), "max_tokens": 1},
+     "prompt", "shorten the prompt"),
+    (b"/v1/completions", {"model": "m", "prompt": "w1 w2", "max_tokens": 59}, "max_tokens",
+     "lower max_tokens to at most 58"),
+    (b"/v1/completions", {"model": "m", "prompt": "w1 w2", "max_tokens": 29, "n": 2},
+     "max_tokens", "lower max_tokens to at most 28 or lower n"),
+])  # fmt: skip
+async def test_a_request_over_the_whole_budget_is_told_what_to_change(
+    http, path, body, param, advice
+):
+    status, _, reply = await call(http, AUTH, body, path)
+    error = reply["error"]
+    assert (status, error["param"], error["code"]) == (400, param, "tenant_budget"), reply
+    assert error["message"].endswith("budget of 60 tokens per minute, so it can never be "
+                                     f"admitted; {advice}")
