@@ -132,13 +132,13 @@ class Validator:
         self._check_envelope(request)
         count, cap = len(request.inputs), self._config.max_embed_inputs
         if not 1 <= count <= cap:
-            raise invalid(f"send 1 to {cap} inputs per Embed request, got {count}")
+            raise invalid(f"send 1 to {cap} inputs per Embed request, got {count}", "input")
         inputs = []
         for i, item in enumerate(request.inputs):
             ids = await self._ids(item, "input", f"input {i}")
             if len(ids) > self.limits.context:
                 raise invalid(f"input {i} has {len(ids)} tokens; the model's context is "
-                              f"{self.limits.context}")
+                              f"{self.limits.context}", f"input.{i}")
             inputs.append(ids)
         return inputs
 

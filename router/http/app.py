@@ -31,6 +31,7 @@ from aiohttp import web
 from omnibus.v1 import inference_pb2 as pb
 
 from omnibus.common.adapters import is_adapter_name
+from omnibus.router.admission.auth import Tenant
 from omnibus.router.admission.validation import check_request_id
 from omnibus.router.config import RouterConfig
 from omnibus.router.dispatch.adapters import ADAPTER_HEADER
@@ -62,6 +63,7 @@ _HTTP_STATUS = {
 }
 _HTTP_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error"}
 _STREAMING = "omnibus.streaming"  # set on a request once its event stream's headers are sent
+_REQUEST_ID = "omnibus.request_id"  # the request's id, echoed in x-request-id
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Prepared = tuple[pb.GenerateRequest, "oa.CompletionShape | oa.ChatShape"]  # prompt, shape
 
@@ -90,7 +92,7 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
     """aiohttp's own refusals (unknown path, wrong method, body too large), and any error
     a handler did not expect, as OpenAI JSON."""
     try:
-        return await handler(request)
+        response = await handler(request)
     except ConnectionResetError:
         raise
     except web.HTTPException as exc:
@@ -101,13 +103,26 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         if exc.status == 413:
             message = f"the request body is over the {request.app['max_body']} byte limit"
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
-        return web.json_response(error_body(message, kind, None), status=exc.status, headers=headers)
+        code = TOO_LARGE if exc.status == 413 else None
+        response = web.json_response(error_body(message, kind, code), status=exc.status, headers=headers)
     except Exception as exc:  # a bug: logged, and the client still gets JSON
         log.exception("http_handler_failed", method=request.method, path=request.path)
         if request.get(_STREAMING):  # the headers are out: aiohttp ends the connection
             raise
-        return web.json_response(error_body(f"internal error: {type(exc).__name__}", "server_error", "internal"),
-                                 status=500)
+        response = web.json_response(
+            error_body(f"internal error: {type(exc).__name__}", "server_error", "internal"), status=500)
+    request_id = request.get(_REQUEST_ID)
+    if request_id is not None and not response.prepared and _is_request_id(request_id):
+        response.headers.setdefault(REQUEST_ID_HEADER, request_id)  # on errors too, as OpenAI
+    return response
+
+
+def _is_request_id(value: str) -> bool:
+    try:
+        check_request_id(value)
+    except RequestError:
+        return False  # refused, and not echoed
+    return True
 
 
 class OpenAIFront:
@@ -235,11 +250,13 @@ class OpenAIFront:
                     "model",
                 )
             raise self._unknown_model(body.model)
-        return Caller(tenant, self._adapter(body.model, header)), body
+        return Caller(tenant, self._adapter(body.model, header, tenant)), body
 
-    def _adapter(self, model: str, header: str | None) -> str:
+    def _adapter(self, model: str, header: str | None, tenant: Tenant) -> str:
         """`model` names the base model or an adapter (the vLLM / LoRAX convention); the
-        x-adapter-id header works as on gRPC. Either goes through the tenant's list."""
+        x-adapter-id header works as on gRPC. Either goes through the tenant's list; a
+        `model` the tenant may use that is neither the base model nor an adapter some
+        engine has is an unknown model (404, param model), as in the OpenAI API."""
         base = self._pipeline.limits.model_id
         if model == base:
             return header or ""
@@ -251,7 +268,10 @@ class OpenAIFront:
             )
         if not is_adapter_name(model):
             raise self._unknown_model(model)
-        return model
+        if (header is None and tenant.may_use(model)
+                and model not in {a.id for a in self._pipeline.list_models(tenant).adapters}):
+            raise self._unknown_model(model)
+        return model  # one outside the tenant's list is PERMISSION_DENIED, as on gRPC
 
     def _priority(self, request: web.Request, body_priority: int | None) -> int:
         header = request.headers.get(PRIORITY_HEADER)
@@ -283,8 +303,9 @@ class OpenAIFront:
 
     async def _completion_request(self, body: oa.CompletionBody) -> Prepared:
         prompt = oa.completion_prompt(body.prompt)
-        prompt.sampling.CopyFrom(oa.sampling(body, body.max_tokens, body.logprobs))
-        return prompt, oa.CompletionShape(body.logprobs, body.return_token_ids, self._token_bytes,
+        logprobs = None if body.logprobs is None else oa.logprob_count(body.logprobs, "logprobs")
+        prompt.sampling.CopyFrom(oa.sampling(body, body.max_tokens, logprobs))
+        return prompt, oa.CompletionShape(logprobs, body.return_token_ids, self._token_bytes,
                                           self._pipeline.detokenizer)
 
     async def _chat_request(self, body: oa.ChatBody) -> Prepared:
@@ -435,7 +456,9 @@ def _int32(value: int, name: str) -> int:
 
 
 def _request_id(request: web.Request) -> str:
-    return request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    """The client's x-request-id, or a new one; every response echoes it (_json_errors)."""
+    request_id = request[_REQUEST_ID] = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    return request_id
 
 
 def _encode(values: list[float], encoding: str) -> list[float] | str:

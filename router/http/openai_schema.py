@@ -8,17 +8,23 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from omnibus.v1 import inference_pb2 as pb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from omnibus.common.sampling import MAX_LOGPROBS
 from omnibus.router.admission.validation import MAX_REQUEST_ID_CHARS
 from omnibus.router.service.errors import invalid
 from omnibus.router.text.detokenizer import IncrementalDetokenizer
 from omnibus.router.text.token_bytes import TokenBytes
 
 MAX_SEED = 2**64 - 1  # SamplingParams.seed is a uint64
+MIN_SEED = -(2**63)  # OpenAI's seed is an int64: a negative one is taken modulo 2**64
+# An integer the protobuf field it goes to (int32) can hold: beyond, a 400 naming the
+# field, where building the request would fail with a server error. Ranges are the
+# Validator's to check, with the same messages as on gRPC.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORTED: "abort"}
 
 
@@ -39,13 +45,14 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool = True  # accepted: nothing here is obfuscated
 
 
 class _Body(_Strict):
     """Fields every generation body shares."""
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
@@ -58,11 +65,11 @@ class _Body(_Strict):
     logit_bias: dict[str, float] | None = None  # only empty: no biasing here
     user: str | None = None  # accepted and ignored, as the OpenAI API only logs it
     # Extensions (vLLM's names): sampling the OpenAI API lacks, and scheduling.
-    top_k: int = 0
+    top_k: Int32 = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Int32] = Field(default_factory=list)
     priority: int | None = None  # or the x-priority header
     return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
 
@@ -77,7 +84,7 @@ class _Body(_Strict):
 
 class CompletionBody(_Body):
     prompt: Any  # a string or token ids (checked by completion_prompt)
-    logprobs: int | None = None  # alternatives per token, 0..20; None: no logprobs
+    logprobs: Int32 | None = None  # alternatives per token, 0..20; None: no logprobs
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -109,13 +116,20 @@ class ChatMessage(BaseModel):
 
 class ChatBody(_Body):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # Accepted and ignored, as they change nothing a client gets back: nothing is stored
+    # or billed per tier here, and prefixes are cached by content whatever the key.
+    store: bool = False
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools or self.tool_choice not in (None, "none"):
@@ -136,7 +150,14 @@ class ChatBody(_Body):
             if self.top_logprobs:
                 raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
             return None
-        return self.top_logprobs or 0
+        return logprob_count(self.top_logprobs or 0, "top_logprobs")
+
+
+def logprob_count(count: int, field: str) -> int:
+    """`count` alternatives per token (the body's `field`), if in OpenAI's range."""
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise invalid(f"{field} must be in [0, {MAX_LOGPROBS}], got {count}", field)
+    return count
 
 
 class EmbeddingBody(_Strict):
@@ -225,6 +246,15 @@ def _is_ids(value: object) -> bool:
     return isinstance(value, list) and all(type(v) is int for v in value)
 
 
+def _token_ids(ids: list[int], field: str) -> pb.TokenIds:
+    """Token ids for a protobuf field, or INVALID_ARGUMENT naming the first that no
+    vocabulary holds (the Validator checks the rest against the model's)."""
+    bad = next((t for t in ids if not -(2**31) <= t < 2**31), None)
+    if bad is not None:
+        raise invalid(f"{field}: token id {bad} is outside the vocabulary", field)
+    return pb.TokenIds(ids=ids)
+
+
 def completion_prompt(prompt: object) -> pb.GenerateRequest:
     """A GenerateRequest holding the body's one prompt (text or token ids)."""
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
@@ -239,7 +269,7 @@ def completion_prompt(prompt: object) -> pb.GenerateRequest:
     if isinstance(prompt, str):
         return pb.GenerateRequest(text=prompt)
     if _is_ids(prompt) and prompt:
-        return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
+        return pb.GenerateRequest(token_ids=_token_ids(prompt, "prompt"))
     raise invalid(
         "prompt must be a non-empty string or a non-empty list of token ids (or a list "
         "holding one of those)",
@@ -291,7 +321,7 @@ def sampling(body: _Body, max_tokens: int | None, logprobs: int | None) -> pb.Sa
         ignore_eos=body.ignore_eos,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        logprobs=0 if logprobs is None else max(logprobs, 1),
+        logprobs=0 if logprobs is None else max(logprobs, 1),  # in range: logprob_count
     )
     for name, value in (
         ("max_tokens", max_tokens),
@@ -311,8 +341,14 @@ def fan_out(
     the choices differ and each is reproducible on its own."""
     if not 1 <= body.n <= max_n:
         raise invalid(f"n must be in [1, {max_n}], got {body.n}", "n")
-    if body.seed is not None and not 0 <= body.seed <= MAX_SEED - (body.n - 1):
-        raise invalid(f"seed must be in [0, {MAX_SEED - (body.n - 1)}], got {body.seed}", "seed")
+    seed = body.seed
+    if seed is not None:
+        if not MIN_SEED <= seed <= MAX_SEED - (body.n - 1):
+            raise invalid(f"seed must be in [{MIN_SEED}, {MAX_SEED - (body.n - 1)}], got {seed}", "seed")
+        seed %= 2**64
+        if seed > MAX_SEED - (body.n - 1):  # a negative one whose choices would wrap
+            raise invalid(f"with n={body.n} a negative seed must be at most {-body.n}, got {body.seed}",
+                          "seed")
     longest = MAX_REQUEST_ID_CHARS - len(f"-{body.n - 1}")
     if body.n > 1 and len(request_id) > longest:  # choice i's id is the request's + "-i"
         raise invalid(f"with n={body.n} the request id (x-request-id) must be at most {longest} "
@@ -323,8 +359,8 @@ def fan_out(
         one.CopyFrom(request)
         one.priority = priority
         one.request_id = request_id if body.n == 1 else f"{request_id}-{i}"
-        if body.seed is not None:
-            one.sampling.seed = body.seed + i
+        if seed is not None:
+            one.sampling.seed = seed + i
         requests.append(one)
     return requests
 
@@ -334,6 +370,8 @@ def embed_request(body: EmbeddingBody, request_id: str, priority: int) -> pb.Emb
         raise invalid("dimensions is not supported: embeddings have the model's hidden size",
                       "dimensions")
     items = body.input
+    if items == []:
+        raise invalid("input is empty: send a string, token ids, or a list of those", "input")
     if isinstance(items, str) or _is_ids(items):
         items = [items]
     if not isinstance(items, list) or not items:
@@ -344,7 +382,7 @@ def embed_request(body: EmbeddingBody, request_id: str, priority: int) -> pb.Emb
         if isinstance(item, str):
             inputs.append(pb.EmbedInput(text=item))
         elif _is_ids(item):
-            inputs.append(pb.EmbedInput(token_ids=pb.TokenIds(ids=item)))
+            inputs.append(pb.EmbedInput(token_ids=_token_ids(item, f"input.{i}")))
         else:
             raise invalid(f"input {i} must be a string or a list of token ids", f"input.{i}")
     return pb.EmbedRequest(
@@ -460,8 +498,11 @@ class CompletionShape(_Shape):
         return {
             "tokens": [self._tokens.text(lp.token_id) for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
+            # The sampled token's logprob is always there, as in the OpenAI API (so up to
+            # logprobs + 1 entries).
             "top_logprobs": [
                 {self._tokens.text(t.token_id): t.logprob for t in lp.top[: self._logprobs]}
+                | {self._tokens.text(lp.token_id): lp.logprob}
                 for lp in logprobs
             ],
             "text_offset": offsets,

@@ -374,7 +374,7 @@ ERRORS = {
     "adapter-outside-list": ("main", "key-acme", {"model": "b-r8"}, 403, "permission_error",
                              "tenant 'acme' may not use adapter 'b-r8'"),
     "unknown-adapter": ("main", "key-initech", {"model": "pirate"}, 404, "not_found_error",
-                        "adapter 'pirate' not found on any engine"),
+                        "model 'pirate' does not exist"),
     "unknown-model": ("main", "key-initech", {"model": "org/other-model"}, 404, "not_found_error",
                       "model 'org/other-model' does not exist: this server serves 'tiny-llama'"),
     "temperature": ("main", "key-initech", {"temperature": -1}, 400, "invalid_request_error",

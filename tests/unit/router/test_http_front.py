@@ -109,3 +109,75 @@ async def test_a_request_over_the_whole_budget_is_told_what_to_change(
     assert (status, error["param"], error["code"]) == (400, param, "tenant_budget"), reply
     assert error["message"].endswith("budget of 60 tokens per minute, so it can never be "
                                      f"admitted; {advice}")
+
+
+BIG = 2**31
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    (b"/v1/completions", {"max_tokens": BIG}, "max_tokens"),
+    (b"/v1/completions", {"logprobs": BIG}, "logprobs"),
+    (b"/v1/completions", {"top_k": BIG}, "top_k"),
+    (b"/v1/completions", {"top_k": -BIG - 1}, "top_k"),
+    (b"/v1/completions", {"stop_token_ids": [BIG]}, "stop_token_ids.0"),
+    (b"/v1/completions", {"prompt": [5, BIG]}, "prompt"),
+    (b"/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "max_completion_tokens": BIG},
+     "max_completion_tokens"),
+    (b"/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "logprobs": True,
+                               "top_logprobs": BIG}, "top_logprobs"),
+    (b"/v1/embeddings", {"input": [[5, BIG]]}, "input.0"),
+])  # fmt: skip
+async def test_an_integer_too_large_for_its_field_is_400_naming_it(http, path, body, field):
+    """They were 500s (protobuf's ValueError building the request), retried by clients."""
+    base = {"model": "m", "prompt": "w1 w2", "max_tokens": 2} if path == b"/v1/completions" else {"model": "m"}
+    status, _, reply = await call(http, AUTH, base | body, path)
+    assert (status, reply["error"]["param"]) == (400, field), reply
+
+
+@pytest.mark.parametrize("logprobs", [-1, -5, 21])
+async def test_completion_logprobs_out_of_range_are_400(http, logprobs):
+    status, _, reply = await call(http, AUTH, {"model": "m", "prompt": "w1", "max_tokens": 2, "logprobs": logprobs})
+    assert status == 400 and reply["error"]["message"] == f"logprobs must be in [0, 20], got {logprobs}"
+
+
+async def test_errors_echo_the_request_id_and_name_their_code(http):
+    status, headers, _ = await call(http, b"Authorization: Bearer nope\r\nx-request-id: abc-1\r\n")
+    assert (status, headers.get("x-request-id")) == (401, "abc-1")
+    status, headers, reply = await call(http, AUTH, {"model": "m", "prompt": "w1 " * 1_200_000})
+    assert (status, reply["error"]["code"]) == (413, "request_too_large")
+    assert "x-request-id" in headers  # one was made for it
+
+
+async def test_a_model_that_is_neither_the_base_nor_an_adapter_is_404_naming_model(http):
+    status, _, reply = await call(http, AUTH, {"model": "gpt-4o", "prompt": "w1", "max_tokens": 2})
+    assert (status, reply["error"]["param"], reply["error"]["code"]) == (404, "model", "unknown_model")
+    assert reply["error"]["message"].startswith("model 'gpt-4o' does not exist")
+
+
+async def test_an_empty_embeddings_input_says_so(http):
+    status, _, reply = await call(http, AUTH, {"model": "m", "input": []}, b"/v1/embeddings")
+    assert (status, reply["error"]["param"]) == (400, "input")
+    assert reply["error"]["message"].startswith("input is empty")
+
+
+def test_harmless_openai_fields_are_accepted_and_a_negative_seed_is_int64():
+    from omnibus.v1 import inference_pb2 as pb
+
+    from omnibus.router.http import openai_schema as oa
+    from omnibus.router.service.errors import RequestError
+
+    body = oa.parse(oa.ChatBody, json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "store": False,
+        "metadata": {"k": "v"}, "service_tier": "auto", "prompt_cache_key": "x",
+        "safety_identifier": "u1", "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+        "seed": -1}).encode())
+    (one,) = oa.fan_out(body, pb.GenerateRequest(), 8, "r", 0)
+    assert one.sampling.seed == 2**64 - 1
+    body.n = 2
+    with pytest.raises(RequestError, match="a negative seed must be at most -2"):
+        oa.fan_out(body, pb.GenerateRequest(), 8, "r", 0)
+    body.top_logprobs, body.logprobs = 21, True
+    with pytest.raises(RequestError) as err:
+        body.logprob_count
+    assert (err.value.param, err.value.message) == ("top_logprobs", "top_logprobs must be in [0, 20], got 21")

@@ -88,3 +88,20 @@ def test_text_offsets_index_the_streamed_text():
     # a skipped special token adds nothing to the text
     assert offsets(BPE, [BPE.token_to_id("a"), BPE.token_to_id("</s>"), BPE.token_to_id("b")]) == (
         [0, 1, 1], "ab")
+
+
+def test_completion_top_logprobs_always_hold_the_sampled_token():
+    """As the OpenAI API: up to logprobs + 1 entries, the sampled token's among them, also
+    with logprobs 0 and when it is not among the alternatives."""
+    from omnibus.v1 import inference_pb2 as pb
+
+    from omnibus.router.http.openai_schema import Choice, CompletionShape
+    from omnibus.router.text.detokenizer import IncrementalDetokenizer
+
+    a, b, c = (BPE.token_to_id(t) for t in "abc")
+    sampled = [pb.TokenLogprob(token_id=a, logprob=-0.5,
+                               top=[pb.TopLogprob(token_id=b, logprob=-0.1), pb.TopLogprob(token_id=c, logprob=-2.0)])]
+    for k, expected in ((0, {"a": -0.5}), (1, {"b": -0.1, "a": -0.5}), (2, {"b": -0.1, "c": -2.0, "a": -0.5})):
+        shape = CompletionShape(k, False, TokenBytes(BPE), lambda: IncrementalDetokenizer(BPE))
+        (top,) = shape._format(sampled, Choice(0))["top_logprobs"]
+        assert top == pytest.approx(expected)
