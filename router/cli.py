@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host", default=_DEFAULTS["host"], help="address to listen on (0.0.0.0: all interfaces)"
     )
-    p.add_argument("--port", type=int, default=_DEFAULTS["port"])
+    p.add_argument("--port", type=int, default=_DEFAULTS["port"], help="gRPC port")
     p.add_argument(
         "--engine",
         dest="engines",
@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/embeddings, /v1/models) on --host; 0: off",
     )
     p.add_argument(
-        "--log-level", default=_DEFAULTS["log_level"], choices=["debug", "info", "warning", "error"]
+        "--log-level", default=_DEFAULTS["log_level"], choices=["debug", "info", "warning", "error"],
+        help="JSON log lines on stderr at this level and above",
     )
     _auth_flags(p)
     _tls_flags(p)
@@ -71,7 +72,7 @@ def _auth_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--keys-file",
         default=None,
-        help="JSON file of tenants and their API keys (see router/auth.py); "
+        help="JSON file of tenants and their API keys (see router/admission/auth.py); "
         "without it every caller is tenant 'default'",
     )
     g.add_argument(
@@ -141,9 +142,12 @@ def _validation_flags(p: argparse.ArgumentParser) -> None:
         default=_DEFAULTS["max_tokens_limit"],
         help="largest max_tokens",
     )
-    g.add_argument("--max-stop-strings", type=int, default=_DEFAULTS["max_stop_strings"])
-    g.add_argument("--max-stop-string-chars", type=int, default=_DEFAULTS["max_stop_string_chars"])
-    g.add_argument("--max-request-bytes", type=int, default=_DEFAULTS["max_request_bytes"])
+    g.add_argument("--max-stop-strings", type=int, default=_DEFAULTS["max_stop_strings"],
+                   help="stop strings per request at most")
+    g.add_argument("--max-stop-string-chars", type=int, default=_DEFAULTS["max_stop_string_chars"],
+                   help="characters of one stop string at most")
+    g.add_argument("--max-request-bytes", type=int, default=_DEFAULTS["max_request_bytes"],
+                   help="a request's serialized size at most (HTTP: its body; over: 413)")
     g.add_argument("--max-embed-inputs", type=int, default=_DEFAULTS["max_embed_inputs"],
                    help="inputs of one Embed request at most")
     g.add_argument("--max-n", type=int, default=_DEFAULTS["max_n"],
@@ -158,7 +162,8 @@ def _validation_flags(p: argparse.ArgumentParser) -> None:
 
 def _queue_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("admission and queueing")
-    g.add_argument("--max-queued-requests", type=int, default=_DEFAULTS["max_queued_requests"])
+    g.add_argument("--max-queued-requests", type=int, default=_DEFAULTS["max_queued_requests"],
+                   help="requests waiting for an engine at most (over: RESOURCE_EXHAUSTED, 429)")
     g.add_argument(
         "--max-queued-tokens",
         type=int,
@@ -202,7 +207,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "share of the prompt in its prefix cache; 0: load only",
     )
     g.add_argument(
-        "--engine-report-interval-ms", type=int, default=_DEFAULTS["engine_report_interval_ms"]
+        "--engine-report-interval-ms", type=int, default=_DEFAULTS["engine_report_interval_ms"],
+        help="how often each engine sends its load report",
     )
     g.add_argument(
         "--engine-resolve-seconds",
@@ -220,9 +226,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         "--engine-retry-initial-seconds",
         type=float,
         default=_DEFAULTS["engine_retry_initial_seconds"],
+        help="first wait before reconnecting to an engine that went away (doubling)",
     )
     g.add_argument(
-        "--engine-retry-max-seconds", type=float, default=_DEFAULTS["engine_retry_max_seconds"]
+        "--engine-retry-max-seconds", type=float, default=_DEFAULTS["engine_retry_max_seconds"],
+        help="longest wait between reconnection attempts",
     )
     g.add_argument(
         "--max-engine-attempts",

@@ -18,17 +18,18 @@ from omnibus.common.security import add_client_tls_flags, client_security_from_a
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="omnibus-client", description="Stream a completion from a router"
+        prog="omnibus-client", description="Stream a completion from a router",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--target", default="localhost:50051", help="router address")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (unset: 1)")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--seed", type=int, default=None, help="seeded sampling (unset: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
-    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--priority", type=int, default=0, help="higher runs first")
     p.add_argument("--adapter", default="", help="LoRA adapter (x-adapter-id)")
     p.add_argument(
         "--key",

@@ -250,7 +250,16 @@ def tokenizer_config(max_len: int) -> dict:
         "pad_token": EOS,  # no dedicated pad token; padding positions must be masked
         "model_max_length": max_len,
         "clean_up_tokenization_spaces": False,
+        # A story model has no roles: a chat is the story so far, the messages' text in
+        # order, continued by the model (so /v1/chat/completions works on the demo).
+        "chat_template": DEMO_CHAT_TEMPLATE,
     }
+
+
+DEMO_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['content'] }}"
+    "{% if not loop.last %} {% endif %}{% endfor %}"
+)
 
 
 def encode_corpus(tok: Tokenizer, corpus: list[str]) -> torch.Tensor:

@@ -28,10 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)"
     )
-    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--port", type=int, default=50061, help="gRPC port")
     p.add_argument("--model", required=True, help="Hugging Face model directory (safetensors)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: the checkpoint's dtype on CUDA, float32 on a CPU")
     p.add_argument(
         "--load-format", default="safetensors", choices=["safetensors", "dummy", "null"],
         help="dummy: random weights from config.json; null: no weights and a near-free forward "
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="exact KV pool size; overrides the memory sizing",
     )
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA, the share of GPU memory weights, activations and the KV pool may use")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)"
@@ -72,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-model-len", type=int, default=None, help="context cap below the model's own"
     )
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV of shared prompt prefixes")
     p.add_argument(
         "--waiting-order", default="slo", choices=["slo", "fifo"],
         help="order of waiting requests within a priority: slo = earliest deadline first, then "
@@ -148,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, how long in-flight streams may take to finish",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="JSON log lines on stderr at this level and above")
     return parser
 
 

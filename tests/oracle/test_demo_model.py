@@ -77,6 +77,13 @@ def test_writes_a_complete_checkpoint(default_build: Path) -> None:
     assert config["max_position_embeddings"] == 1024
     assert config["tie_word_embeddings"] is False
     assert 1000 <= config["vocab_size"] <= 2000
+    # chat on the demo: the messages' text as one story, rendered as transformers renders it
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_build)
+    text = tok.apply_chat_template([{"role": "user", "content": "Once upon a time"},
+                                    {"role": "user", "content": "there was"}], tokenize=False)
+    assert text == "<s>Once upon a time there was"
 
 
 def test_transformers_loads_and_generates(default_build: Path) -> None:
