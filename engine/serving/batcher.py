@@ -140,10 +140,10 @@ class DynamicBatcher(Generic[T, R]):
         fits = [s for s in sizes if s <= cap]
         preferred = [s for s in fits if s in self.config.preferred_batch_sizes]
         expired = (now - min(e.enqueued for e in ordered)) * 1000 >= self.config.max_queue_delay_ms
-        if sizes[-1] >= cap or expired:
-            n = max(len(fits), 1)  # as full as allowed; an oversized request goes alone
-        elif preferred:
+        if preferred:  # the largest preferred size the queue fills, whatever else waits
             n = sizes.index(preferred[-1]) + 1
+        elif sizes[-1] >= cap or expired:
+            n = max(len(fits), 1)  # as full as allowed; an oversized request goes alone
         else:
             return None
         batch = ordered[:n]

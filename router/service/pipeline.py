@@ -424,6 +424,8 @@ class Pipeline:
             self._watch.jobs.discard(job)
             if job.interrupted == "client_stalled":  # the write it was stuck in was cancelled
                 outcome = "client_stalled"
+            elif outcome == "cancelled" and _past(job.caller.deadline):
+                outcome = "deadline"  # the client's deadline ended the call (gRPC cancels it)
                 log.warning("client_stalled", request_id=job.request.request_id,
                             seconds=self._config.client_stall_seconds)
             job.permit.release(_used_tokens(job, outcome))
@@ -733,6 +735,10 @@ class Pipeline:
 _ENGINE_REFUSALS = frozenset(f"engine_{code.name.lower()}" for code in (
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.RESOURCE_EXHAUSTED))
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
 
 
 def _used_tokens(job: _Job, outcome: str) -> int:

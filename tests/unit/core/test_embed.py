@@ -57,6 +57,19 @@ async def test_preferred_size_runs_early_and_priority_goes_first():
     await b.stop()
 
 
+
+async def test_a_queue_past_the_max_still_forms_preferred_sizes():
+    """Ten waiting with max 8 and preferred 4: batches of 4, 4 (it sent 8 then 2); the two
+    left are fewer than any preferred size and go when the window expires."""
+    b, seen = recording_batcher(BatcherConfig(max_batch_size=8, max_queue_delay_ms=50,
+                                              preferred_batch_sizes=(4,)))
+    waiting = [asyncio.ensure_future(b.submit([i])) for i in range(10)]
+    await asyncio.sleep(0)
+    b.start()
+    await asyncio.wait_for(asyncio.gather(*waiting), timeout=5)
+    assert [len(batch) for batch in seen] == [4, 4, 2]
+    await b.stop()
+
 async def test_queue_cap_and_timeout():
     b, seen = recording_batcher(BatcherConfig(max_batch_size=8, max_queue_delay_ms=10_000, max_queue_size=2))
     b.start()
