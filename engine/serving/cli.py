@@ -12,6 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from omnibus.common.adapters import adapter_name_error
+
 if TYPE_CHECKING:
     from omnibus.engine.config import EngineConfig
     from omnibus.engine.serving.server import ServerConfig
@@ -200,8 +202,14 @@ def _adapter_flags(p: argparse.ArgumentParser) -> None:
 
 
 def preload_list(value: str) -> tuple[str, ...]:
-    """The adapter names of --preload-adapters (blank entries dropped)."""
-    return tuple(name.strip() for name in value.split(",") if name.strip())
+    """The adapter names of --preload-adapters (blank entries dropped); ValueError naming
+    the flag for one that is no adapter name."""
+    names = tuple(name.strip() for name in value.split(",") if name.strip())
+    for name in names:
+        error = adapter_name_error(name, " in --preload-adapters")
+        if error is not None:
+            raise ValueError(error)
+    return names
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:

@@ -31,8 +31,9 @@ class Affinity(enum.IntEnum):
         return self.name.lower()
 
 
-def check_adapter_name(name: str) -> None:
-    """Raises INVALID_ARGUMENT unless `name` is a well-formed adapter name."""
-    error = adapter_name_error(name, f" in {ADAPTER_HEADER}")
+def check_adapter_name(name: str, where: str = ADAPTER_HEADER) -> None:
+    """Raises INVALID_ARGUMENT unless `name` (from `where`: the header, or a field of an
+    Admin request) is a well-formed adapter name."""
+    error = adapter_name_error(name, f" in {where}")
     if error is not None:
         raise invalid(error)

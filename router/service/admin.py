@@ -61,7 +61,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     ) -> admin_pb2.AdminAdapterResponse:
         who = await self._authorize(context, action, request.adapter)
         try:
-            check_adapter_name(request.adapter)
+            check_adapter_name(request.adapter, "the request's adapter field")
             targets = self._targets(action, request)
         except RequestError as err:
             await _abort(context, err)

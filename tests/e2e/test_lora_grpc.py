@@ -412,7 +412,7 @@ def test_admin_load_and_unload_fan_out_to_the_engines(cluster):
         ("LoadAdapter", admin_pb2.AdminAdapterRequest(adapter="pirate"), grpc.StatusCode.NOT_FOUND,
          "adapter 'pirate' not found: no engine has it under its adapter root (--adapter-dir)"),
         ("LoadAdapter", admin_pb2.AdminAdapterRequest(adapter="../x"),
-         grpc.StatusCode.INVALID_ARGUMENT, "invalid adapter name '../x'"),
+         grpc.StatusCode.INVALID_ARGUMENT, "invalid adapter name '../x' in the request's adapter field"),
         ("LoadAdapter", admin_pb2.AdminAdapterRequest(adapter="a-r2", engines=["10.0.0.1:1"]),
          grpc.StatusCode.INVALID_ARGUMENT, "engines ['10.0.0.1:1'] are not behind this router"),
         ("UnloadAdapter", admin_pb2.AdminAdapterRequest(adapter="pirate"), grpc.StatusCode.NOT_FOUND,
@@ -655,6 +655,7 @@ def test_engine_cli_adapter_flags():
         ("--adapter-dir /ad --max-loras 4 --max-cpu-loras 3", "max_cpu_loras must be >= max_loras"),
         ("--adapter-dir /ad --max-cpu-loras 2 --max-loras 1 --preload-adapters a,b,c",
          "lists 3 adapters but host memory holds 2"),
+        ("--adapter-dir /ad --preload-adapters a,../x", "invalid adapter name '../x' in --preload-adapters"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             configs_from_args(build_parser().parse_args(["serve", "--model", "m", *flags.split()]))
