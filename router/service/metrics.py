@@ -53,6 +53,13 @@ class RouterMetrics:
         self.completion_tokens = Counter(
             "omnibus_router_completion_tokens", "Tokens generated", registry=r
         )
+        self.embed_requests = Counter(
+            "omnibus_router_embed_requests", "Embed requests served (refusals count in "
+            "omnibus_router_rejected_requests)", registry=r,
+        )
+        self.embed_tokens = Counter(
+            "omnibus_router_embed_tokens", "Input tokens of the Embed requests served", registry=r
+        )
         self.queue_time = latency_histogram(
             "omnibus_router_queue_time_seconds", "Arrival to dispatch", r
         )

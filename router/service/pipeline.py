@@ -396,6 +396,8 @@ class Pipeline:
             raise RequestError(code, message, code.name.lower()) from None
         finally:
             permit.release(used)
+        self._metrics.embed_requests.inc()
+        self._metrics.embed_tokens.inc(tokens)
         return inference_pb2.EmbedResponse(
             request_id=request_id, embeddings=reply.embeddings, total_tokens=tokens)
 

@@ -42,3 +42,27 @@ async def test_a_call_its_deadline_ended_counts_as_a_deadline_a_cancel_as_a_canc
         assert (counted(router, "deadline"), counted(router, "cancelled")) == (1, 2)
     finally:
         await router.close()
+
+
+async def test_embeds_served_are_counted_with_their_tokens(tmp_path):
+    from types import SimpleNamespace
+
+    from omnibus.v1 import engine_pb2, inference_pb2
+
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        async def embed(request, timeout=None):
+            return engine_pb2.EngineEmbedResponse(
+                embeddings=[inference_pb2.Embedding(values=[0.5]) for _ in request.inputs])
+
+        router.engine.stub = SimpleNamespace(Embed=embed)
+        tenant = router.pipeline.authenticate([("authorization", "Bearer sk-t")])
+        metrics = router.pipeline._metrics
+        request = inference_pb2.EmbedRequest(inputs=[
+            inference_pb2.EmbedInput(token_ids=inference_pb2.TokenIds(ids=[1, 2, 3])),
+            inference_pb2.EmbedInput(text="w1 w2")])
+        reply = await router.pipeline.embed(request, Caller(tenant))
+        assert reply.total_tokens == 5 and len(reply.embeddings) == 2
+        assert (metrics.embed_requests._value.get(), metrics.embed_tokens._value.get()) == (1, 5)
+    finally:
+        await router.close()
