@@ -294,10 +294,7 @@ def _patterns(name: str, raw: dict, field: str, valid, what: str) -> tuple[tuple
     if not isinstance(table, dict):
         raise AdapterError(f"adapter {name!r}: {field} must be an object of module pattern -> value")
     for key, value in table.items():
-        try:
-            re.compile(key)
-        except re.error as exc:
-            raise AdapterError(f"adapter {name!r}: {field} key {key!r} is not a valid regex: {exc}") from None
+        _regex(name, f"{field} key", key)
         if not valid(value):
             raise AdapterError(f"adapter {name!r}: {field}[{key!r}] = {value!r} is not {what}")
     return tuple(table.items())
@@ -319,10 +316,7 @@ def _check_targets(name: str, targets: object) -> None:
     if targets is None:
         return
     if isinstance(targets, str):  # "all-linear", one name, or a regex: all compile
-        try:
-            re.compile(targets)
-        except re.error as exc:
-            raise AdapterError(f"adapter {name!r}: target_modules {targets!r} is not a valid regex: {exc}") from None
+        _regex(name, "target_modules", targets)
         return
     if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
         raise AdapterError(f"adapter {name!r}: target_modules must be a list of module names or a regex")
@@ -388,7 +382,7 @@ def load_adapter_weights(spec: AdapterSpec, cfg: ModelConfig, dtype: torch.dtype
 
 
 def _unexpected(name: str, key: str) -> str:
-    if key.endswith(".base_layer.bias") or key.endswith(".bias") and ".lora_" not in key:
+    if key.endswith(".bias") and ".lora_" not in key:
         return (f"adapter {name!r} holds a trained base-model bias ({key!r}; bias='all' or 'lora_only' "
                 "in adapter_config.json), which Omnibus does not serve: only LoRA's A and B weights")
     return (f"adapter {name!r}: unexpected tensor {key!r}; Omnibus serves plain LoRA, the lora_A and "

@@ -268,8 +268,7 @@ class OpenAIFront:
             )
         if not is_adapter_name(model):
             raise self._unknown_model(model)
-        if (header is None and tenant.may_use(model)
-                and model not in {a.id for a in self._pipeline.list_models(tenant).adapters}):
+        if header is None and tenant.may_use(model) and not self._pipeline.serves_adapter(model):
             raise self._unknown_model(model)
         return model  # one outside the tenant's list is PERMISSION_DENIED, as on gRPC
 
@@ -303,7 +302,7 @@ class OpenAIFront:
 
     async def _completion_request(self, body: oa.CompletionBody) -> Prepared:
         prompt = oa.completion_prompt(body.prompt)
-        logprobs = None if body.logprobs is None else oa.logprob_count(body.logprobs, "logprobs")
+        logprobs = None if body.logprobs is None else oa.check_logprobs(body.logprobs, "logprobs")
         prompt.sampling.CopyFrom(oa.sampling(body, body.max_tokens, logprobs))
         return prompt, oa.CompletionShape(logprobs, body.return_token_ids, self._token_bytes,
                                           self._pipeline.detokenizer)

@@ -150,10 +150,10 @@ class ChatBody(_Body):
             if self.top_logprobs:
                 raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
             return None
-        return logprob_count(self.top_logprobs or 0, "top_logprobs")
+        return check_logprobs(self.top_logprobs or 0, "top_logprobs")
 
 
-def logprob_count(count: int, field: str) -> int:
+def check_logprobs(count: int, field: str) -> int:
     """`count` alternatives per token (the body's `field`), if in OpenAI's range."""
     if not 0 <= count <= MAX_LOGPROBS:
         raise invalid(f"{field} must be in [0, {MAX_LOGPROBS}], got {count}", field)
@@ -321,7 +321,7 @@ def sampling(body: _Body, max_tokens: int | None, logprobs: int | None) -> pb.Sa
         ignore_eos=body.ignore_eos,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
-        logprobs=0 if logprobs is None else max(logprobs, 1),  # in range: logprob_count
+        logprobs=0 if logprobs is None else max(logprobs, 1),  # in range: check_logprobs
     )
     for name, value in (
         ("max_tokens", max_tokens),

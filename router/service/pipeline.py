@@ -70,6 +70,9 @@ class Caller:
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
+    def deadline_passed(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
 
 @dataclass(eq=False)  # hashed by identity: _Watch keeps a set of them
 class _Job:
@@ -232,6 +235,10 @@ class Pipeline:
         """A new stream's detokenizer (special tokens skipped), as every stream's text is made."""
         return IncrementalDetokenizer(self.tokenizer, self._byte_ids, self._special_ids)
 
+    def serves_adapter(self, name: str) -> bool:
+        """Whether some engine taking requests has adapter `name` under its adapter root."""
+        return name in available_adapters(self._engines)
+
     def list_models(self, tenant: Tenant) -> inference_pb2.ListModelsResponse:
         """The base model and its limits, and the adapters `tenant` may use that some
         engine has."""
@@ -327,10 +334,13 @@ class Pipeline:
         if adapter:
             self._check_adapter_use(tenant, adapter)
         self._refresh_limits()
-        valid = [await self._validator.validate(r, i) for r, i in zip(requests, request_ids)]
+        valid = [await self._validator.validate(requests[0], request_ids[0])]
+        for request, request_id in zip(requests[1:], request_ids[1:]):
+            request.token_ids.ids[:] = valid[0].prompt_ids  # the same prompt: tokenized once
+            valid.append(await self._validator.validate(request, request_id))
         if not any(e.accepting for e in self._engines):
             raise _no_engine()
-        if adapter and adapter not in available_adapters(self._engines):
+        if adapter and not self.serves_adapter(adapter):
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND,
                 f"adapter {adapter!r} not found on any engine; ListModels lists the adapters you "
@@ -426,10 +436,10 @@ class Pipeline:
             self._watch.jobs.discard(job)
             if job.interrupted == "client_stalled":  # the write it was stuck in was cancelled
                 outcome = "client_stalled"
-            elif outcome == "cancelled" and _past(job.caller.deadline):
-                outcome = "deadline"  # the client's deadline ended the call (gRPC cancels it)
                 log.warning("client_stalled", request_id=job.request.request_id,
                             seconds=self._config.client_stall_seconds)
+            elif outcome == "cancelled" and job.caller.deadline_passed():
+                outcome = "deadline"  # the client's deadline ended the call (gRPC cancels it)
             job.permit.release(_used_tokens(job, outcome))
             self._record(job, outcome)
 
@@ -666,12 +676,7 @@ class Pipeline:
                               f"engine {engine.address} is unavailable ({details})")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return RequestError(code, "the request's deadline passed during generation", "deadline")
-        if code in (
-            grpc.StatusCode.INVALID_ARGUMENT,
-            grpc.StatusCode.NOT_FOUND,
-            grpc.StatusCode.FAILED_PRECONDITION,  # e.g. the adapter's weights failed to load
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
-        ):
+        if code in _ENGINE_REFUSAL_CODES:
             return RequestError(code, details, f"engine_{code.name.lower()}")
         return RequestError(code, f"engine {engine.address} failed: {details}", "engine_error")
 
@@ -733,14 +738,11 @@ class Pipeline:
         return _EngineLost(RequestError(grpc.StatusCode.UNAVAILABLE, message, why), why)
 
 
-# How an engine refuses a request before working on it (Pipeline._engine_error).
-_ENGINE_REFUSALS = frozenset(f"engine_{code.name.lower()}" for code in (
-    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.RESOURCE_EXHAUSTED))
-
-
-def _past(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() >= deadline
+# How an engine refuses a request before working on it (FAILED_PRECONDITION: e.g. the
+# adapter's weights failed to load); Pipeline._engine_error names them engine_<code>.
+_ENGINE_REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+                         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED)
+_ENGINE_REFUSALS = frozenset(f"engine_{code.name.lower()}" for code in _ENGINE_REFUSAL_CODES)
 
 
 def _used_tokens(job: _Job, outcome: str) -> int:
