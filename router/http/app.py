@@ -62,8 +62,9 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
 _HTTP_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error"}
-_STREAMING = "omnibus.streaming"  # set on a request once its event stream's headers are sent
-_REQUEST_ID = "omnibus.request_id"  # the request's id, echoed in x-request-id
+_STREAMING = web.RequestKey("omnibus.streaming", bool)  # set on a request once its event stream's headers are sent
+_MAX_BODY = web.AppKey("omnibus.max_body", int)  # the request body limit, bytes
+_REQUEST_ID = web.RequestKey("omnibus.request_id", str)  # the request's id, echoed in x-request-id
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Prepared = tuple[pb.GenerateRequest, "oa.CompletionShape | oa.ChatShape"]  # prompt, shape
 
@@ -101,7 +102,7 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         kind = _HTTP_ERROR_TYPES.get(exc.status, "invalid_request_error")
         message = f"{exc.reason}: {request.method} {request.path}"
         if exc.status == 413:
-            message = f"the request body is over the {request.app['max_body']} byte limit"
+            message = f"the request body is over the {request.app[_MAX_BODY]} byte limit"
         headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
         code = TOO_LARGE if exc.status == 413 else None
         response = web.json_response(error_body(message, kind, code), status=exc.status, headers=headers)
@@ -139,7 +140,7 @@ class OpenAIFront:
     def app(self) -> web.Application:
         max_body = 2 * self._config.max_request_bytes + 4096  # ours is the clearer refusal
         app = web.Application(middlewares=[_json_errors], client_max_size=max_body)
-        app["max_body"] = max_body
+        app[_MAX_BODY] = max_body
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -275,10 +276,12 @@ class OpenAIFront:
     def _priority(self, request: web.Request, body_priority: int | None) -> int:
         header = request.headers.get(PRIORITY_HEADER)
         if header is None:
-            return _int32(body_priority or 0, "priority")
+            return body_priority or 0
         if not _INTEGER.fullmatch(header):
             raise invalid(f"{PRIORITY_HEADER} must be an integer, got {header!r}")
-        priority = _int32(int(header), PRIORITY_HEADER)
+        priority = int(header)
+        if not -(2**31) <= priority < 2**31:  # the protobuf field is an int32
+            raise invalid(f"{PRIORITY_HEADER} {priority} is out of range")
         if body_priority is not None and body_priority != priority:
             raise invalid(
                 f"{PRIORITY_HEADER} {priority} and the body's priority {body_priority} differ; "
@@ -444,14 +447,6 @@ def _sse(event: dict[str, Any]) -> bytes:
 
 def _metadata(request: web.Request) -> list[tuple[str, str]]:
     return [(k.lower(), v) for k, v in request.headers.items()]
-
-
-def _int32(value: int, name: str) -> int:
-    """`value` unless it does not fit the protobuf field (int32): INVALID_ARGUMENT, where
-    building the request would fail with a server error."""
-    if not -(2**31) <= value < 2**31:
-        raise invalid(f"{name} {value} is out of range")
-    return value
 
 
 def _request_id(request: web.Request) -> str:

@@ -70,7 +70,7 @@ class _Body(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Int32] = Field(default_factory=list)
-    priority: int | None = None  # or the x-priority header
+    priority: Int32 | None = None  # or the x-priority header
     return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -169,7 +169,7 @@ class EmbeddingBody(_Strict):
     # Extensions: how token states become one vector. OpenAI's embeddings are unit length.
     pooling: Literal["mean", "last"] = "mean"
     normalize: bool = True
-    priority: int | None = None
+    priority: Int32 | None = None
 
 
 _Bodies = CompletionBody | ChatBody | EmbeddingBody

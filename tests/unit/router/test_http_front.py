@@ -53,6 +53,11 @@ async def test_a_priority_header_that_is_no_integer_is_400(http, value):
     assert body["error"]["message"].startswith("x-priority must be an integer, got ")
 
 
+async def test_a_priority_header_beyond_int32_is_400(http):
+    status, _, body = await call(http, AUTH + b"x-priority: 2147483648\r\n")
+    assert (status, body["error"]["message"]) == (400, "x-priority 2147483648 is out of range"), body
+
+
 @pytest.mark.parametrize("path", [b"/v1/completions", b"/v1/models"])
 @pytest.mark.parametrize("key", [b"sk-\xfc", "sk-\u00fc".encode()])
 async def test_a_key_whose_bytes_are_not_utf8_is_just_a_wrong_key(http, path, key):
@@ -126,6 +131,8 @@ BIG = 2**31
     (b"/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "logprobs": True,
                                "top_logprobs": BIG}, "top_logprobs"),
     (b"/v1/embeddings", {"input": [[5, BIG]]}, "input.0"),
+    (b"/v1/completions", {"priority": BIG}, "priority"),
+    (b"/v1/embeddings", {"input": "w1", "priority": -BIG - 1}, "priority"),
 ])  # fmt: skip
 async def test_an_integer_too_large_for_its_field_is_400_naming_it(http, path, body, field):
     """They were 500s (protobuf's ValueError building the request), retried by clients."""
