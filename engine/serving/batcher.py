@@ -11,6 +11,7 @@ A request is never split across batches. One asyncio task owns the queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
 import time
@@ -54,8 +55,8 @@ class _Entry(Generic[T]):
     key: tuple[int, int]
     items: Sequence[T] = field(compare=False)
     enqueued: float = field(compare=False)
-    deadline: float | None = field(compare=False)
     future: asyncio.Future = field(compare=False)
+    timer: asyncio.TimerHandle | None = field(default=None, compare=False)  # its queue timeout
 
 
 class DynamicBatcher(Generic[T, R]):
@@ -94,16 +95,24 @@ class DynamicBatcher(Generic[T, R]):
             raise QueueFullError(f"queue full ({self.config.max_queue_size} requests waiting); retry later")
         now = time.monotonic()
         timeout = timeout_ms if timeout_ms is not None else self.config.default_timeout_ms
-        entry = _Entry((-priority, next(self._count)), list(items), now,
-                       None if timeout is None else now + timeout / 1000,
-                       asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        entry = _Entry((-priority, next(self._count)), list(items), now, loop.create_future())
+        if timeout is not None:  # on time even while a batch runs (the loop awaits it then)
+            entry.timer = loop.call_later(timeout / 1000, self._time_out, entry)
         heapq.heappush(self._heap, entry)
         self._wake.set()
         return await entry.future
 
+    def _time_out(self, entry: _Entry[T]) -> None:
+        """A queued request's timeout: it fails now; the loop drops its entry lazily."""
+        if not entry.future.done():
+            entry.future.set_exception(QueueTimeoutError(
+                f"waited {1000 * (time.monotonic() - entry.enqueued):.0f} ms in the queue, past its timeout"))
+            self._wake.set()
+
     async def _loop(self) -> None:
         while True:
-            self._expire(time.monotonic())
+            self._drop_done()
             if not self._heap:
                 self._wake.clear()
                 await self._wake.wait()
@@ -111,23 +120,17 @@ class DynamicBatcher(Generic[T, R]):
             batch = self._form(time.monotonic())
             if batch is None:
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), self._sleep_for(time.monotonic()))
-                except TimeoutError:
-                    pass
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel
+                # (stop()) that arrives when the wake-up has just happened.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._sleep_for(time.monotonic())):
+                        await self._wake.wait()
                 continue
             await self._execute(batch)
 
-    def _expire(self, now: float) -> None:
-        kept = []
-        for e in self._heap:
-            if e.future.done():
-                continue
-            if e.deadline is not None and now >= e.deadline:
-                e.future.set_exception(QueueTimeoutError(
-                    f"waited {1000 * (now - e.enqueued):.0f} ms in the queue, past its timeout"))
-            else:
-                kept.append(e)
+    def _drop_done(self) -> None:
+        """Forget the requests that timed out or were cancelled while queued."""
+        kept = [e for e in self._heap if not e.future.done()]
         if len(kept) != len(self._heap):
             self._heap = kept
             heapq.heapify(self._heap)
@@ -148,13 +151,14 @@ class DynamicBatcher(Generic[T, R]):
             return None
         batch = ordered[:n]
         self._heap = ordered[n:]  # a sorted list is a valid heap
+        for e in batch:  # out of the queue: its queue timeout no longer applies
+            if e.timer is not None:
+                e.timer.cancel()
         return batch
 
     def _sleep_for(self, now: float) -> float:
         oldest = min(e.enqueued for e in self._heap)
-        delay = oldest + self.config.max_queue_delay_ms / 1000 - now
-        deadlines = [e.deadline - now for e in self._heap if e.deadline is not None]
-        return max(0.0, min([delay, *deadlines]))
+        return max(0.0, oldest + self.config.max_queue_delay_ms / 1000 - now)
 
     async def _execute(self, batch: list[_Entry[T]]) -> None:
         batch = [e for e in batch if not e.future.done()]  # cancelled while queued

@@ -85,6 +85,27 @@ async def test_queue_cap_and_timeout():
     assert seen == []
 
 
+async def test_queue_timeout_fires_while_a_batch_runs():
+    """The timeout was checked between batches only, so it fired when the running batch
+    ended, however long after the timeout that was."""
+    b, seen = recording_batcher(BatcherConfig(max_batch_size=1, max_queue_delay_ms=0), delay=2.0)
+    b.start()
+    running = asyncio.ensure_future(b.submit([1]))
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueTimeoutError, match="past its timeout"):
+        await b.submit([2], timeout_ms=20)
+    assert not running.done() and seen == [[1]]
+    assert await running == [10]
+    await b.stop()
+
+
+async def test_a_batch_that_started_is_not_timed_out():
+    b, seen = recording_batcher(BatcherConfig(max_batch_size=1, max_queue_delay_ms=0), delay=0.1)
+    b.start()
+    assert await b.submit([1], timeout_ms=30) == [10]  # ran for longer than its queue timeout
+    await b.stop()
+
+
 def test_batcher_config_validated():
     with pytest.raises(ValueError, match="preferred_batch_sizes"):
         BatcherConfig(max_batch_size=4, preferred_batch_sizes=(8,))
