@@ -226,7 +226,7 @@ class EngineConfig:
     max_batch_size: int = 32  # static/dynamic: requests per formed batch
     batch_window_ms: float | None = None  # dynamic: run a partial batch this long after its first request (default 10); static: optional timeout
     study_counters: bool = False  # collect the batching study's per-step counters (O(running) a step)
-    seed: int = 0  # engine-level RNG for unseeded sampling
+    seed: int | None = None  # shared generator of unseeded requests; None: from the OS (dummy weights: 0)
     adapter_dir: str | None = None  # root of the PEFT LoRA adapters (one directory each); None: base only
     max_loras: int = 4  # device adapter slots (distinct adapters in one step)
     max_cpu_loras: int = 16  # adapters kept in host memory (LRU)

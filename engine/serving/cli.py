@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(Stats RPC); costs O(running sequences) per step, so off when serving",
     )
     p.add_argument(
-        "--seed", type=int, default=0, help="seed of the shared generator for unseeded requests"
+        "--seed", type=int, default=None,
+        help="seed of the shared generator that requests without a seed draw from (default: from "
+        "the OS, so replicas and restarts sample independently; set it to replay a run)"
     )
     p.add_argument(
         "--overlap-scheduling", action=argparse.BooleanOptionalAction, default=None,

@@ -64,7 +64,8 @@ class ModelRunner:
         if config.load_format == "null":
             self.model = NullModel(model_config, self.device)
         elif config.load_format == "dummy":
-            self.model = random_model(model_config, self.dtype, self.device, model_config.max_model_len, config.seed)
+            self.model = random_model(model_config, self.dtype, self.device, model_config.max_model_len,
+                                      config.seed or 0)
         else:
             self.model = load_model(model_config, config.model, self.dtype, self.device, model_config.max_model_len)
         packed = 0

@@ -11,6 +11,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from omnibus.engine.config import EngineConfig
 from omnibus.engine.worker.sampling import (
     MAX_LOGPROBS,
     Sampler,
@@ -287,6 +288,18 @@ def test_unseeded_rows_reproducible_with_sampler_seed():
     a = sample_rows(Sampler(42), logits, params).token_ids
     b = sample_rows(Sampler(42), logits, params).token_ids
     assert a == b
+
+
+def test_engines_without_a_seed_sample_independently():
+    """The engine's --seed defaulted to 0: every replica (and every restart) drew the same
+    noise for unseeded requests, so an HTTP request's n choices, spread over replicas, came
+    back identical. Unset, each engine's generator is seeded from the OS."""
+    assert EngineConfig(model="m").seed is None
+    logits = torch.zeros(64, 1000)  # uniform: 64 draws from 1000 tokens
+    params = [SamplingParams(temperature=1.0)] * 64
+    a = sample_rows(Sampler(EngineConfig(model="m").seed), logits, params).token_ids
+    b = sample_rows(Sampler(EngineConfig(model="m").seed), logits, params).token_ids
+    assert a != b  # equal with probability 1000**-64
 
 
 # --- penalties -----------------------------------------------------------------------
