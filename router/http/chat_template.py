@@ -3,9 +3,10 @@
 The template is the Hugging Face one: `chat_template.jinja` in the model directory, or
 `chat_template` in its `tokenizer_config.json` (a string, or a list of named templates of
 which "default" is used). It is rendered as transformers renders it (trim_blocks,
-lstrip_blocks, loop controls, `raise_exception`, `tojson`, `strftime_now`,
-`add_generation_prompt`, the special tokens by name), in Jinja's immutable sandbox: a
-template cannot call methods that change objects or reach Python internals.
+lstrip_blocks, loop controls, the `{% generation %}` block, `raise_exception`, `tojson`,
+`strftime_now`, `add_generation_prompt`, `tools` and `documents` as None, the special
+tokens by name), in Jinja's immutable sandbox: a template cannot call methods that
+change objects or reach Python internals.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.ext import loopcontrols
+import jinja2.nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from omnibus.router.service.errors import invalid
 
-_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES)
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class _Refusal(jinja2.TemplateError):
@@ -40,13 +43,25 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's tokens
+    with it (for training masks); rendering a prompt, the block is its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
 class ChatTemplate:
     """A compiled chat template and the special-token strings it may refer to."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
         """Raises ValueError when `source` is not a valid Jinja template."""
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _Generation]
         )
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
@@ -74,8 +89,7 @@ class ChatTemplate:
             return None
         if not isinstance(source, str) or not source.strip():
             raise ValueError(f"{model_dir}: the chat template must be a non-empty string")
-        special = {name: _token_text(config.get(name)) for name in _SPECIAL_TOKENS}
-        return cls(source, special)
+        return cls(source, _special_tokens(model_dir, config))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt for `messages` (dicts with role and text content). Raises
@@ -83,6 +97,8 @@ class ChatTemplate:
         try:
             return self._template.render(
                 messages=messages,
+                tools=None,  # defined, as transformers defines them: `tools is not none` is false
+                documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,
             )
@@ -104,6 +120,22 @@ def _read_config(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return raw
+
+
+def _special_tokens(model_dir: Path, config: dict[str, Any]) -> dict[str, str]:
+    """The special tokens a template sees, by name, as transformers sets them: the named
+    ones of tokenizer_config.json (and the model-specific ones of its extra_special_tokens
+    dict), overridden by special_tokens_map.json where the config has no
+    added_tokens_decoder (transformers' legacy files). An unset token stays undefined."""
+    values = dict(config)
+    if "added_tokens_decoder" not in config:
+        values.update(_read_config(model_dir / "special_tokens_map.json"))
+    names = list(_SPECIAL_TOKENS)
+    extra = values.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        names += extra
+        values = {**values, **extra}
+    return {name: _token_text(values[name]) for name in names if values.get(name) is not None}
 
 
 def _token_text(token: object) -> str:

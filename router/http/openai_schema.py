@@ -288,7 +288,8 @@ def stop_strings(stop: object) -> list[str]:
 
 
 def _content(content: object, index: int) -> str:
-    """A message's text: a string, or the text parts of a list joined."""
+    """A message's text: a string, or the text parts of a list, one per line (as vLLM and
+    TensorRT-LLM join them for string-content templates)."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
@@ -304,7 +305,7 @@ def _content(content: object, index: int) -> str:
                     f"messages.{index}.content",
                 )
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
     raise invalid(f"messages.{index}.content must be a string, a list of text parts or null",
                   f"messages.{index}.content")
 

@@ -151,7 +151,7 @@ def chat_prompt_ids(cluster: Cluster) -> list[int]:
     """The chat prompt as transformers renders and tokenizes it (the reference)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(cluster.chat_model)
     flat = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
-             else "".join(p["text"] for p in m["content"])} for m in MESSAGES]  # fmt: skip
+             else "\n".join(p["text"] for p in m["content"])} for m in MESSAGES]  # fmt: skip
     ids = tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if not isinstance(ids, list) else ids
     return list(ids)

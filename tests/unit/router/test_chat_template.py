@@ -61,3 +61,48 @@ def test_refusals_and_sandbox_violations_are_invalid_argument(source, message):
         template.render(HELLO)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.message.startswith(message), err.value.message
+
+
+# ---- against transformers' apply_chat_template ------------------------------------------
+
+TURNS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": "yo"}, {"role": "user", "content": "q"}]  # fmt: skip
+PLAIN = "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+ORACLE_CASES = {
+    # special tokens only in special_tokens_map.json (older checkpoints): BOS was dropped
+    "legacy-map": ({"chat_template": PLAIN}, {"bos_token": {"content": "<s>", "lstrip": False}}),
+    # a config with added_tokens_decoder is not legacy: its own tokens win over the map
+    "config-wins": ({"chat_template": PLAIN, "bos_token": "</s>",
+                     "added_tokens_decoder": {"1": {"content": "<s>", "special": True}}},
+                    {"bos_token": "<s>"}),
+    # tools and documents are defined as None: `is not none` was true for them
+    "tools-documents": ({"chat_template": "{% if tools is not none %}TOOLS:{{ tools | tojson }}{% endif %}"
+                                          "{% if documents is not none %}DOCS{% endif %}" + PLAIN}, None),
+    # every named special token, and model-specific ones
+    "sep-cls-mask": ({"chat_template": "{{ cls_token }}{% for m in messages %}{{ m.content }}{{ sep_token }}"
+                                       "{% endfor %}{{ mask_token }}{{ image_token }}",
+                      "cls_token": "<s>", "sep_token": "</s>", "mask_token": "<unk>",
+                      "extra_special_tokens": {"image_token": "<unk>"}}, None),
+    "unset-stays-undefined": ({"chat_template": "{{ 'sep' if sep_token is defined else 'none' }}" + PLAIN,
+                               "bos_token": "<s>"}, None),
+    # transformers' {% generation %} block (assistant masks): the router stopped at start
+    "generation-block": ({"chat_template": "{% for m in messages %}{% if m.role == 'assistant' %}"
+                                           "{% generation %}{{ m.content }}</s>{% endgeneration %}"
+                                           "{% else %}[{{ m.role }}]{{ m.content }}{% endif %}{% endfor %}"
+                                           "{% if add_generation_prompt %}[assistant]{% endif %}"}, None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ORACLE_CASES)
+def test_renders_as_transformers_renders(tmp_path, case):
+    transformers = pytest.importorskip("transformers")
+    from tests.checkpoints import build_tokenizer
+
+    config, special_map = ORACLE_CASES[case]
+    build_tokenizer(64).save(str(tmp_path / "tokenizer.json"))
+    write_config(tmp_path, **config)
+    if special_map is not None:
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(special_map))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    expected = hf.apply_chat_template(TURNS, add_generation_prompt=True, tokenize=False)
+    assert ChatTemplate.load(tmp_path).render(TURNS) == expected
