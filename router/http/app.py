@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import json
 import re
 import sys
@@ -307,8 +308,14 @@ class OpenAIFront:
         prompt = oa.completion_prompt(body.prompt)
         logprobs = None if body.logprobs is None else oa.check_logprobs(body.logprobs, "logprobs")
         prompt.sampling.CopyFrom(oa.sampling(body, body.max_tokens, logprobs))
-        return prompt, oa.CompletionShape(logprobs, body.return_token_ids, self._token_bytes,
-                                          self._pipeline.detokenizer)
+        detokenizer = self._pipeline.detokenizer
+        if logprobs is not None:  # text offsets: detokenized as the text is, after the prompt
+            if prompt.WhichOneof("prompt") == "text":
+                ids = (await asyncio.to_thread(self._pipeline.tokenizer.encode, prompt.text)).ids
+            else:
+                ids = list(prompt.token_ids.ids)
+            detokenizer = functools.partial(self._pipeline.detokenizer, ids)
+        return prompt, oa.CompletionShape(logprobs, body.return_token_ids, self._token_bytes, detokenizer)
 
     async def _chat_request(self, body: oa.ChatBody) -> Prepared:
         ids = await self._chat_prompt(body)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -231,9 +231,10 @@ class Pipeline:
         except RequestError as err:
             raise self.refused(err, "") from None
 
-    def detokenizer(self) -> IncrementalDetokenizer:
-        """A new stream's detokenizer (special tokens skipped), as every stream's text is made."""
-        return IncrementalDetokenizer(self.tokenizer, self._byte_ids, self._special_ids)
+    def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
+        """A new stream's detokenizer (special tokens skipped, continuing `prompt_ids`), as
+        every stream's text is made."""
+        return IncrementalDetokenizer(self.tokenizer, self._byte_ids, self._special_ids, context=prompt_ids)
 
     def serves_adapter(self, name: str) -> bool:
         """Whether some engine taking requests has adapter `name` under its adapter root."""
@@ -447,7 +448,7 @@ class Pipeline:
         """Streams the request from an engine, moving it to another engine (prompt + the
         tokens sent so far) when one fails, drains or stalls, at most
         max_engine_attempts engines in all."""
-        job.detok = self.detokenizer()
+        job.detok = self.detokenizer(job.request.prompt_ids)
         job.stop = StopStringMatcher(job.request.stop)
         job.queued_at = job.arrival
         try:

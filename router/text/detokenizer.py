@@ -9,12 +9,18 @@ and emits the difference, holding text back while it ends in U+FFFD, and keeping
 window where it is while new tokens add nothing (a stripped leading space, a skipped
 special token), so those tokens keep their context for later ones.
 
+The stream starts from the end of the prompt (`context`), as vLLM's and TGI's do, so the
+output reads as the prompt's continuation: decoders that strip the first token's leading
+space (SentencePiece's Metaspace, Strip) keep it, and the text is what
+decode(prompt + output) adds to decode(prompt).
+
 One case it does not handle is held here: the ByteFallback decoder turns a whole run of
 <0xNN> byte tokens into U+FFFDs if any byte in it is invalid, so a run is final only once
 a non-byte token follows (skipped special tokens do not count: they vanish before the
 decoder sees the run). Byte-run ids are kept back and handed to the stream together with
 the token that closes the run. `flush()` releases whatever is held when the request ends.
-Concatenating every delta and the flush equals `tokenizer.decode(all_ids)`.
+Concatenating every delta and the flush equals that continuation (`decode(all_ids)`
+without a context).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_CONTEXT = range(4, 25)  # prompt tokens the stream may start from: the fewest that decode whole
 
 
 def byte_fallback_ids(tokenizer: Tokenizer) -> frozenset[int]:
@@ -49,9 +56,11 @@ class IncrementalDetokenizer:
         byte_ids: frozenset[int] | None = None,
         skipped_ids: frozenset[int] | None = None,
         skip_special_tokens: bool = True,
+        context: Sequence[int] = (),
     ) -> None:
         """`byte_ids`, `skipped_ids`: byte_fallback_ids(tokenizer) and
-        special_ids(tokenizer), computed here unless given (pass them to share one set)."""
+        special_ids(tokenizer), computed here unless given (pass them to share one set).
+        `context`: the prompt's ids, whose end the output continues."""
         self._tokenizer = tokenizer
         self._byte_ids = byte_fallback_ids(tokenizer) if byte_ids is None else byte_ids
         self._skip_special = skip_special_tokens
@@ -59,7 +68,8 @@ class IncrementalDetokenizer:
             self._skipped_ids: frozenset[int] = frozenset()
         else:
             self._skipped_ids = special_ids(tokenizer) if skipped_ids is None else skipped_ids
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._context = self._tail(context)
+        self._stream = DecodeStream(self._context, skip_special_tokens)
         self._ids: list[int] = []  # every id pushed, for flush()
         self._byte_run: list[int] = []  # ids of an open byte run, not yet given to the stream
         self._in_byte_run = False  # the last id that is not skipped is a byte token
@@ -94,7 +104,7 @@ class IncrementalDetokenizer:
         if not self._pending:
             return ""
         self._pending = False
-        full = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special)
+        full = self._decode(self._ids)
         emitted = "".join(self._deltas)
         self._deltas = [full]
         if full.startswith(emitted):
@@ -102,6 +112,30 @@ class IncrementalDetokenizer:
         # Text already emitted was rewritten (a byte run turned invalid after a decoded
         # prefix): the common prefix keeps the result as close to decode(all) as a stream can.
         return full[len(commonprefix([emitted, full])) :]
+
+    def _tail(self, context: Sequence[int]) -> list[int]:
+        """The fewest last ids of `context` (at least 4, as vLLM starts its stream) that
+        decode to whole characters: none when the prompt ends inside a character, as then
+        the output's first bytes would complete the prompt's text, not start their own."""
+        if not context:
+            return []
+        for n in _CONTEXT:
+            tail = list(context[-n:])
+            if "\ufffd" not in self._tokenizer.decode(tail, skip_special_tokens=self._skip_special):
+                return tail
+            if n >= len(context):
+                break
+        return []
+
+    def _decode(self, ids: list[int]) -> str:
+        """What `ids` add to the context's text."""
+        if not self._context:
+            return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        before, after = self._tokenizer.decode_batch([self._context, self._context + ids],
+                                                     skip_special_tokens=self._skip_special)
+        if after.startswith(before):
+            return after[len(before):]
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def _opens_byte_run(self, token_ids: Sequence[int]) -> bool:
         """Whether, after `token_ids`, the last id that is not skipped is a byte token."""

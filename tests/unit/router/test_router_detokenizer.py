@@ -50,9 +50,9 @@ TEXT = st.lists(
 ).map("".join)
 
 
-def stream(tokenizer: Tokenizer, ids: list[int], chunks: list[int]) -> list[str]:
+def stream(tokenizer: Tokenizer, ids: list[int], chunks: list[int], prompt: list[int] = ()) -> list[str]:
     """Pushes `ids` in chunks of the given sizes (cycled), then flushes; returns the deltas."""
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(tokenizer, context=prompt)
     deltas, i, c = [], 0, 0
     while i < len(ids):
         size = chunks[c % len(chunks)]
@@ -124,6 +124,37 @@ def test_tokens_that_decode_to_nothing_keep_their_context():
     ids = [259, 0, 259]
     assert SENTENCEPIECE.decode(ids) == " "
     assert "".join(stream(SENTENCEPIECE, ids, [1])) == " "
+
+
+def continuation(tokenizer: Tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """What `ids` add to the prompt's text, as transformers' text-generation pipeline cuts it."""
+    return tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)):]
+
+
+def test_the_first_word_keeps_its_leading_space_after_the_prompt():
+    """SentencePiece decoders strip the first token's leading space: decoded alone, the
+    output lost it ("Once upon a" + "time"); vLLM and TGI decode after the prompt."""
+    tok = SENTENCEPIECE
+    prompt, ids = tok.encode("the fox a").ids, tok.encode("the fox").ids
+    assert tok.decode(ids) == "the fox"
+    assert stream(tok, ids, [1], prompt) == [" the", " fox", ""]
+    assert "".join(stream(tok, ids, [2], [1, *prompt])) == " the fox"  # after a BOS too
+
+
+def test_a_prompt_ending_inside_a_character_gives_no_context():
+    tok = SENTENCEPIECE
+    prompt = tok.encode("a 😀").ids[:-1]  # the emoji's last byte missing
+    ids = tok.encode("the").ids
+    assert "".join(stream(tok, ids, [1], prompt)) == tok.decode(ids) == "the"
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=200, deadline=None)
+@given(prompt=TEXT, text=TEXT, chunks=st.lists(st.integers(1, 3), min_size=1, max_size=5))
+def test_output_streams_as_the_prompts_continuation(name, prompt, text, chunks):
+    tokenizer = TOKENIZERS[name]
+    prompt_ids, ids = tokenizer.encode(prompt).ids, tokenizer.encode(text).ids
+    assert "".join(stream(tokenizer, ids, chunks, prompt_ids)) == continuation(tokenizer, prompt_ids, ids)
 
 
 BYTE_LEVEL = {"bpe_384": BPE, "bpe_1024": build_tokenizer(1024)}
