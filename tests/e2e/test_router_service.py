@@ -289,8 +289,8 @@ BAD_REQUESTS = [
         "top_p must be a finite number in (0, 1], got 1.5",
     ),
     (
-        pb.GenerateRequest(text="hi", sampling=S(top_k=-1)),
-        "top_k must be >= 0 (0 disables it), got -1",
+        pb.GenerateRequest(text="hi", sampling=S(top_k=-2)),
+        "top_k must be >= 0 (0 or -1 disables it), got -2",
     ),
     (
         pb.GenerateRequest(text="hi", sampling=S(min_p=2)),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,8 +55,24 @@ def _float_field(name: str, value: object, allowed: str, ok: Callable[[float], b
     else:
         v = float(value)
     if not math.isfinite(v) or not ok(v):
-        raise FieldError(name, f"{name} must be a finite number {allowed}, got {v}")
+        raise FieldError(name, f"{name} must be a finite number {allowed}, got {_shown(v)}")
     return v
+
+
+def _shown(v: float) -> str:
+    """`v` as its sender wrote it: a float32 field's -0.1 arrives as -0.10000000149011612,
+    shown as the shortest decimal that is the same float32 (other values as repr)."""
+    try:
+        as_f32 = struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return repr(v)
+    if as_f32 != v:
+        return repr(v)
+    for digits in range(1, 10):
+        shortest = float(f"{v:.{digits}g}")
+        if struct.unpack("f", struct.pack("f", shortest))[0] == v:
+            return repr(shortest)
+    return repr(v)
 
 
 @dataclass(frozen=True)
@@ -69,7 +86,7 @@ class SamplingParams:
     max_tokens: int = 16  # >= 1; tokens to generate at most
     temperature: float = 1.0  # >= 0; below 1e-5 (and so 0) means greedy argmax
     top_p: float = 1.0  # in (0, 1]; nucleus size, 1 = off
-    top_k: int = 0  # 0 = off, else >= 1
+    top_k: int = 0  # 0 = off (-1 too, vLLM's spelling: read as 0), else >= 1
     min_p: float = 0.0  # in [0, 1]; drop tokens with prob < min_p * max prob
     seed: int | None = None  # in [0, 2**64 - 1]; same seed => same tokens in any batch
     stop_token_ids: tuple[int, ...] = ()  # token ids >= 0 that end the request
@@ -89,7 +106,8 @@ class SamplingParams:
         put("max_tokens", _int_field("max_tokens", self.max_tokens, ">= 1", lo=1))
         put("temperature", _float_field("temperature", self.temperature, ">= 0", lambda v: v >= 0))
         put("top_p", _float_field("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1))
-        put("top_k", _int_field("top_k", self.top_k, ">= 0 (0 disables it)", lo=0))
+        top_k = _int_field("top_k", self.top_k, ">= 0 (0 or -1 disables it)", lo=-1)
+        put("top_k", max(top_k, 0))
         put("min_p", _float_field("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1))
         if self.seed is not None:
             put("seed", check_seed(self.seed))

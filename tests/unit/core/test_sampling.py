@@ -45,7 +45,7 @@ BAD_FIELDS = [
     ("temperature", "1", ">= 0"),
     ("top_p", 0.0, "in (0, 1]"),
     ("top_p", 1.5, "in (0, 1]"),
-    ("top_k", -1, ">= 0"),
+    ("top_k", -2, ">= 0 (0 or -1 disables it)"),
     ("top_k", 2.5, ">= 0"),
     ("min_p", -0.01, "in [0, 1]"),
     ("min_p", 1.01, "in [0, 1]"),
@@ -82,6 +82,20 @@ def test_params_normalize_types_and_stay_frozen():
     assert hash(p) == hash(SamplingParams(temperature=1.0, stop_token_ids=(3, 4), seed=2**64 - 1))
     with pytest.raises(AttributeError):
         p.temperature = 2.0  # type: ignore[misc]
+
+
+def test_a_float32_value_is_shown_as_sent():
+    """The router reads float32 fields: -0.1 arrives as -0.10000000149011612, which the
+    message showed."""
+    sent = torch.tensor(-0.1, dtype=torch.float32).item()
+    with pytest.raises(ValueError, match=r"must be a finite number >= 0, got -0\.1$"):
+        SamplingParams(temperature=sent)
+    with pytest.raises(ValueError, match=r"got 1\.00000001$"):  # a double stays exact
+        SamplingParams(top_p=1.00000001)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
 
 
 def test_greedy_property():
