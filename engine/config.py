@@ -7,6 +7,7 @@ with a message that names the field and what it accepts.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -223,7 +224,7 @@ class EngineConfig:
     waiting_order: str = "slo"  # "slo": EDF + tenant fair share within a priority; "fifo" (core/waiting.py)
     report_prefix_blocks: int = 4096  # cached prefix-block keys per load report at most (prefix-aware routing)
     batching: str = "continuous"  # continuous | dynamic | static | none
-    max_batch_size: int = 32  # static/dynamic: requests per formed batch
+    max_batch_size: int | None = None  # static/dynamic: requests per formed batch; None: min(32, max_num_seqs)
     batch_window_ms: float | None = None  # dynamic: run a partial batch this long after its first request (default 10); static: optional timeout
     study_counters: bool = False  # collect the batching study's per-step counters (O(running) a step)
     seed: int | None = None  # shared generator of unseeded requests; None: from the OS (dummy weights: 0)
@@ -262,7 +263,11 @@ class EngineConfig:
         _check(self.waiting_order in ("slo", "fifo"), "waiting_order", "slo or fifo", self.waiting_order)
         _check(self.report_prefix_blocks >= 0, "report_prefix_blocks", ">= 0", self.report_prefix_blocks)
         _check(self.batching in BATCHING_POLICIES, "batching", " | ".join(BATCHING_POLICIES), self.batching)
-        _check(self.max_batch_size >= 1, "max_batch_size", ">= 1", self.max_batch_size)
+        if self.max_batch_size is None:
+            object.__setattr__(self, "max_batch_size", min(32, self.max_num_seqs))
+        # A formed batch runs all at once: a larger one could never start.
+        _check(1 <= self.max_batch_size <= self.max_num_seqs, "max_batch_size",
+               f"in [1, max_num_seqs ({self.max_num_seqs})]", self.max_batch_size)
         _check(self.load_format in LOAD_FORMATS, "load_format", " | ".join(LOAD_FORMATS), self.load_format)
         _check(self.null_step_ms >= 0, "null_step_ms", ">= 0", self.null_step_ms)
         _check(self.null_step_ms == 0 or self.load_format == "null", "null_step_ms",
@@ -271,7 +276,8 @@ class EngineConfig:
         _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras ({self.max_loras})", self.max_cpu_loras)
         _check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "in [1, 512]", self.max_lora_rank)
         _check(self.cpu_matmul in ("onednn", "aten"), "cpu_matmul", "onednn or aten", self.cpu_matmul)
-        _check(self.batch_window_ms is None or self.batch_window_ms >= 0, "batch_window_ms", ">= 0", self.batch_window_ms)
+        _check(self.batch_window_ms is None or 0 <= self.batch_window_ms < math.inf, "batch_window_ms",
+               "finite and >= 0", self.batch_window_ms)
 
     @property
     def torch_device(self) -> torch.device:

@@ -146,7 +146,8 @@ class Engine:
                 f"output_offset ({params.output_offset}) must leave at least one prompt token "
                 f"of the {len(prompt)} sent"
             )
-        blocks = -(-(len(prompt) + params.max_tokens) // self.config.block_size)
+        # KV for every token but the last sampled one, which no step computes
+        blocks = -(-(len(prompt) + params.max_tokens - 1) // self.config.block_size)
         if blocks > self.allocator.num_usable_blocks:
             raise ValueError(
                 f"this request needs up to {blocks} KV blocks but the engine's pool has "
@@ -218,9 +219,13 @@ class Engine:
         for i, (rid, prompt) in enumerate(zip(ids, prompts)):
             self.add_request(rid, prompt, params_list[i], priorities[i] if priorities else 0)
         results: dict[str, list[int]] = {rid: [] for rid in ids}
-        while self.has_unfinished():
-            for out in self.step():
-                results[out.request_id] += out.new_token_ids
+        self.scheduler.policy.close_arrivals()  # nothing else is coming: no batch waits for more
+        try:
+            while self.has_unfinished():
+                for out in self.step():
+                    results[out.request_id] += out.new_token_ids
+        finally:
+            self.scheduler.policy.close_arrivals(False)
         return [results[rid] for rid in ids]
 
     def embed(self, inputs: list[list[int]], pooling: str = "mean", normalize: bool = False) -> list[list[float]]:

@@ -37,6 +37,12 @@ class BatchingPolicy:
         """Tokens of KV to allocate when `seq` is admitted (0: only what the step needs)."""
         return 0
 
+    def admitted(self, limit: int, count: int) -> None:
+        """The scheduler admitted `count` of the `limit` requests allowed this step."""
+
+    def close_arrivals(self, closed: bool = True) -> None:
+        """No request will arrive until reopened (offline generate): no batch waits for more."""
+
 
 class ContinuousPolicy(BatchingPolicy):
     """Iteration-level batching: requests join and leave at every step."""
@@ -56,20 +62,34 @@ class FormedBatchPolicy(BatchingPolicy):
     window_s: float | None
     name: str = "static"
     forms_batches = True
+    # Members of the last batch formed that did not fit the KV pool: they run as the next
+    # batch, however few (a static batch left waiting for more would wait on a free pool).
+    owed: int = 0
+    arrivals_closed: bool = False
 
     def admission_limit(self, now, num_running, num_waiting, oldest_arrival) -> int:
         if num_running or not num_waiting:
             return 0
         if num_waiting >= self.max_batch_size:
             return self.max_batch_size
+        if self.owed or self.arrivals_closed:
+            return num_waiting
         first = oldest_arrival()
         if self.window_s is not None and first is not None and now - first >= self.window_s:
             return num_waiting  # the window expired: run the partial batch
         return 0
 
+    def admitted(self, limit: int, count: int) -> None:
+        if limit:
+            self.owed = limit - count
+
+    def close_arrivals(self, closed: bool = True) -> None:
+        self.arrivals_closed = closed
+
     def reserve_tokens(self, seq: Sequence) -> int:
-        # Servers built on request-level batching size KV for the worst case up front.
-        return seq.num_prompt_tokens + seq.params.max_tokens
+        # Servers built on request-level batching size KV for the worst case up front: every
+        # token but the last sampled one, whose KV is never computed.
+        return seq.num_prompt_tokens + seq.params.max_tokens - 1
 
 
 class NoBatchingPolicy(FormedBatchPolicy):
@@ -80,6 +100,7 @@ class NoBatchingPolicy(FormedBatchPolicy):
 
 
 def make_policy(name: str, max_batch_size: int = 32, window_ms: float | None = None) -> BatchingPolicy:
+    """`max_batch_size` at most the engine's max_num_seqs: a formed batch runs all at once."""
     if name == "continuous":
         return ContinuousPolicy()
     if name == "dynamic":

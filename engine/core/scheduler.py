@@ -238,6 +238,7 @@ class Scheduler:
         """Admits waiting requests in the waiting order; returns the budget left."""
         limit = self.policy.admission_limit(now, len(self.running), self.num_waiting, self._oldest_arrival)
         room = min(limit, self.config.max_num_seqs - len(self.running))
+        seated = len(self.running)
         deferred: list[Sequence] = []  # waiting on their adapter; others may pass them
         # A formed batch is admitted whole (its KV reserved) even when this step's token
         # budget runs out: the prefill of its later members continues in the next steps.
@@ -288,6 +289,8 @@ class Scheduler:
             break  # strict priority order: the head waits for blocks
         for seq in deferred:
             self._waiting.push(seq, lift=False)
+        if limit and self.policy.forms_batches:
+            self.policy.admitted(limit, len(self.running) - seated)
         return budget
 
     def _start_running(self, seq: Sequence, cached: int, n: int, out: SchedulerOutput) -> None:

@@ -94,7 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
         "batches that run until their last request ends; none runs one request at a time",
     )
     p.add_argument(
-        "--max-batch-size", type=int, default=32, help="dynamic/static: requests per formed batch"
+        "--max-batch-size", type=int, default=None,
+        help="dynamic/static: requests per formed batch, at most --max-num-seqs (default: 32, or "
+        "--max-num-seqs when lower)",
     )
     p.add_argument(
         "--batch-window-ms", type=float, default=None,
@@ -298,6 +300,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from omnibus.common.logs import configure_logging
 
     configure_logging(args.log_level)
+    if config.batching in ("continuous", "none"):
+        ignored = [flag for flag, value in (("--max-batch-size", args.max_batch_size),
+                                            ("--batch-window-ms", args.batch_window_ms)) if value is not None]
+        if ignored:
+            import structlog
+
+            structlog.get_logger().warning("flags_ignored", flags=ignored, batching=config.batching,
+                                           why="only dynamic and static batching form batches")
     return _serve(config, server_config, args.step_loop, args.log_level)
 
 

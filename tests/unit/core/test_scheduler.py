@@ -212,9 +212,9 @@ def test_formed_batches_never_admit_into_a_running_batch(policy):
         assert plan.is_empty  # window not yet expired
         plan = s.schedule(now=s.requests["a"].arrival_time + 0.006)
         assert [i.seq.request_id for i in plan.scheduled] == ["a"]  # partial batch after the window
-    # KV reserved for prompt + max_tokens at admission
+    # KV reserved at admission for prompt + max_tokens, but the last sampled token (never computed)
     a = s.requests["a"]
-    assert len(a.block_table) == -(-(3 + 6) // 4)
+    assert len(a.block_table) == -(-(3 + 6 - 1) // 4)
     n = sum(i.samples for i in plan.scheduled)
     s.update(plan, SamplerOutput([7] * n, [None] * n))
     s.add(seq("late", 3, max_tokens=2))
@@ -323,6 +323,60 @@ def test_formed_batch_is_admitted_whole_beyond_the_token_budget():
         fake_step(s)
     assert list(s.requests) == ["r4"]  # alone, it waits for a full batch (no timeout set)
     assert fake_step(s)[0].is_empty
+
+
+def test_a_static_batch_the_kv_pool_cannot_hold_runs_its_rest_next():
+    """Four waiting formed a batch of four, but the pool held two: the other two waited for
+    a full batch on a free pool, forever (outside probe)."""
+    s = make_scheduler(policy="static", max_batch_size=4, num_blocks=9, block_size=4, caching=False)
+    for i in range(4):
+        s.add(seq(f"r{i}", 8, max_tokens=9))  # 16 tokens of KV each: 4 of the 8 usable blocks
+    fake_step(s)
+    assert sorted(x.request_id for x in s.running) == ["r0", "r1"]
+    assert list(run_to_end(s)) == ["r0", "r1", "r2", "r3"]  # r2, r3 next, as a batch of two
+
+
+def test_offline_generate_runs_a_partial_static_batch(tmp_path):
+    """Engine.generate under static batching waited for a full batch that could not come."""
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
+    from tests.checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "m", "llama")
+    engine = Engine(EngineConfig(model=str(path), batching="static", max_batch_size=8, num_kv_blocks=32))
+    outputs = engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert [len(o) for o in outputs] == [3, 3]
+    assert not engine.scheduler.policy.arrivals_closed  # served requests form batches again
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_a_request_whose_kv_fills_the_pool_exactly_is_served(tmp_path, batching):
+    """The last sampled token's KV is never computed: prompt + max_tokens - 1 tokens must fit
+    (prompt + max_tokens was asked, refusing requests that fit)."""
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
+    from tests.checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "m", "llama")
+    engine = Engine(EngineConfig(model=str(path), batching=batching, num_kv_blocks=4, block_size=16))
+    capacity = engine.allocator.num_usable_blocks * 16
+    prompt = [5 + i % 50 for i in range(capacity - 2)]
+    assert [len(o) for o in engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))] == [3]
+    with pytest.raises(ValueError, match=f"needs up to {capacity // 16 + 1} KV blocks"):
+        engine.add_request("over", prompt, SamplingParams(max_tokens=4))
+    assert engine.check_integrity().referenced == 0
+
+
+def test_batch_size_fits_the_seats_and_the_window_is_finite():
+    from omnibus.engine.config import EngineConfig
+
+    assert EngineConfig(model="m", max_num_seqs=8).max_batch_size == 8
+    assert EngineConfig(model="m").max_batch_size == 32
+    with pytest.raises(ValueError, match=r"max_batch_size must be in \[1, max_num_seqs \(8\)\], got 9"):
+        EngineConfig(model="m", batching="static", max_num_seqs=8, max_batch_size=9)
+    for window in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="batch_window_ms must be finite and >= 0"):
+            EngineConfig(model="m", batching="dynamic", batch_window_ms=window)
 
 
 def test_engine_warmup_runs_under_a_static_policy(tmp_path):
