@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="HOST:PORT|dns:///NAME:PORT",
         help="an engine worker, or a DNS name resolving to every engine (re-resolved; "
-        "each address its own engine); repeat for several",
+        "each address its own engine); repeat for several, each engine once",
     )
     p.add_argument("--model", required=True, help="model directory (tokenizer.json, config.json)")
     p.add_argument(

@@ -154,8 +154,12 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         _check(bool(self.engines), "engines", "at least one host:port", self.engines)
-        for address in self.engines:
-            EngineTarget.parse(address)  # raises ValueError on a malformed address
+        # Raises ValueError on a malformed address. A repeated one would be two clients of
+        # one engine, each filling it to its own cap.
+        targets = [str(EngineTarget.parse(address)) for address in self.engines]
+        repeated = sorted({t for t in targets if targets.count(t) > 1})
+        if repeated:
+            raise ValueError(f"engines must each be given once; repeated: {', '.join(repeated)}")
         _check(
             self.limits_store == "" or urlsplit(self.limits_store).scheme in ("redis", "rediss"),
             "limits_store",

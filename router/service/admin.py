@@ -4,7 +4,8 @@ to the engines, and each engine's adapter listing.
 Every call needs an admin key (router/auth.py). Load and unload succeed only when
 every targeted engine did; otherwise the call fails with the first failing engine's
 status and a message naming each engine's outcome, so an operator knows where to
-retry.
+retry. Each engine gets a bounded share of the call's time, so one that hangs (a
+stopped process) is reported as such rather than taking the whole call's deadline.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from omnibus.v1 import admin_pb2, admin_pb2_grpc, engine_pb2
 from omnibus.router.dispatch.adapters import check_adapter_name
 from omnibus.router.admission.auth import KeyStore
 from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.dispatch.session import rpc_error
 from omnibus.router.service.errors import RequestError
 
 log = structlog.get_logger("router.admin")
 
-ENGINE_CALL_TIMEOUT_S = 120.0  # one engine's load or unload, when the caller set no deadline
-LIST_TIMEOUT_S = 10.0
+ENGINE_CALL_TIMEOUT_S = 30.0  # one engine's load or unload (a load reads the weights from disk)
+LIST_TIMEOUT_S = 10.0  # one engine's listing
 
 _EngineReply = engine_pb2.LoadAdapterResponse | engine_pb2.UnloadAdapterResponse
 
@@ -49,8 +51,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.AdminListAdaptersRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.AdminListAdaptersResponse:
         await self._authorize(context, "list", "")
-        remaining = context.time_remaining()
-        timeout = LIST_TIMEOUT_S if remaining is None else min(remaining, LIST_TIMEOUT_S)
+        timeout = _engine_timeout(context, LIST_TIMEOUT_S)
         entries = await asyncio.gather(*(_engine_listing(e, timeout) for e in self._engines))
         return admin_pb2.AdminListAdaptersResponse(engines=entries)
 
@@ -65,8 +66,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             targets = self._targets(action, request)
         except RequestError as err:
             await _abort(context, err)
-        remaining = context.time_remaining()
-        timeout = ENGINE_CALL_TIMEOUT_S if remaining is None else remaining
+        timeout = _engine_timeout(context, ENGINE_CALL_TIMEOUT_S)
         replies = await asyncio.gather(
             *(_engine_call(e, action, request.adapter, timeout) for e in targets)
         )
@@ -111,15 +111,22 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 "no engine worker is available; retry later",
                 "no_engine",
             )
+        # Load: the engines with it on disk. Unload: those with it on disk or in memory (a
+        # deleted adapter stays loaded); any other engine would answer NOT_FOUND.
+        adapter = request.adapter
         if action == "load":
-            targets = [e for e in targets if e.has_adapter(request.adapter)]
-            if not targets:
-                raise RequestError(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"adapter {request.adapter!r} not found: no engine has it under its adapter "
-                    "root (--adapter-dir)",
-                    "unknown_adapter",
-                )
+            targets = [e for e in targets if e.has_adapter(adapter)]
+            where = "under its adapter root (--adapter-dir)"
+        else:
+            targets = [e for e in targets if e.has_adapter(adapter) or adapter in e.adapters_cached
+                       or adapter in e.adapters_resident]
+            where = "loaded or under its adapter root (--adapter-dir)"
+        if not targets:
+            raise RequestError(
+                grpc.StatusCode.NOT_FOUND,
+                f"adapter {adapter!r} not found: no engine has it {where}",
+                "unknown_adapter",
+            )
         return targets
 
     async def _authorize(self, context: grpc.aio.ServicerContext, action: str, adapter: str) -> str:
@@ -131,9 +138,21 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             await _abort(context, err)
 
 
+def _engine_timeout(context: grpc.aio.ServicerContext, cap: float) -> float:
+    """One engine call's time: at most `cap`, and a tenth of the caller's remaining time
+    short of it, so that the reply naming each engine's outcome still reaches the caller."""
+    remaining = context.time_remaining()
+    return cap if remaining is None else min(cap, 0.9 * remaining)
+
+
 async def _engine_call(
     engine: EngineClient, action: str, adapter: str, timeout: float
 ) -> _EngineReply | grpc.aio.AioRpcError:
+    if not engine.healthy:  # a named engine the router sees down: do not wait on it
+        return rpc_error(
+            grpc.StatusCode.UNAVAILABLE,
+            "the router has marked the engine unhealthy (no current load report); not asked",
+        )
     try:
         if action == "load":
             return await engine.stub.LoadAdapter(

@@ -37,7 +37,8 @@ class RouterMetrics:
         )
         self.rejected = Counter(
             "omnibus_router_rejected_requests",
-            "Requests refused or ended by the router, by reason",
+            "Requests refused before an engine worked on them (at admission, in the queue, or "
+            "by the engine before a token), by reason; later endings count only by outcome",
             ["reason"],
             registry=r,
         )

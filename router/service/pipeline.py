@@ -18,8 +18,9 @@ rest of max_tokens; the client sees one stream. A client that stops reading for
 --client-stall-seconds has its engine work aborted and its seat freed (client_stalled).
 A router drain that runs out of time ends each stream with ABORTED, usage included.
 
-Every refusal is a RequestError carrying a gRPC status; the pipeline counts and logs it
-once, and each transport only translates it (gRPC: abort; HTTP: the matching status).
+Every refusal or failure is a RequestError carrying a gRPC status; the pipeline logs it
+once (and counts it as a refusal when no engine worked on the request), and each
+transport only translates it (gRPC: abort; HTTP: the matching status).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ ABORTED, LENGTH = inference_pb2.ABORTED, inference_pb2.LENGTH
 # Where else a refusal that points to ListModels sends HTTP callers.
 VIA_HTTP = " (GET /v1/models over HTTP)"
 T = TypeVar("T")
+# A cancel this close to the deadline is the deadline: the client's own timer started
+# before its call reached the router (a new connection's handshake), so its cancel can
+# come a moment before the router's clock reaches the deadline it was sent.
+DEADLINE_CANCEL_SLACK_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -70,8 +75,9 @@ class Caller:
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
-    def deadline_passed(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
+    def deadline_passed(self, slack: float = 0.0) -> bool:
+        """Whether the deadline has passed, or will within `slack` seconds."""
+        return self.deadline is not None and time.monotonic() >= self.deadline - slack
 
 
 @dataclass(eq=False)  # hashed by identity: _Watch keeps a set of them
@@ -237,8 +243,16 @@ class Pipeline:
         return IncrementalDetokenizer(self.tokenizer, self._byte_ids, self._special_ids, context=prompt_ids)
 
     def serves_adapter(self, name: str) -> bool:
-        """Whether some engine taking requests has adapter `name` under its adapter root."""
-        return name in available_adapters(self._engines)
+        """Whether some engine has adapter `name` under its adapter root, as it last
+        reported: one taking requests, or one down or draining for now (a restart), which
+        makes a request for it UNAVAILABLE (retry), not NOT_FOUND. An engine leaving
+        discovery no longer counts."""
+        return any(name in e.adapters_available for e in self._engines if not e.retiring)
+
+    def _taking(self, adapter: str) -> bool:
+        """Whether some engine taking requests now can serve `adapter` ("": the base
+        model): else a new request is refused and a lost stream cannot go on."""
+        return any(e.accepting and (not adapter or e.has_adapter(adapter)) for e in self._engines)
 
     def list_models(self, tenant: Tenant) -> inference_pb2.ListModelsResponse:
         """The base model and its limits, and the adapters `tenant` may use that some
@@ -339,7 +353,7 @@ class Pipeline:
         for request, request_id in zip(requests[1:], request_ids[1:]):
             request.token_ids.ids[:] = valid[0].prompt_ids  # the same prompt: tokenized once
             valid.append(await self._validator.validate(request, request_id))
-        if not any(e.accepting for e in self._engines):
+        if not self._taking(""):
             raise _no_engine()
         if adapter and not self.serves_adapter(adapter):
             raise RequestError(
@@ -347,6 +361,13 @@ class Pipeline:
                 f"adapter {adapter!r} not found on any engine; ListModels lists the adapters you "
                 f"may use{VIA_HTTP}",
                 "unknown_adapter",
+            )
+        if adapter and not self._taking(adapter):
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no engine with adapter {adapter!r} is taking requests now (down, restarting or "
+                "draining); retry later",
+                "adapter_unavailable",
             )
         queue = self._dispatcher.queue
         first = valid[0]  # the choices of one request share its prompt and max_tokens
@@ -432,14 +453,18 @@ class Pipeline:
                         return
         except RequestError as err:
             outcome = err.reason
-            raise self.refused(err, job.request.request_id) from None
+            if _unserved(job, outcome):  # a refusal: no engine worked on it
+                raise self.refused(err, job.request.request_id) from None
+            log.info("request_failed", request_id=job.request.request_id, code=err.code.name,
+                     reason=err.reason, message=err.message)
+            raise
         finally:
             self._watch.jobs.discard(job)
             if job.interrupted == "client_stalled":  # the write it was stuck in was cancelled
                 outcome = "client_stalled"
                 log.warning("client_stalled", request_id=job.request.request_id,
                             seconds=self._config.client_stall_seconds)
-            elif outcome == "cancelled" and job.caller.deadline_passed():
+            elif outcome == "cancelled" and job.caller.deadline_passed(DEADLINE_CANCEL_SLACK_S):
                 outcome = "deadline"  # the client's deadline ended the call (gRPC cancels it)
             job.permit.release(_used_tokens(job, outcome))
             self._record(job, outcome)
@@ -463,9 +488,10 @@ class Pipeline:
                             yield response
                     return
                 except _EngineLost as lost:
-                    # No engine left to take it: fail now, as a new request would be refused.
-                    if attempt == self._config.max_engine_attempts or not any(
-                            e.accepting for e in self._engines):
+                    # No engine left to take it (one with its adapter): fail now, as a new
+                    # request would be refused, rather than wait out the queue limit.
+                    if (attempt == self._config.max_engine_attempts
+                            or not self._taking(job.adapter)):
                         raise lost.error from None
                     self._moving(job, engine, attempt, lost)
                 finally:
@@ -570,7 +596,9 @@ class Pipeline:
         else:
             waited = time.monotonic() - job.arrival
             what = f"the request waited {waited:.2f} s for an engine and was never scheduled: {why}"
-        return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, what, "queue_timeout")
+        # Counted as the client's deadline when that ended it (a miss), else the queue limit.
+        return RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, what,
+                            "deadline" if by_client else "queue_timeout")
 
     async def _stream(
         self, job: _Job, engine: EngineClient
@@ -676,7 +704,11 @@ class Pipeline:
             return self._lost(job, engine, "engine_unavailable",
                               f"engine {engine.address} is unavailable ({details})")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return RequestError(code, "the request's deadline passed during generation", "deadline")
+            if job.first_token is None:  # e.g. a stalled engine not yet marked unhealthy
+                when = f"before engine {engine.address} produced its first token"
+            else:
+                when = f"during generation, after {len(job.sent_ids)} tokens"
+            return RequestError(code, f"the request's deadline passed {when}", "deadline")
         if code in _ENGINE_REFUSAL_CODES:
             return RequestError(code, details, f"engine_{code.name.lower()}")
         return RequestError(code, f"engine {engine.address} failed: {details}", "engine_error")
@@ -707,8 +739,10 @@ class Pipeline:
             m.queue_time.observe(job.dispatched - job.arrival)
         m.latency.observe(job.arrival, job.first_token, now, job.completion_tokens)
         if job.caller.deadline is not None:
-            # A miss: it did not complete (stop or length) before its deadline.
-            missed = outcome not in ("stop", "length") and now >= job.caller.deadline
+            # A miss: it did not complete (stop or length) before its deadline. One its
+            # deadline ended is a miss even when that timer fired a moment early.
+            missed = outcome not in ("stop", "length") and (
+                outcome == "deadline" or now >= job.caller.deadline)
             m.deadline_requests.labels(job.caller.tenant.name).inc()
             m.deadline_misses.labels(job.caller.tenant.name).inc(int(missed))
         log.info(
@@ -746,12 +780,18 @@ _ENGINE_REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_F
 _ENGINE_REFUSALS = frozenset(f"engine_{code.name.lower()}" for code in _ENGINE_REFUSAL_CODES)
 
 
+def _unserved(job: _Job, outcome: str) -> bool:
+    """No engine worked on the request: it never left the queue (cancelled, timed out),
+    or the engine refused it before its first token. Such an ending is a refusal
+    (rejected_requests) and costs nothing of the budget."""
+    return job.dispatched is None or (job.first_token is None and outcome in _ENGINE_REFUSALS)
+
+
 def _used_tokens(job: _Job, outcome: str) -> int:
     """What a request used of its budget: its prompt and output once an engine may have
-    worked on it; nothing when none did: it never left the queue (cancelled, timed out),
-    or the engine refused it before its first token. A request cancelled after dispatch
-    pays its prompt even without a token (the engine may have prefilled it)."""
-    if job.dispatched is None or (job.first_token is None and outcome in _ENGINE_REFUSALS):
+    worked on it, nothing when none did. A request cancelled after dispatch pays its
+    prompt even without a token (the engine may have prefilled it)."""
+    if _unserved(job, outcome):
         return 0
     return len(job.request.prompt_ids) + job.completion_tokens
 

@@ -395,7 +395,7 @@ def test_admin_load_and_unload_fan_out_to_the_engines(cluster):
     assert "c-r4" in engines[b].resident and "c-r4" not in engines[a].cached
     assert list(engines[a].available) == ["a-r2", "b-r8", "broken", "c-r4", "pickled"]
     assert (engines[a].reachable, engines[a].max_loras) == (True, 2)
-    # Without engines: every healthy engine.
+    # Without engines: every healthy engine that has it (both have it on disk).
     unloaded = admin.UnloadAdapter(admin_pb2.AdminAdapterRequest(adapter="c-r4"), metadata=key)
     assert list(unloaded.engines) == [
         admin_pb2.AdminEngineResult(engine=a, was_loaded=False),
@@ -416,7 +416,7 @@ def test_admin_load_and_unload_fan_out_to_the_engines(cluster):
         ("LoadAdapter", admin_pb2.AdminAdapterRequest(adapter="a-r2", engines=["10.0.0.1:1"]),
          grpc.StatusCode.INVALID_ARGUMENT, "engines ['10.0.0.1:1'] are not behind this router"),
         ("UnloadAdapter", admin_pb2.AdminAdapterRequest(adapter="pirate"), grpc.StatusCode.NOT_FOUND,
-         "unload of adapter 'pirate' failed on 2 of 2 engines ("),
+         "adapter 'pirate' not found: no engine has it loaded or under its adapter root (--adapter-dir)"),
         ("LoadAdapter", admin_pb2.AdminAdapterRequest(adapter="broken"),
          grpc.StatusCode.FAILED_PRECONDITION, "load of adapter 'broken' failed on 2 of 2 engines ("),
     ],

@@ -38,13 +38,18 @@ class ScriptedEngine(EngineClient):
     """Each request gets `tokens` tokens (at most its max_tokens) and then the finish,
     or raises `error`."""
 
-    def __init__(self, config: RouterConfig, on_change, max_num_seqs: int = 4) -> None:
-        super().__init__(config.engines[0], config, on_change)
-        self._on_report(engine_pb2.LoadReport(max_num_seqs=max_num_seqs, num_total_blocks=64,
-                                              num_free_blocks=64))
+    def __init__(self, config: RouterConfig, on_change, max_num_seqs: int = 4,
+                 address: str = "", adapters: tuple[str, ...] = ()) -> None:
+        super().__init__(address or config.engines[0], config, on_change)
+        self.report_load(max_num_seqs=max_num_seqs, available_adapters=adapters)
         self.tokens = 3
         self.error: grpc.aio.AioRpcError | None = None
         self.requests: list[engine_pb2.EngineGenerateRequest] = []
+
+    def report_load(self, **fields) -> None:
+        """A load report as the engine would send it: room for 4, 64 free blocks, and `fields`."""
+        self._on_report(engine_pb2.LoadReport(**{"max_num_seqs": 4, "num_total_blocks": 64,
+                                                 "num_free_blocks": 64, **fields}))
 
     async def generate(  # type: ignore[override]
         self, request: engine_pb2.EngineGenerateRequest, timeout: float | None = None
@@ -89,9 +94,17 @@ class Router:
         self.dispatcher.start()
         return self
 
+    def add_engine(self, address: str, adapters: tuple[str, ...] = ()) -> ScriptedEngine:
+        """One more scripted engine behind the router, with `adapters` on its disk."""
+        engine = ScriptedEngine(self.config, self.dispatcher.notify, address=address,
+                                adapters=adapters)
+        self.engines.append(engine)
+        return engine
+
     async def close(self) -> None:
         await self.dispatcher.close()
-        await self.engine.close()
+        for engine in self.engines:
+            await engine.close()
 
 
 def prompt(tokens: int, max_tokens: int, **fields) -> inference_pb2.GenerateRequest:

@@ -1,0 +1,234 @@
+"""What a client sees, and what is counted, when the engines behind the router fail
+(outside probe, fleet): a stream whose adapter no other engine has ends UNAVAILABLE at
+once rather than waiting out the queue limit; a new request for an adapter whose engines
+are down is UNAVAILABLE (clients retry), one no engine has NOT_FOUND; a deadline ending
+is always a miss, and a refusal only when no engine worked on the request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import grpc
+import pytest
+from aiohttp.test_utils import TestServer
+from omnibus.v1 import engine_pb2, inference_pb2
+
+from omnibus.router.cli import build_parser, config_from_args, main
+from omnibus.router.http.app import OpenAIFront
+from omnibus.router.service.errors import RequestError
+from omnibus.router.service.pipeline import Caller
+from tests.unit.router.inprocess import Router, prompt, refusal
+
+TENANTS = {"t": {"keys": ["sk-t"]}}
+
+
+def token(n: int) -> engine_pb2.EngineGenerateResponse:
+    """The engine's output carrying its `n`th token."""
+    return engine_pb2.EngineGenerateResponse(token_ids=[5], num_output_tokens=n)
+
+
+async def served(router: Router, caller: Caller, request=None) -> tuple[list, RequestError | None]:
+    """The responses of one call, and the error that ended it (None: it finished)."""
+    responses = []
+    try:
+        async for response in router.pipeline.generate(request or prompt(5, 10), caller):
+            responses.append(response)
+    except RequestError as err:
+        return responses, err
+    return responses, None
+
+
+def caller(router: Router, adapter: str = "", deadline: float | None = None) -> Caller:
+    tenant = router.pipeline.authenticate([("authorization", "Bearer sk-t")])
+    return Caller(tenant, adapter=adapter, deadline=deadline)
+
+
+def counter(router: Router, name: str, label: str) -> float:
+    return getattr(router.pipeline._metrics, name).labels(label)._value.get()
+
+
+@pytest.mark.parametrize("how", ["dies", "drains"])
+async def test_a_stream_whose_adapter_no_other_engine_has_ends_unavailable_at_once(tmp_path, how):
+    """The engine with the adapter dies (its call fails UNAVAILABLE) or its drain runs out
+    (ABORTED) after a token; the other engine takes requests but lacks the adapter. With a
+    1 s queue limit, waiting for an engine would end DEADLINE_EXCEEDED instead."""
+    router = await Router(tmp_path, TENANTS, max_queue_seconds=1).start()
+    try:
+        router.engine.report_load(available_adapters=["ad"])
+        other = router.add_engine("127.0.0.1:2")  # the base model only
+
+        async def lost(request, timeout=None):
+            yield token(1)
+            if how == "dies":
+                raise refusal(grpc.StatusCode.UNAVAILABLE, "connection reset")
+            router.engine.report_load(available_adapters=["ad"], draining=True)
+            yield engine_pb2.EngineGenerateResponse(num_output_tokens=1, finish_reason=inference_pb2.ABORTED)
+
+        router.engine.generate = lost
+        responses, err = await served(router, caller(router, "ad"))
+        assert [list(r.token_ids) for r in responses] == [[5]]
+        assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE, err
+        assert "after 1 tokens and no other engine could continue the stream" in err.message
+        assert other.requests == [] and len(router.queue) == 0
+    finally:
+        await router.close()
+
+
+async def test_a_base_model_stream_still_moves_to_another_engine(tmp_path):
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        other = router.add_engine("127.0.0.1:2")
+
+        async def dies(request, timeout=None):
+            yield token(1)
+            raise refusal(grpc.StatusCode.UNAVAILABLE, "connection reset")
+
+        router.engine.generate = dies
+        responses, err = await served(router, caller(router), prompt(5, 3))
+        assert err is None
+        assert [list(r.token_ids) for r in responses] == [[5], [5], [5]]
+        assert len(other.requests) == 1 and other.requests[0].sampling.output_offset == 1
+    finally:
+        await router.close()
+
+
+async def test_a_new_request_for_an_adapter_whose_engines_are_down_is_unavailable(tmp_path):
+    """NOT_FOUND is for an adapter no engine has (clients do not retry a 404); while the
+    engines that have it are down or draining it is UNAVAILABLE (503, retried)."""
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        router.engine.report_load(available_adapters=["ad"])
+        router.add_engine("127.0.0.1:2")  # up, the base model only
+        router.engine.mark_failed("connection refused")  # restarting: its last report stays
+        _, err = await served(router, caller(router, "ad"))
+        assert err is not None and (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE,
+                                                              "adapter_unavailable")
+        assert err.message == ("no engine with adapter 'ad' is taking requests now (down, "
+                               "restarting or draining); retry later")
+        assert router.pipeline.serves_adapter("ad")  # so the HTTP front's 404 check passes it on
+        _, err = await served(router, caller(router, "zz"))
+        assert err is not None and err.code == grpc.StatusCode.NOT_FOUND
+
+        router.engine.report_load(available_adapters=["ad"], draining=True)  # back, then a SIGTERM
+        _, err = await served(router, caller(router, "ad"))
+        assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE
+
+        router.engine.retiring = True  # gone from DNS: it will not come back
+        _, err = await served(router, caller(router, "ad"))
+        assert err is not None and err.code == grpc.StatusCode.NOT_FOUND
+        assert counter(router, "rejected", "adapter_unavailable") == 2
+    finally:
+        await router.close()
+
+
+async def test_over_http_an_adapter_whose_engines_are_down_is_503_an_unknown_one_404(tmp_path):
+    router = await Router(tmp_path, TENANTS).start()
+    server = TestServer(OpenAIFront(router.pipeline, router.config, None).app())
+    await server.start_server()
+    try:
+        router.engine.report_load(available_adapters=["ad"])
+        router.add_engine("127.0.0.1:2")
+        router.engine.mark_failed("connection refused")
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer sk-t"}) as session:
+            statuses = []
+            for model in ("ad", "zz"):
+                body = {"model": model, "prompt": "w1 w2", "max_tokens": 2}
+                async with session.post(server.make_url("/v1/completions"), json=body) as reply:
+                    statuses.append(reply.status)
+        assert statuses == [503, 404]
+    finally:
+        await server.close()
+        await router.close()
+
+
+# ---- deadlines ------------------------------------------------------------------------
+
+
+async def test_a_deadline_ending_is_a_miss_and_not_a_refusal_once_an_engine_worked_on_it(tmp_path):
+    """The engine call's deadline (a timer that may fire a moment before the router's
+    clock reaches the deadline) ends a request before and one after its first token."""
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        async def stalled(request, timeout=None):
+            raise refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            yield
+
+        async def slow(request, timeout=None):
+            yield token(1)
+            yield token(2)
+            raise refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+        later = time.monotonic() + 30  # not reached when the engine call ends
+        router.engine.generate = stalled
+        _, err = await served(router, caller(router, deadline=later))
+        assert err is not None and err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert err.message == "the request's deadline passed before engine 127.0.0.1:1 produced its first token"
+        router.engine.generate = slow
+        responses, err = await served(router, caller(router, deadline=later))
+        assert len(responses) == 2 and err is not None
+        assert err.message == "the request's deadline passed during generation, after 2 tokens"
+
+        assert counter(router, "requests", "deadline") == 2
+        assert counter(router, "deadline_misses", "t") == 2
+        assert counter(router, "rejected", "deadline") == 0  # both were served, not refused
+    finally:
+        await router.close()
+
+
+async def test_a_deadline_that_passes_in_the_queue_is_a_refusal_and_a_miss(tmp_path):
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        for _ in range(router.engine.capacity):  # the only engine is full
+            router.engine.acquire(tenant="t")
+        _, err = await served(router, caller(router, deadline=time.monotonic() + 0.05))
+        assert err is not None and err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "was never scheduled: its deadline passed" in err.message
+        assert counter(router, "requests", "deadline") == 1
+        assert counter(router, "rejected", "deadline") == 1  # never served
+        assert counter(router, "deadline_misses", "t") == 1
+        assert counter(router, "rejected", "queue_timeout") == 0  # the router's own limit
+    finally:
+        await router.close()
+
+
+async def test_a_cancel_just_before_the_deadline_is_the_deadline(tmp_path):
+    """The client's timer starts before its call reaches the router, so the client cancels
+    a moment before the router's clock reaches the deadline; earlier, a cancel is a cancel."""
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        async def stalled(request, timeout=None):
+            await asyncio.Event().wait()
+            yield
+
+        router.engine.generate = stalled
+
+        async def cancelled_with(deadline: float) -> None:
+            task = asyncio.create_task(served(router, caller(router, deadline=deadline)))
+            await asyncio.sleep(0.01)
+            task.cancel()  # what gRPC does to the handler when the client cancels
+            await asyncio.gather(task, return_exceptions=True)
+
+        await cancelled_with(time.monotonic() + 0.06)  # 0.05 s to go: the client's deadline
+        await cancelled_with(time.monotonic() + 30)
+        assert (counter(router, "requests", "deadline"), counter(router, "requests", "cancelled")) == (1, 1)
+        assert counter(router, "deadline_misses", "t") == 1
+    finally:
+        await router.close()
+
+
+# ---- the command line -----------------------------------------------------------------
+
+
+def test_a_repeated_engine_is_refused_at_startup(tmp_path, capsys):
+    """Two --engine flags for one engine would make two clients, each filling it to its cap."""
+    argv = ["serve", "--model", str(tmp_path), "--engine", "h:1", "--engine", "dns:///n:2",
+            "--engine", "h:1", "--engine", "dns:n:2", "--engine", "h:3"]
+    with pytest.raises(ValueError, match=r"^engines must each be given once; repeated: dns:///n:2, h:1$"):
+        config_from_args(build_parser().parse_args(argv))
+    assert main(argv) == 2
+    assert "error: engines must each be given once" in capsys.readouterr().err
+    config = config_from_args(build_parser().parse_args(argv[:7]))
+    assert config.engines == ("h:1", "dns:///n:2")
+
