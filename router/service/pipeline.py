@@ -665,14 +665,18 @@ class Pipeline:
         tenant = job.caller.tenant
         self._dispatcher.queue.charge(tenant.name, len(out.token_ids), tenant.weight)  # fair share
         ids, text = out.token_ids, ""
+        # A stop token (EOS, stop_token_ids) ends the output: its id is sent, its text is not
+        # part of the text (vLLM's rule; a special token's is skipped anyway).
+        shown = len(ids) - (out.finish_reason == STOP)
         if stop.active and len(ids) > 1:  # a stop string may complete before the last of them
             for n, token in enumerate(ids, 1):
-                text += stop.feed(detok.push((token,)))
+                if n <= shown:
+                    text += stop.feed(detok.push((token,)))
                 if stop.stopped:
                     break
             ids = ids[:n]  # what comes after the token that completed it is neither sent nor billed
         else:
-            text = stop.feed(detok.push(ids))
+            text = stop.feed(detok.push(ids[:shown]))
         job.sent_ids.extend(ids)
         job.completion_tokens = job.offset + out.num_output_tokens - (len(out.token_ids) - len(ids))
         if not job.offset:  # a continuation's cache hits include the resent output

@@ -194,6 +194,10 @@ def test_token_id_prompt_with_a_stop_token(cluster):
     assert [t for r in responses for t in r.token_ids] == [10, 20, 30, 40]
     assert responses[-1].finish_reason == pb.STOP
     assert responses[-1].usage.completion_tokens == 4
+    # The stop token's id is sent, its text is not part of the text (as in vLLM).
+    text = "".join(r.text for r in responses)
+    assert text == cluster.tokenizer.decode(prompt + [10, 20, 30])[len(cluster.tokenizer.decode(prompt)):]
+    assert text != cluster.tokenizer.decode(prompt + [10, 20, 30, 40])[len(cluster.tokenizer.decode(prompt)):]
 
 
 def test_stop_string_spanning_tokens_ends_the_stream(cluster):
