@@ -277,9 +277,10 @@ class EngineClient:
 
 
 def available_adapters(engines: Iterable[EngineClient]) -> set[str]:
-    """The adapters on the disk of any engine that takes requests now."""
+    """The adapters on the disk of any engine, as it last reported: one down or draining
+    for now (a restart) still counts, one leaving discovery does not."""
     names: set[str] = set()
     for engine in engines:
-        if engine.accepting:
+        if not engine.retiring:
             names |= engine.adapters_available
     return names

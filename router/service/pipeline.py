@@ -247,7 +247,7 @@ class Pipeline:
         reported: one taking requests, or one down or draining for now (a restart), which
         makes a request for it UNAVAILABLE (retry), not NOT_FOUND. An engine leaving
         discovery no longer counts."""
-        return any(name in e.adapters_available for e in self._engines if not e.retiring)
+        return name in available_adapters(self._engines)
 
     def _taking(self, adapter: str) -> bool:
         """Whether some engine taking requests now can serve `adapter` ("": the base

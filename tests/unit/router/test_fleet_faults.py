@@ -108,6 +108,8 @@ async def test_a_new_request_for_an_adapter_whose_engines_are_down_is_unavailabl
         assert err.message == ("no engine with adapter 'ad' is taking requests now (down, "
                                "restarting or draining); retry later")
         assert router.pipeline.serves_adapter("ad")  # so the HTTP front's 404 check passes it on
+        tenant = router.pipeline.authenticate([("authorization", "Bearer sk-t")])
+        assert [a.id for a in router.pipeline.list_models(tenant).adapters] == ["ad"]  # listed, as served
         _, err = await served(router, caller(router, "zz"))
         assert err is not None and err.code == grpc.StatusCode.NOT_FOUND
 
@@ -118,6 +120,7 @@ async def test_a_new_request_for_an_adapter_whose_engines_are_down_is_unavailabl
         router.engine.retiring = True  # gone from DNS: it will not come back
         _, err = await served(router, caller(router, "ad"))
         assert err is not None and err.code == grpc.StatusCode.NOT_FOUND
+        assert not router.pipeline.list_models(tenant).adapters
         assert counter(router, "rejected", "adapter_unavailable") == 2
     finally:
         await router.close()
