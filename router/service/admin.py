@@ -66,11 +66,17 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             targets = self._targets(action, request)
         except RequestError as err:
             await _abort(context, err)
+        # Load with no report listing the adapter yet: each engine looks on its own disk.
+        looking = action == "load" and not any(e.has_adapter(request.adapter) for e in targets)
         timeout = _engine_timeout(context, ENGINE_CALL_TIMEOUT_S)
         replies = await asyncio.gather(
             *(_engine_call(e, action, request.adapter, timeout) for e in targets)
         )
         outcomes = list(zip(targets, replies))
+        if looking:  # an engine without it is not a failure; none with it is NOT_FOUND
+            outcomes = [(e, r) for e, r in outcomes if not _missing(r)]
+            if not outcomes:
+                await _abort(context, _not_found(request.adapter, "under its adapter root (--adapter-dir)"))
         log.info(
             "admin_adapter",
             action=action,
@@ -115,18 +121,13 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         # deleted adapter stays loaded); any other engine would answer NOT_FOUND.
         adapter = request.adapter
         if action == "load":
-            targets = [e for e in targets if e.has_adapter(adapter)]
-            where = "under its adapter root (--adapter-dir)"
-        else:
-            targets = [e for e in targets if e.has_adapter(adapter) or adapter in e.adapters_cached
-                       or adapter in e.adapters_resident]
-            where = "loaded or under its adapter root (--adapter-dir)"
+            # An adapter copied in a moment ago is on disk before a report lists it: when
+            # none does, every engine looks on its own disk.
+            return [e for e in targets if e.has_adapter(adapter)] or targets
+        targets = [e for e in targets if e.has_adapter(adapter) or adapter in e.adapters_cached
+                   or adapter in e.adapters_resident]
         if not targets:
-            raise RequestError(
-                grpc.StatusCode.NOT_FOUND,
-                f"adapter {adapter!r} not found: no engine has it {where}",
-                "unknown_adapter",
-            )
+            raise _not_found(adapter, "loaded or under its adapter root (--adapter-dir)")
         return targets
 
     async def _authorize(self, context: grpc.aio.ServicerContext, action: str, adapter: str) -> str:
@@ -180,6 +181,15 @@ async def _engine_listing(engine: EngineClient, timeout: float) -> admin_pb2.Adm
         available=reply.available,
         max_loras=reply.max_loras,
     )
+
+
+def _missing(reply: _EngineReply | grpc.aio.AioRpcError) -> bool:
+    return isinstance(reply, grpc.aio.AioRpcError) and reply.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _not_found(adapter: str, where: str) -> RequestError:
+    return RequestError(grpc.StatusCode.NOT_FOUND, f"adapter {adapter!r} not found: no engine has it {where}",
+                        "unknown_adapter")
 
 
 def _outcome(reply: _EngineReply | grpc.aio.AioRpcError) -> str:

@@ -110,6 +110,20 @@ async def test_unload_goes_to_the_engines_that_have_the_adapter(fleet):
     assert len(e0.stub.calls) == 2 and len(e1.stub.calls) == 1
 
 
+async def test_load_of_an_adapter_no_report_lists_yet_asks_every_engine(fleet):
+    """An adapter copied in a moment ago is on disk before the engine's next report: load
+    was NOT_FOUND for a second or two. Now each engine looks on its own disk."""
+    admin, (e0, e1) = fleet
+    e1.stub.on_disk.add("fresh")
+    reply = await admin.LoadAdapter(admin_pb2.AdminAdapterRequest(adapter="fresh"), Context())
+    assert [r.engine for r in reply.engines] == [E1]  # E0 answered NOT_FOUND: it does not have it
+    with pytest.raises(Aborted) as err:
+        await admin.LoadAdapter(admin_pb2.AdminAdapterRequest(adapter="pirate"), Context())
+    assert (err.value.code, err.value.details) == (
+        grpc.StatusCode.NOT_FOUND,
+        "adapter 'pirate' not found: no engine has it under its adapter root (--adapter-dir)")
+
+
 async def test_a_hung_engine_is_reported_before_the_callers_deadline(fleet):
     """E1 stopped (SIGSTOP) but not yet marked unhealthy: its call times out while the
     caller still has time, and the error names each engine's outcome."""
