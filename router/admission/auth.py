@@ -33,6 +33,7 @@ from omnibus.router.service.errors import RequestError
 DEFAULT_TENANT = "default"
 ANY_ADAPTER = "*"
 _TENANT_FIELDS = {"keys", "max_concurrent", "tokens_per_minute", "adapters", "admin", "weight"}
+_MAX_LIMIT = 2**53  # limits stay exact as floats (token buckets, Redis's Lua numbers)
 
 
 @dataclass(frozen=True)
@@ -163,8 +164,8 @@ def _unauthenticated(message: str) -> RequestError:
 
 def _load_keys(path: Path, default_limits: TenantLimits) -> dict[bytes, Tenant]:
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"cannot read keys file {path}: {exc}") from exc
     tenants = raw.get("tenants") if isinstance(raw, dict) else None
     if not isinstance(tenants, dict) or not tenants:
@@ -173,8 +174,11 @@ def _load_keys(path: Path, default_limits: TenantLimits) -> dict[bytes, Tenant]:
     for name, entry in tenants.items():
         tenant, keys = _parse_tenant(path, name, entry, default_limits)
         for key in keys:
-            if _digest(key) in by_digest:
-                raise ValueError(f"keys file {path}: a key of tenant {name!r} is used twice")
+            other = by_digest.get(_digest(key))
+            if other is not None:
+                whose = (f"tenant {name!r}" if other.name == name
+                         else f"tenants {other.name!r} and {name!r}")
+                raise ValueError(f"keys file {path}: a key is used twice, by {whose}")
             by_digest[_digest(key)] = tenant
     return by_digest
 
@@ -200,18 +204,31 @@ def _parse_tenant(
     admin = entry.get("admin", False)
     if not isinstance(admin, bool):
         raise ValueError(f"{where}: 'admin' must be true or false, got {admin!r}")
+    max_concurrent = _limit(where, entry, "max_concurrent", default_limits.max_concurrent)
+    tokens_per_minute = _limit(where, entry, "tokens_per_minute", default_limits.tokens_per_minute)
     try:
-        limits = TenantLimits(
-            max_concurrent=int(entry.get("max_concurrent", default_limits.max_concurrent)),
-            tokens_per_minute=int(entry.get("tokens_per_minute", default_limits.tokens_per_minute)),
-        )
-    except (TypeError, ValueError) as exc:
+        limits = TenantLimits(max_concurrent=max_concurrent, tokens_per_minute=tokens_per_minute)
+    except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
     adapters = _parse_adapters(where, entry.get("adapters"))
     weight = entry.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < 1e6:
         raise ValueError(f"{where}: 'weight' must be a number in (0, 1e6), got {weight!r}")
     return Tenant(name, limits, adapters, admin, float(weight)), [k.strip() for k in keys]
+
+
+def _limit(where: str, entry: dict, name: str, default: int) -> int:
+    """The tenant's `name`, a whole number (6e4 is 60000), not 2.7, true or "5", which
+    int() would turn into 2, 1 and 5; TenantLimits refuses one below 0."""
+    if name not in entry:
+        return default
+    value = entry[name]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value > _MAX_LIMIT:
+        raise ValueError(f"{where}: {name!r} must be a whole number up to 2**53 (0: no limit), "
+                         f"got {value!r}")
+    return value
 
 
 def _parse_adapters(where: str, adapters: object) -> tuple[str, ...] | None:

@@ -3,7 +3,10 @@ global caps on what may wait in the queue. Every refusal is RESOURCE_EXHAUSTED w
 message that names the limit.
 
 Tenant limits are counted in this router's memory, or, with a shared store
-(router/admission/store.py, --limits-store), once for every router."""
+(router/admission/store.py, --limits-store), once for every router. With a store, this
+router's memory still counts every request it runs and the tokens it charged, so that
+when the store is down and the router fails open, its own limits hold what it already
+runs (per router, as before the store existed)."""
 
 from __future__ import annotations
 
@@ -48,6 +51,11 @@ class TokenBucket:
         if n > self.capacity:
             return math.inf
         return (n - self._level) / self._rate
+
+    def charge(self, n: int) -> None:
+        """Takes n tokens admitted elsewhere (the shared store), down to an empty bucket."""
+        self._refill()
+        self._level = max(0.0, self._level - n)
 
     def give_back(self, n: int) -> None:
         self._refill()
@@ -100,6 +108,10 @@ class SharedLimits(Protocol):
         over a limit; None when the store is unreachable and the router should fall back
         to its own limits."""
 
+    def adopt(self, tenant: Tenant, cost: Cost) -> list[Permit]:
+        """Permits for choices the router admitted under its own limits (acquire gave
+        None), to be counted in the store once it answers again."""
+
 
 class LocalPermit:
     """A hold on this router's in-memory counts."""
@@ -119,6 +131,18 @@ class LocalPermit:
             self._usage.bucket.give_back(self._charged - used_tokens)
 
 
+class _CountedPermit:
+    """A shared store's permit, also counted in this router's memory."""
+
+    def __init__(self, shared: Permit, local: LocalPermit) -> None:
+        self._shared = shared
+        self._local = local
+
+    def release(self, used_tokens: int) -> None:
+        self._shared.release(used_tokens)
+        self._local.release(used_tokens)
+
+
 class Admission:
     """Decides whether a request may enter the queue."""
 
@@ -136,7 +160,7 @@ class Admission:
         self._shared = shared
 
     def active(self, tenant: str) -> int:
-        """Requests the tenant has admitted and not released."""
+        """Requests the tenant has admitted on this router and not released."""
         usage = self._tenants.get(tenant)
         return usage.active if usage else 0
 
@@ -151,12 +175,16 @@ class Admission:
         never = never_admitted(tenant, cost)
         if never is not None:
             raise never
-        if self._shared is not None:
-            self._check_queue(cost, queued_requests, queued_tokens)
-            permits = await self._shared.acquire(tenant, cost)
-            if permits is not None:
-                return permits
-        return self.admit_local(tenant, cost, queued_requests, queued_tokens)
+        if self._shared is None:
+            return self.admit_local(tenant, cost, queued_requests, queued_tokens)
+        self._check_queue(cost, queued_requests, queued_tokens)
+        shared = await self._shared.acquire(tenant, cost)
+        if shared is None:  # the store is down and the router fails open: its own limits
+            local = self.admit_local(tenant, cost, queued_requests, queued_tokens)
+            shared = self._shared.adopt(tenant, cost)
+        else:
+            local = self._count(tenant, cost)
+        return [_CountedPermit(s, lp) for s, lp in zip(shared, local)]
 
     def admit_local(
         self, tenant: Tenant, cost: Cost, queued_requests: int, queued_tokens: int
@@ -171,6 +199,18 @@ class Admission:
             wait = usage.bucket.take(cost.total)
             if wait:
                 raise budget_refusal(tenant, cost, wait, usage.bucket.level)
+        return self._hold(usage, cost)
+
+    def _count(self, tenant: Tenant, cost: Cost) -> list[LocalPermit]:
+        """Counts choices the shared store admitted, as if this router had: its own
+        limits are what it falls back to when the store is down."""
+        usage = self._usage(tenant)
+        if usage.bucket is not None:
+            usage.bucket.charge(cost.total)
+        return self._hold(usage, cost)
+
+    @staticmethod
+    def _hold(usage: _TenantUsage, cost: Cost) -> list[LocalPermit]:
         usage.active += cost.choices
         return [LocalPermit(usage, cost.each) for _ in range(cost.choices)]
 

@@ -9,13 +9,20 @@ one Redis instead, each check-and-take one Lua script (atomic on the server):
   with the cap and adds a lease per request (the n choices of one HTTP request at
   once, or none); release removes one. Each router renews the leases of
   its live requests every lease/3 seconds, so a router that crashes stops counting
-  after at most one lease period, without anyone cleaning up after it.
+  after at most one lease period, without anyone cleaning up after it. Renewal adds a
+  lease that is missing, so after Redis restarts empty (or comes back from an outage)
+  every router's running requests count again at its next renewal that reaches Redis:
+  within lease/3 seconds, or 2*lease/3 when the first call fails on the connection the
+  old Redis closed. Until then the routers may admit over a cap.
 - budget: a token bucket per tenant (level and last refill time, on Redis's clock),
   charged prompt + max_tokens on admission and refunded the unused part on release.
 
 When Redis cannot be reached (connection refused, a timeout), --limits-store-failure
 decides: `open` admits under this router's own in-memory limits (per router, as
-before the store existed), `closed` refuses with UNAVAILABLE. Either way the router
+before the store existed: limits.py counts every request the router runs, those the
+store admitted too), `closed` refuses with UNAVAILABLE. A request admitted open holds a
+lease that only renewal adds, so it counts in Redis once Redis answers again (its
+tokens are charged only to this router's own budget). Either way the router
 logs `limits_store_unavailable` once per outage, `limits_store_up` drops to 0, and
 `limits_store_errors_total` counts the failed calls; after a failure the store is
 tried again at most once a second, so an outage costs no per-request timeouts.
@@ -107,12 +114,14 @@ return 0
 """
 
 # KEYS: one leases key per lease. ARGV: lease ms, then the lease ids in KEYS' order.
-# XX: a lease that already expired (the router stalled past it) is not brought back,
-# so a release racing a renewal can never leave a lease behind.
+# A missing lease is added again: these requests are still running, whether Redis lost
+# the lease (a restart, an expiry while the router stalled) or never had it (admitted
+# while Redis was down). A release that reaches Redis first is undone by this; the
+# router removes such leases again once the renewal has answered (_renew_live).
 _RENEW = _PRELUDE + """
 local lease_ms = tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
-  redis.call('ZADD', key, 'XX', now + lease_ms, ARGV[i + 1])
+  redis.call('ZADD', key, now + lease_ms, ARGV[i + 1])
   redis.call('PEXPIRE', key, 2 * lease_ms)
 end
 return 0
@@ -222,7 +231,16 @@ class RedisLimits:
         if status == 2:
             wait_ms, level = float(reply[1]), float(reply[2])
             raise budget_refusal(tenant, cost, wait_ms / 1000 if wait_ms >= 0 else float("inf"), level)
-        permits = [RedisPermit(self, tenant, lease, cost.each) for lease in leases]
+        return self._hold(key, [RedisPermit(self, tenant, lease, cost.each) for lease in leases])
+
+    def adopt(self, tenant: Tenant, cost: Cost) -> list[RedisPermit]:
+        """Permits for a request admitted under this router's own limits while the store
+        was down: renewal adds their leases once it answers, so they count there too.
+        Nothing was charged to the store's budget, so nothing is refunded to it."""
+        permits = [RedisPermit(self, tenant, uuid.uuid4().hex, 0) for _ in range(cost.choices)]
+        return self._hold(_keys(tenant.name)[0], permits)
+
+    def _hold(self, key: str, permits: list[RedisPermit]) -> list[RedisPermit]:
         for permit in permits:
             self._live[permit.lease] = (key, permit)
         if self._renewer is None:
@@ -251,17 +269,27 @@ class RedisLimits:
     async def _renew_forever(self) -> None:
         while True:
             await asyncio.sleep(self._lease_ms / 3000)
-            live = list(self._live.items())
-            if not live:
-                continue
-            keys = [key for _, (key, _) in live]
-            args = [self._lease_ms, *(lease for lease, _ in live)]
-            try:
-                await self._renew(keys=keys, args=args)
-            except (RedisError, OSError) as exc:
-                self._failed("renew", exc)
-            else:
-                self._answered()
+            await self._renew_live()
+
+    async def _renew_live(self) -> None:
+        """Renews (or adds again) the lease of every live request. A request released
+        while the renewal ran may have had its release reach Redis first and its lease
+        added back: its lease is removed again. (If the renewal runs in Redis but its
+        answer is lost, such a lease stays until it expires, one lease period.)"""
+        live = list(self._live.items())
+        if not live:
+            return
+        keys = [key for _, (key, _) in live]
+        args = [self._lease_ms, *(lease for lease, _ in live)]
+        try:
+            await self._renew(keys=keys, args=args)
+            for lease, (key, _) in live:
+                if lease not in self._live:  # released meanwhile
+                    await self._redis.zrem(key, lease)
+        except (RedisError, OSError) as exc:
+            self._failed("renew", exc)
+        else:
+            self._answered()
 
     def _failed(self, operation: str, exc: BaseException) -> None:
         self.errors.labels(operation).inc()

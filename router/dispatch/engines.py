@@ -72,6 +72,7 @@ class EngineClient:
         self.stub = engine_pb2_grpc.EngineStub(self._channel)
         self.report: engine_pb2.LoadReport | None = None
         self.healthy = False
+        self._unhealthy_reason: str | None = None  # the last one logged, while unhealthy
         self.inflight = 0  # requests this router has dispatched here and not finished
         self._adapter_inflight: Counter[str] = Counter()  # the same, per adapter
         self.tenant_inflight: Counter[str] = Counter()  # the same, per tenant
@@ -267,10 +268,17 @@ class EngineClient:
         self._set_healthy(True, "load report received")
 
     def _set_healthy(self, healthy: bool, reason: str) -> None:
-        if healthy != self.healthy:
-            event = "engine_healthy" if healthy else "engine_unhealthy"
-            log.info(event, engine=self.address, reason=reason)
-            if not healthy and self._on_failure is not None:
+        if healthy:
+            if not self.healthy:
+                log.info("engine_healthy", engine=self.address, reason=reason)
+            self._unhealthy_reason = None
+        else:
+            # Each new reason once: an engine starts down, so one that never comes up (a
+            # wrong token, a refused certificate) says why at its first try, not at every retry.
+            if reason != self._unhealthy_reason:
+                log.warning("engine_unhealthy", engine=self.address, reason=reason)
+            self._unhealthy_reason = reason
+            if self.healthy and self._on_failure is not None:
                 self._on_failure()
         self.healthy = healthy
         self._on_change()

@@ -1,6 +1,7 @@
 """The gRPC bootstrap both processes share (omnibus.common.grpc_server): bytes that are
 not the method's request message get INVALID_ARGUMENT naming the expected type, and a
-port in use (gRPC's, or the metrics endpoint's) is an error."""
+port in use (gRPC's, or the metrics endpoint's) is an error, which on a TLS port may
+also be credentials gRPC refused."""
 
 from __future__ import annotations
 
@@ -69,6 +70,21 @@ async def test_a_port_in_use_is_an_error_not_a_shared_port(address):
     with pytest.raises(OSError, match=f"cannot listen on {address}: the port is in use"):
         build_server(host, int(port), [service], health.aio.HealthServicer())
     await test_valid_requests_still_reach_the_servicer(address)
+
+
+async def test_a_tls_port_that_fails_may_be_its_credentials():
+    """gRPC answers a certificate it cannot use like a port in use; PEM files are checked
+    before (omnibus.common.security), credentials made from bytes may still get here."""
+    from omnibus.common.security import ServerSecurity
+
+    service = Service(_Echo(), inference_pb2_grpc.add_InferenceServicer_to_server, "omnibus.v1.Inference")
+    port = free_port()
+    security = ServerSecurity(cert_chain=b"not a pem", private_key=b"not a pem")
+    with pytest.raises(OSError) as err:
+        build_server("127.0.0.1", port, [service], health.aio.HealthServicer(), security=security)
+    assert str(err.value) == (
+        f"cannot listen on 127.0.0.1:{port}: the port is in use, or the host is not an address of "
+        "this machine (or gRPC refused the TLS certificate or key: see its log line above)")
 
 
 def test_a_metrics_port_in_use_is_an_error_naming_it():

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from omnibus.common.grpc_server import build_server
 from omnibus.common.security import ClientSecurity, ServerSecurity, read_token
-from tests.certs import Pki, make_pki
+from tests.certs import Pair, Pki, make_pki
 from tests.grpc_helpers import free_port
 
 
@@ -145,3 +145,94 @@ def test_files_are_checked(pki: Pki, tmp_path: Path) -> None:
     assert "s3cret" not in repr(security)
     assert "s3cret" not in repr(ClientSecurity.from_files(token_file=str(pki.token)))
     assert security.describe() == {"tls": False, "client_certs": False, "token": True}
+
+
+def test_unusable_pem_files_are_named_at_startup(pki: Pki, tmp_path: Path) -> None:
+    """What gRPC would refuse only when it listens ("port in use") or connects (a failed
+    handshake) is refused with the file and the problem when the files are read."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a pem\n")
+    encrypted = tmp_path / "encrypted.key"
+    encrypted.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"password")))
+    cert, key, ca = str(pki.server.cert), str(pki.server.key), str(pki.ca)
+    refused = {
+        f"TLS certificate {garbage} does not hold valid PEM certificates":
+            lambda: ServerSecurity.from_files(str(garbage), key),
+        f"TLS key {pki.client.key} is not the key of the certificate in {cert}":
+            lambda: ServerSecurity.from_files(cert, str(pki.client.key)),
+        f"TLS key {cert} does not hold an unencrypted PEM private key":
+            lambda: ServerSecurity.from_files(cert, cert),
+        f"TLS key {encrypted} does not hold an unencrypted PEM private key":
+            lambda: ServerSecurity.from_files(cert, str(encrypted)),
+        f"client CA {garbage} does not hold valid PEM certificates":
+            lambda: ServerSecurity.from_files(cert, key, str(garbage)),
+        f"client CA {key} does not hold valid PEM certificates":  # a key is no certificate
+            lambda: ServerSecurity.from_files(cert, key, key),
+        f"TLS CA {garbage} does not hold valid PEM certificates":
+            lambda: ClientSecurity.from_files(str(garbage)),
+        f"TLS client certificate {garbage} does not hold valid PEM certificates":
+            lambda: ClientSecurity.from_files(ca, str(garbage), str(pki.client.key)),
+        f"TLS client key {key} is not the key of the certificate in {pki.client.cert}":
+            lambda: ClientSecurity.from_files(ca, str(pki.client.cert), key),
+    }
+    for message, read in refused.items():
+        with pytest.raises(ValueError) as err:
+            read()
+        assert str(err.value) == message
+    # The real files pass; an expired certificate or a small RSA key too: the handshake
+    # and gRPC's TLS judge those, not this Python's OpenSSL policy.
+    ServerSecurity.from_files(cert, key, ca)
+    ClientSecurity.from_files(ca, str(pki.expired_client.cert), str(pki.expired_client.key))
+    small = _self_signed_rsa(tmp_path, bits=1024)
+    ServerSecurity.from_files(str(small.cert), str(small.key))
+
+
+def _self_signed_rsa(folder: Path, bits: int) -> Pair:
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    key = rsa.generate_private_key(65537, bits)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "small")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(1)
+            .not_valid_before(now).not_valid_after(now + dt.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    pair = Pair(folder / "small.crt", folder / "small.key")
+    pair.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pair.key.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.TraditionalOpenSSL,
+                                           serialization.NoEncryption()))
+    return pair
+
+
+def test_router_and_engine_name_a_bad_tls_file_at_startup(pki: Pki, tmp_path: Path) -> None:
+    """Both processes build their credentials through from_files while reading their
+    flags (a ValueError there: "error: ..." and exit 2, before anything listens)."""
+    from omnibus.bench.processes import engine_configs
+    from omnibus.router.cli import build_parser, config_from_args
+
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a pem\n")
+    cert, key = str(pki.server.cert), str(pki.server.key)
+    with pytest.raises(ValueError, match=f"client CA {garbage} does not hold valid PEM"):
+        engine_configs("model", "--tls-cert", cert, "--tls-key", key, "--tls-client-ca", str(garbage))
+
+    def router(*flags: str) -> None:
+        config_from_args(build_parser().parse_args(
+            ["serve", "--engine", "127.0.0.1:1", "--model", "model", *flags]))
+
+    with pytest.raises(ValueError, match=f"TLS certificate {garbage} does not hold valid PEM"):
+        router("--tls-cert", str(garbage), "--tls-key", key)
+    with pytest.raises(ValueError, match=f"TLS client key {key} is not the key of the certificate"):
+        router("--engine-tls-ca", str(pki.ca), "--engine-tls-cert", str(pki.client.cert),
+               "--engine-tls-key", key)

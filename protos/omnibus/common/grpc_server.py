@@ -64,8 +64,12 @@ def build_server(
     except RuntimeError:  # grpc >= 1.5x raises where older versions returned 0
         bound = 0
     if bound == 0:
+        # ServerSecurity.from_files has checked the PEM files, so this is almost always the
+        # address; credentials made another way may still be what gRPC refused.
+        tls = "" if credentials is None else (
+            " (or gRPC refused the TLS certificate or key: see its log line above)")
         raise OSError(f"cannot listen on {address}: the port is in use, or the host is not "
-                      "an address of this machine")
+                      f"an address of this machine{tls}")
     return server
 
 

@@ -6,7 +6,9 @@ require client certificates signed by a CA (mutual TLS: a client without one nev
 completes the handshake), and require a token: every call except the standard health
 service then carries `authorization: Bearer <token>` or ends UNAUTHENTICATED. A client
 (`ClientSecurity`) verifies the server against a CA, presents its own certificate and
-adds the token to every call it makes on its channels.
+adds the token to every call it makes on its channels. Both read their files with
+`from_files`, which checks them with Python's ssl module (PEM certificates, a key that
+matches its certificate), so a bad file is named at startup.
 
 Tokens are compared in constant time (hmac.compare_digest) and never logged; a repr
 of either class shows whether a token is set, not the token.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hmac
+import ssl
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +46,39 @@ def read_secret(path: str | None, what: str) -> bytes | None:
     if not data.strip():
         raise ValueError(f"{what} {path} is empty")
     return data
+
+
+def _pem_context() -> ssl.SSLContext:
+    """A context that only parses: security level 0, so a key size or digest that this
+    Python's OpenSSL dislikes is left for gRPC's own TLS to judge."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.set_ciphers("DEFAULT:@SECLEVEL=0")
+    return context
+
+
+def _check_certificates(path: str | None, what: str) -> None:
+    """ValueError naming `what` unless `path` (if any) holds PEM certificates: gRPC would
+    refuse it only once it listens or connects, with a message that names no file."""
+    if path is None:
+        return
+    try:
+        _pem_context().load_verify_locations(cafile=path)
+    except ssl.SSLError:
+        raise ValueError(f"{what} {path} does not hold valid PEM certificates") from None
+
+
+def _check_key(cert: str | None, key: str | None, what: str) -> None:
+    """ValueError naming `what` unless `key` is the PEM private key of the (checked)
+    certificate in `cert`, unencrypted as gRPC needs it."""
+    if cert is None or key is None:
+        return
+    try:
+        # A password callback: an encrypted key fails here instead of prompting on a tty.
+        _pem_context().load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(f"{what} {key} is not the key of the certificate in {cert}") from None
+        raise ValueError(f"{what} {key} does not hold an unencrypted PEM private key") from None
 
 
 def read_token(path: str | None) -> str | None:
@@ -83,12 +119,16 @@ class ServerSecurity:
         token_file: str | None = None,
     ) -> ServerSecurity:
         """Reads the PEM files and the token file; ValueError names the one at fault."""
-        return cls(
+        security = cls(
             cert_chain=read_secret(cert, "TLS certificate"),
             private_key=read_secret(key, "TLS key"),
             client_ca=read_secret(client_ca, "client CA"),
             token=read_token(token_file),
         )
+        _check_certificates(cert, "TLS certificate")
+        _check_key(cert, key, "TLS key")
+        _check_certificates(client_ca, "client CA")
+        return security
 
     @property
     def tls(self) -> bool:
@@ -137,13 +177,17 @@ class ClientSecurity:
     ) -> ClientSecurity:
         """Reads the PEM files and the token file; TLS is on when any PEM file is given.
         ValueError names the file at fault."""
-        return cls(
+        security = cls(
             tls=any(p is not None for p in (ca, cert, key)),
             ca=read_secret(ca, "TLS CA"),
             cert_chain=read_secret(cert, "TLS client certificate"),
             private_key=read_secret(key, "TLS client key"),
             token=read_token(token_file),
         )
+        _check_certificates(ca, "TLS CA")
+        _check_certificates(cert, "TLS client certificate")
+        _check_key(cert, key, "TLS client key")
+        return security
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         if not self.tls:

@@ -1,7 +1,8 @@
 """The shared limits store (router/admission/store.py) against a real redis-server:
 two routers' stores share one tenant's cap and budget, a crashed router's leases
-expire while a live router's are renewed, and a store that is down fails open or
-closed as configured."""
+expire while a live router's are renewed (and added again after Redis restarts empty),
+and a store that is down fails open (counting what the router already runs) or closed
+as configured."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from omnibus.router.admission.auth import Tenant
-from omnibus.router.admission.limits import Cost, LocalPermit
+from omnibus.router.admission.limits import Cost
 from omnibus.router.admission.store import admission_for
 from omnibus.router.config import RouterConfig, TenantLimits
 from omnibus.router.service.errors import RequestError
@@ -32,6 +33,25 @@ def router(url: str, failure: str = "open", lease: float = 15.0):
                           limits_store_failure=failure, limits_store_lease_seconds=lease)
     registry = CollectorRegistry()
     return admission_for(config, registry), registry
+
+
+def restart_empty(server: RedisServer, log_dir, monkeypatch) -> RedisServer:
+    """`server` killed and an empty one started at its address: a restart without
+    persistence, as in Kubernetes."""
+    server.stop()
+    monkeypatch.setattr("tests.redis_server.free_port", lambda: server.port)
+    log_dir.mkdir()
+    return RedisServer(log_dir)
+
+
+async def renew_until_it_answers(admission) -> None:
+    """What a router does every lease/3 s; the first call after a restart may fail on the
+    connection the old Redis closed, the next one reconnects."""
+    for _ in range(2):
+        await admission._shared._renew_live()
+        if admission._shared._is_up:
+            return
+    raise AssertionError("the renewal never reached Redis")
 
 
 async def admit(admission, tenant: Tenant, cost: Cost = Cost(10)):
@@ -91,21 +111,76 @@ async def test_a_crashed_routers_leases_expire_and_a_live_routers_are_renewed(re
     await refused(other, tenant)  # ...but the live router's lease is still held
 
 
-async def test_store_down_fails_open_to_the_routers_own_limits(tmp_path):
+async def test_running_requests_count_again_after_redis_restarts_empty(tmp_path, monkeypatch):
+    server = RedisServer(tmp_path)
+    (a, _) = router(server.url)
+    tenant = Tenant("restart-tenant", TenantLimits(max_concurrent=2))
+    await admit(a, tenant)
+    await admit(a, tenant)
+    server = restart_empty(server, tmp_path / "restarted", monkeypatch)
+    try:
+        await renew_until_it_answers(a)
+        (b, _) = router(server.url)  # a router whose connection is new
+        err = await refused(b, tenant)  # a's two requests still run: the cap is full
+        assert err.reason == "tenant_concurrency"
+    finally:
+        server.stop()
+
+
+async def test_a_release_racing_a_renewal_does_not_bring_its_lease_back(redis_server):
+    (a, _), (b, _) = router(redis_server.url), router(redis_server.url)
+    tenant = Tenant("race-tenant", TenantLimits(max_concurrent=1))
+    permit = await admit(a, tenant)
+    store = a._shared
+    renew = store._renew
+
+    async def released_first(keys, args):
+        permit.release(1)  # the request ends while the renewal is on its way...
+        await asyncio.gather(*store._tasks)  # ...and its release reaches Redis first
+        return await renew(keys=keys, args=args)
+
+    store._renew = released_first
+    await store._renew_live()
+    await admit(b, tenant)  # the slot is free: the renewal did not revive the lease
+
+
+async def test_store_down_fails_open_counting_what_the_router_already_runs(tmp_path):
+    """Fail-open is this router's own limits as if it had always been alone: the request
+    it admitted through Redis holds a seat and its tokens."""
     server = RedisServer(tmp_path)
     admission, registry = router(server.url, failure="open")
-    tenant = Tenant("open-tenant", TenantLimits(max_concurrent=1))
-    assert not isinstance(await admit(admission, tenant, Cost(1)), LocalPermit)
+    tenant = Tenant("open-tenant", TenantLimits(max_concurrent=2, tokens_per_minute=60))
+    await admit(admission, tenant, Cost(40))  # through Redis: 20 tokens left
     server.stop()
-    permit = await admit(admission, tenant, Cost(1))  # the store's count is unreachable
-    assert isinstance(permit, LocalPermit)
-    err = await refused(admission, tenant)  # this router's own cap still holds
+    permit = await admit(admission, tenant, Cost(10))  # the store is unreachable: 10 left
+    err = await refused(admission, tenant, Cost(1))  # two running: the cap holds
     assert err.reason == "tenant_concurrency"
+    permit.release(10)
+    err = await refused(admission, tenant, Cost(30))
+    assert err.reason == "tenant_budget"
+    assert err.message.startswith("tenant 'open-tenant' is over its budget of 60 tokens per "
+                                  "minute (this request needs 30, 10 are left)")
     assert registry.get_sample_value("omnibus_router_limits_store_up") == 0
     assert registry.get_sample_value(
         "omnibus_router_limits_store_errors_total", {"operation": "acquire"}) == 1
     assert registry.get_sample_value(
-        "omnibus_router_limits_store_fallbacks_total", {"mode": "open"}) == 2
+        "omnibus_router_limits_store_fallbacks_total", {"mode": "open"}) == 3
+
+
+async def test_requests_admitted_while_redis_was_down_count_once_it_is_back(tmp_path, monkeypatch):
+    server = RedisServer(tmp_path)
+    (a, _) = router(server.url)
+    tenant = Tenant("adopted-tenant", TenantLimits(max_concurrent=1))
+    server.stop()
+    await admit(a, tenant)  # fails open
+    server = restart_empty(server, tmp_path / "restarted", monkeypatch)
+    try:
+        await renew_until_it_answers(a)
+        (b, _) = router(server.url)
+        err = await refused(b, tenant)
+        assert err.reason == "tenant_concurrency"
+    finally:
+        server.stop()
 
 
 async def test_store_down_fails_closed_with_unavailable(tmp_path):

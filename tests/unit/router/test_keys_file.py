@@ -1,0 +1,57 @@
+"""A keys file the router cannot use is refused at startup with a message naming the file
+and what is wrong: limits that are not whole numbers (which int() would silently change,
+or crash on), a file that is not UTF-8, a key two tenants share."""
+
+from __future__ import annotations
+
+import pytest
+
+from omnibus.router.admission.auth import KeyStore
+from omnibus.router.config import TenantLimits
+
+
+def _open(tmp_path, text: str | bytes) -> KeyStore:
+    path = tmp_path / "keys.json"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return KeyStore.open(str(path), TenantLimits(max_concurrent=4))
+
+
+@pytest.mark.parametrize("field, value, shown", [
+    ("max_concurrent", "2.7", "2.7"),
+    ("max_concurrent", "true", "True"),
+    ("max_concurrent", '"5"', "'5'"),
+    ("tokens_per_minute", "1e400", "inf"),  # int() of it: OverflowError, a traceback
+    ("tokens_per_minute", "1e20", "100000000000000000000"),
+])  # fmt: skip
+def test_limits_must_be_whole_numbers(tmp_path, field, value, shown):
+    with pytest.raises(ValueError) as err:
+        _open(tmp_path, f'{{"tenants": {{"a": {{"keys": ["k"], "{field}": {value}}}}}}}')
+    assert str(err.value) == (
+        f"keys file {tmp_path / 'keys.json'}, tenant 'a': '{field}' must be a whole number up to "
+        f"2**53 (0: no limit), got {shown}"
+    )
+
+
+def test_whole_numbers_written_as_floats_are_taken_and_absent_limits_are_the_defaults(tmp_path):
+    store = _open(tmp_path, '{"tenants": {"a": {"keys": ["k"], "tokens_per_minute": 6e4}}}')
+    (tenant,) = store.tenants
+    assert tenant.limits == TenantLimits(max_concurrent=4, tokens_per_minute=60000)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    with pytest.raises(ValueError) as err:
+        _open(tmp_path, b'\xff{"tenants": {}}')
+    assert str(err.value).startswith(f"cannot read keys file {tmp_path / 'keys.json'}: 'utf-8' codec")
+
+
+@pytest.mark.parametrize("tenants, whose", [
+    ('"a": {"keys": ["k"]}, "b": {"keys": ["x", "k"]}', "tenants 'a' and 'b'"),
+    ('"a": {"keys": ["k", " k"]}', "tenant 'a'"),
+])  # fmt: skip
+def test_a_key_used_twice_names_whose_it_is(tmp_path, tenants, whose):
+    with pytest.raises(ValueError) as err:
+        _open(tmp_path, f'{{"tenants": {{{tenants}}}}}')
+    assert str(err.value) == f"keys file {tmp_path / 'keys.json'}: a key is used twice, by {whose}"
