@@ -70,9 +70,11 @@ class FormedBatchPolicy(BatchingPolicy):
     def admission_limit(self, now, num_running, num_waiting, oldest_arrival) -> int:
         if num_running or not num_waiting:
             return 0
+        if self.owed:  # the rest of the last batch, before (and not topped up by) later ones
+            return min(self.owed, num_waiting)
         if num_waiting >= self.max_batch_size:
             return self.max_batch_size
-        if self.owed or self.arrivals_closed:
+        if self.arrivals_closed:
             return num_waiting
         first = oldest_arrival()
         if self.window_s is not None and first is not None and now - first >= self.window_s:

@@ -329,11 +329,21 @@ def test_a_static_batch_the_kv_pool_cannot_hold_runs_its_rest_next():
     """Four waiting formed a batch of four, but the pool held two: the other two waited for
     a full batch on a free pool, forever (outside probe)."""
     s = make_scheduler(policy="static", max_batch_size=4, num_blocks=9, block_size=4, caching=False)
-    for i in range(4):
-        s.add(seq(f"r{i}", 8, max_tokens=9))  # 16 tokens of KV each: 4 of the 8 usable blocks
-    fake_step(s)
-    assert sorted(x.request_id for x in s.running) == ["r0", "r1"]
-    assert list(run_to_end(s)) == ["r0", "r1", "r2", "r3"]  # r2, r3 next, as a batch of two
+    for i in range(8):  # two full batches; r0-r2 take 4 of the 8 usable blocks each, r3-r7 one
+        s.add(seq(f"r{i}", 8, max_tokens=9) if i < 3 else seq(f"r{i}", 2, max_tokens=3))
+    batches, seen = [], set()
+    for _ in range(1000):
+        if not s.has_unfinished():
+            break
+        fake_step(s)
+        joined = sorted(x.request_id for x in s.running if x.request_id not in seen)
+        if joined:
+            assert len(joined) == len(s.running)  # nothing joins a running batch
+            batches.append(joined)
+            seen.update(joined)
+    # Each batch's rest runs next, alone: not topped up by the next batch (which then
+    # owed the wrong count and stranded two of its members: regression probe).
+    assert batches == [["r0", "r1"], ["r2", "r3"], ["r4", "r5", "r6", "r7"]]
 
 
 def test_offline_generate_runs_a_partial_static_batch(tmp_path):
