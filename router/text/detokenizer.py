@@ -33,7 +33,9 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-_CONTEXT = range(4, 25)  # prompt tokens the stream may start from: the fewest that decode whole
+# The stream starts from the prompt's last tokens: at least this many that decoding keeps
+# (vLLM starts from 4), looking back at most _MAX_CONTEXT for ones that decode whole.
+_MIN_CONTEXT, _MAX_CONTEXT = 4, 64
 
 
 def byte_fallback_ids(tokenizer: Tokenizer) -> frozenset[int]:
@@ -114,17 +116,18 @@ class IncrementalDetokenizer:
         return full[len(commonprefix([emitted, full])) :]
 
     def _tail(self, context: Sequence[int]) -> list[int]:
-        """The fewest last ids of `context` (at least 4, as vLLM starts its stream) that
-        decode to whole characters: none when the prompt ends inside a character, as then
-        the output's first bytes would complete the prompt's text, not start their own."""
-        if not context:
-            return []
-        for n in _CONTEXT:
-            tail = list(context[-n:])
-            if "\ufffd" not in self._tokenizer.decode(tail, skip_special_tokens=self._skip_special):
-                return tail
-            if n >= len(context):
-                break
+        """The fewest last ids of `context` holding at least _MIN_CONTEXT that decoding keeps
+        (skipped special tokens, as at the end of a chat prompt, do not count) and whose
+        text does not end inside a character (a tail that starts inside one may begin with
+        U+FFFD: both decodes of the context share it). None when the prompt ends inside a
+        character: the output's first bytes would complete the prompt's text."""
+        kept = 0
+        for start in range(len(context) - 1, max(-1, len(context) - 1 - _MAX_CONTEXT), -1):
+            kept += context[start] not in self._skipped_ids
+            if kept >= _MIN_CONTEXT or start == 0:
+                tail = list(context[start:])
+                if not self._tokenizer.decode(tail, skip_special_tokens=self._skip_special).endswith("\ufffd"):
+                    return tail
         return []
 
     def _decode(self, ids: list[int]) -> str:

@@ -148,6 +148,17 @@ def test_a_prompt_ending_inside_a_character_gives_no_context():
     assert "".join(stream(tok, ids, [1], prompt)) == tok.decode(ids) == "the"
 
 
+@pytest.mark.parametrize("prompt", [
+    "the fox a</s></s></s></s></s>",  # skipped special tokens do not count as context
+    "a \ufffd the",  # a literal U+FFFD that is not at the end
+    "a 語語",  # the last 4 byte tokens start inside a character: the tail grows to whole ones
+])  # fmt: skip
+def test_context_survives_special_tokens_and_split_characters(prompt):
+    tok = SENTENCEPIECE
+    prompt_ids, ids = tok.encode(prompt).ids, tok.encode("the fox").ids
+    assert "".join(stream(tok, ids, [1], prompt_ids)) == continuation(tok, prompt_ids, ids) == " the fox"
+
+
 @pytest.mark.parametrize("name", TOKENIZERS)
 @settings(max_examples=200, deadline=None)
 @given(prompt=TEXT, text=TEXT, chunks=st.lists(st.integers(1, 3), min_size=1, max_size=5))
