@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from omnibus.bench import workloads
+from omnibus.common.cli import count, positive
 
 SERVE_EPILOG = """\
 workloads (every length is multiplied by --scale, rounded, at least 1):
@@ -67,7 +68,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=["anyscale", "sharegpt-like"], default="anyscale")
     w.add_argument("--num-requests", type=int, default=100)
-    w.add_argument("--scale", type=float, default=1.0, help="multiply every length by this")
+    w.add_argument("--scale", type=positive, default=1.0, help="multiply every length by this")
     w.add_argument("--input-len", type=int, default=512, help="anyscale: prompt tokens")
     w.add_argument(
         "--input-len-min",
@@ -78,7 +79,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output-mean", type=float, default=128.0, help="anyscale: mean output tokens")
     w.add_argument(
         "--output-cap",
-        type=int,
+        type=count,
         default=None,
         help="largest output (anyscale default 512, sharegpt-like 1024)",
     )
@@ -97,9 +98,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=None, help="per-request deadline, seconds")
     g = p.add_argument_group("goodput SLOs (a request counts when it meets every one given)")
-    g.add_argument("--slo-ttft-ms", type=float, default=None)
-    g.add_argument("--slo-tpot-ms", type=float, default=None)
-    g.add_argument("--slo-e2e-ms", type=float, default=None)
+    g.add_argument("--slo-ttft-ms", type=positive, default=None)
+    g.add_argument("--slo-tpot-ms", type=positive, default=None)
+    g.add_argument("--slo-e2e-ms", type=positive, default=None)
     p.add_argument(
         "--engine",
         default=None,

@@ -50,7 +50,13 @@ class RequestResult:
 
     @property
     def ok(self) -> bool:
-        return self.code == "OK"
+        """Completed: an ABORTED finish (a drain that ran out) ended the stream early."""
+        return self.code == "OK" and self.finish_reason != "ABORTED"
+
+    @property
+    def failure(self) -> str:
+        """Why it did not complete: its status code, or ABORTED."""
+        return self.code if self.code != "OK" else self.finish_reason
 
     @property
     def output_tokens(self) -> int:
@@ -136,7 +142,7 @@ def summarize(
         "requests": len(results),
         "completed": len(done),
         "failed": len(results) - len(done),
-        "failures_by_code": dict(sorted(Counter(r.code for r in results if not r.ok).items())),
+        "failures_by_code": dict(sorted(Counter(r.failure for r in results if not r.ok).items())),
         "duration_s": duration,
         "prompt_tokens": sum(r.prompt_tokens for r in done),
         "output_tokens": out_tokens,

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
+from omnibus.common.cli import HelpFormatter
 from omnibus.router.config import RouterConfig, TenantLimits
 
 _DEFAULTS = {f.name: f.default for f in fields(RouterConfig)}
@@ -18,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="serve omnibus.v1.Inference in front of engine workers",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--host", default=_DEFAULTS["host"], help="address to listen on (0.0.0.0: all interfaces)"

@@ -13,30 +13,27 @@ from collections.abc import Sequence
 import grpc
 from omnibus.v1 import inference_pb2, inference_pb2_grpc
 
+from omnibus.common.cli import HelpFormatter, int32, seconds, uint64
 from omnibus.common.security import add_client_tls_flags, client_security_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="omnibus-client", description="Stream a completion from a router",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--target", default="localhost:50051", help="router address")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--max-tokens", type=int32, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (unset: 1)")
-    p.add_argument("--top-k", type=int, default=0, help="0: off")
-    p.add_argument("--seed", type=int, default=None, help="seeded sampling (unset: random)")
+    p.add_argument("--top-k", type=int32, default=0, help="0: off")
+    p.add_argument("--seed", type=uint64, default=None, help="seeded sampling (unset: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
-    p.add_argument("--priority", type=int, default=0, help="higher runs first")
+    p.add_argument("--priority", type=int32, default=0, help="higher runs first")
     p.add_argument("--adapter", default="", help="LoRA adapter (x-adapter-id)")
-    p.add_argument(
-        "--key",
-        default=os.environ.get("OMNIBUS_API_KEY", ""),
-        help="API key (default: $OMNIBUS_API_KEY)",
-    )
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--key", default=None, help="API key (default: $OMNIBUS_API_KEY)")  # never shown
+    p.add_argument("--timeout", type=seconds, default=None, help="deadline in seconds (unset: none)")
     add_client_tls_flags(p)
     return p
 
@@ -59,18 +56,18 @@ def make_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    request = make_request(args)
+    key = args.key if args.key is not None else os.environ.get("OMNIBUS_API_KEY", "")
     metadata = []
-    if args.key:
-        metadata.append(("authorization", f"Bearer {args.key}"))
+    if key:
+        metadata.append(("authorization", f"Bearer {key}"))
     if args.adapter:
         metadata.append(("x-adapter-id", args.adapter))
     security = client_security_from_args(args)
     with security.channel(args.target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
-            for response in stub.Generate(
-                make_request(args), metadata=metadata, timeout=args.timeout
-            ):
+            for response in stub.Generate(request, metadata=metadata, timeout=args.timeout):
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
                 if response.finish_reason:
@@ -78,6 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     _summary(response)
         except grpc.RpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:  # Ctrl-C: the call is cancelled as the channel closes
+            return 130
+        except BrokenPipeError:  # stdout closed early (| head): stop quietly
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 1
     return 0
 

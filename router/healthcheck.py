@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omnibus.common.cli import seconds
 from omnibus.common.security import add_client_tls_flags, client_security_from_args
 
 
@@ -17,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omnibus-healthcheck", description=__doc__)
     p.add_argument("target", help="HOST:PORT of a router or engine")
     p.add_argument("--service", default="", help="service name; empty: the whole server")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds")
+    p.add_argument("--timeout", type=seconds, default=3.0, help="seconds (default 3)")
     add_client_tls_flags(p)
     return p
 
@@ -31,7 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )
         except grpc.RpcError as exc:
-            print(f"{args.target}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            details = exc.details()
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # the server has no such service
+                details = (f"no health status for service {args.service!r} (routers: '', "
+                           "'omnibus.v1.Inference', 'liveness'; engines: '', 'omnibus.v1.Engine')")
+            print(f"{args.target}: {exc.code().name}: {details}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     print(f"{args.target}: {status}")

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from omnibus.common.adapters import adapter_name_error
+from omnibus.common.cli import HelpFormatter
 
 if TYPE_CHECKING:
     from omnibus.engine.config import EngineConfig
@@ -25,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve",
         help="serve omnibus.v1.Engine for one model on one device",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)"

@@ -75,6 +75,16 @@ def test_goodput_without_slos_counts_every_completed_request():
     assert s["good_requests"] == 1 and s["goodput"] == 0.5 and s["slo"] == "none"
 
 
+def test_an_aborted_stream_is_a_failure_not_a_completed_request():
+    """A drain that runs out ends a stream OK with finish ABORTED, short of max_tokens: it
+    counted as completed, its partial tokens in throughput and its short E2E in latency."""
+    cut = _result(1, 0.0, [0.1], [1], 0.2)
+    cut.finish_reason = "ABORTED"
+    s = summarize([_result(0, 0.0, [0.1, 0.2], [1, 1], 0.4), cut], duration=1.0)
+    assert (s["completed"], s["failed"], s["failures_by_code"]) == (1, 1, {"ABORTED": 1})
+    assert s["output_tokens"] == 2 and s["good_requests"] == 1
+
+
 def test_e2e_slo():
     assert Slo(e2e_s=1.0).met(_result(0, 0.0, [0.1], [1], 0.9))
     assert not Slo(e2e_s=1.0).met(_result(0, 0.0, [0.1], [1], 1.1))

@@ -611,6 +611,9 @@ def test_healthcheck_cli_exit_code_follows_the_health_protocol(cluster):
     assert (serving.returncode, serving.stdout) == (0, f"{cluster.plain.address}: SERVING\n")
     nobody = run_cli("omnibus-healthcheck", f"127.0.0.1:{free_port()}", "--timeout", "1")
     assert nobody.returncode == 1
+    typo = run_cli("omnibus-healthcheck", cluster.plain.address, "--service", "nope")
+    assert typo.returncode == 1  # it said "NOT_FOUND: " and nothing else
+    assert "no health status for service 'nope' (routers: ''" in typo.stderr
 
 
 def test_client_cli_streams_the_completion_to_stdout(cluster):

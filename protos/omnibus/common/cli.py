@@ -1,0 +1,61 @@
+"""What the command-line tools share: help that states each default once, and the
+argument types their flags need."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)", except where the help states its default itself, where
+    there is none to state (None, a switch), so no flag reads as its opposite
+    (`--no-prefix-caching ... (default: True)`)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("default" in text or "unset" in text or action.default is None
+                or isinstance(action.default, bool)):
+            return text
+        return super()._get_help_string(action)
+
+
+def positive(text: str, unit: str = "") -> float:
+    """A positive, finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number{unit}: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number{unit}, got {text}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds (a deadline of inf or NaN would have expired)."""
+    return positive(text, " of seconds")
+
+
+def _integer(text: str, lo: int, hi: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+    return value
+
+
+def int32(text: str) -> int:
+    """An integer that fits a protobuf int32 field."""
+    return _integer(text, -(2**31), 2**31 - 1, "a 32-bit integer")
+
+
+def uint64(text: str) -> int:
+    """An integer that fits a protobuf uint64 field (a seed)."""
+    return _integer(text, 0, 2**64 - 1, "in [0, 2**64 - 1]")
+
+
+def count(text: str) -> int:
+    """A whole number >= 1 (that fits an int32 field)."""
+    return _integer(text, 1, 2**31 - 1, "a whole number >= 1")
