@@ -122,8 +122,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         adapter = request.adapter
         if action == "load":
             # An adapter copied in a moment ago is on disk before a report lists it: when
-            # none does, every engine looks on its own disk.
-            return [e for e in targets if e.has_adapter(adapter)] or targets
+            # none does, every engine that serves adapters looks on its own disk.
+            targets = ([e for e in targets if e.has_adapter(adapter)]
+                       or [e for e in targets if e.adapters_available])
+            if not targets:
+                raise _not_found(adapter, "under its adapter root (--adapter-dir)")
+            return targets
         targets = [e for e in targets if e.has_adapter(adapter) or adapter in e.adapters_cached
                    or adapter in e.adapters_resident]
         if not targets:

@@ -122,6 +122,12 @@ async def test_load_of_an_adapter_no_report_lists_yet_asks_every_engine(fleet):
     assert (err.value.code, err.value.details) == (
         grpc.StatusCode.NOT_FOUND,
         "adapter 'pirate' not found: no engine has it under its adapter root (--adapter-dir)")
+    # An engine that serves no adapters (it answers FAILED_PRECONDITION) is not asked.
+    e1.report_load(available_adapters=[])
+    calls = len(e1.stub.calls)
+    with pytest.raises(Aborted) as err:
+        await admin.LoadAdapter(admin_pb2.AdminAdapterRequest(adapter="pirate"), Context())
+    assert err.value.code == grpc.StatusCode.NOT_FOUND and len(e1.stub.calls) == calls
 
 
 async def test_a_hung_engine_is_reported_before_the_callers_deadline(fleet):
