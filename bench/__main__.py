@@ -192,7 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "serve":
-            asyncio.run(serve_main(args))
+            summary = asyncio.run(serve_main(args))["summary"]
+            if not summary["completed"]:  # the report says why; a script must not read success
+                print(f"error: none of the {summary['requests']} requests completed "
+                      f"({summary['failures_by_code']})", file=sys.stderr)
+                return 1
         else:
             from omnibus.bench import strategies
 

@@ -239,3 +239,15 @@ def test_derived_ratios_need_both_counters():
         {"useful_tokens": 30, "slots_stepped": 40, "kv_tokens_stored": 10, "kv_tokens_reserved": 40}
     )
     assert got == {"compute_utilization": 0.75, "kv_efficiency": 0.25}
+
+
+async def test_cli_exits_1_when_no_request_completed(fake, capsys):
+    """Every request refused (an unknown adapter): the report lists the failures, and the
+    exit status no longer says success to a script."""
+    from omnibus.bench.__main__ import main
+
+    _, target = fake
+    argv = ["serve", "--target", target, "--num-requests", "3", "--scale", "0.02",
+            "--adapters", "missing", "--no-progress"]
+    assert await asyncio.to_thread(main, argv) == 1
+    assert "error: none of the 3 requests completed ({'NOT_FOUND': 3})" in capsys.readouterr().err
