@@ -11,7 +11,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnibus.common.cli import seconds
+from omnibus.common.grpc_server import LIVENESS
 from omnibus.common.security import add_client_tls_flags, client_security_from_args
+from omnibus.v1 import engine_pb2, inference_pb2
+
+_INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+_ENGINE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             details = exc.details()
             if exc.code() == grpc.StatusCode.NOT_FOUND:  # the server has no such service
                 details = (f"no health status for service {args.service!r} (routers: '', "
-                           "'omnibus.v1.Inference', 'liveness'; engines: '', 'omnibus.v1.Engine')")
+                           f"{_INFERENCE!r}, {LIVENESS!r}; engines: '', {_ENGINE!r})")
             print(f"{args.target}: {exc.code().name}: {details}", file=sys.stderr)
             return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

@@ -38,7 +38,7 @@ class BatchingPolicy:
         return 0
 
     def admitted(self, limit: int, count: int) -> None:
-        """The scheduler admitted `count` of the `limit` requests allowed this step."""
+        """The scheduler admitted `count` of the `limit` (> 0) requests allowed this step."""
 
     def close_arrivals(self, closed: bool = True) -> None:
         """No request will arrive until reopened (offline generate): no batch waits for more."""
@@ -82,8 +82,7 @@ class FormedBatchPolicy(BatchingPolicy):
         return 0
 
     def admitted(self, limit: int, count: int) -> None:
-        if limit:
-            self.owed = limit - count
+        self.owed = limit - count
 
     def close_arrivals(self, closed: bool = True) -> None:
         self.arrivals_closed = closed
