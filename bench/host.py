@@ -31,7 +31,6 @@ import functools
 import itertools
 import json
 import os
-import platform
 import random
 import subprocess
 import tempfile
@@ -49,7 +48,7 @@ from omnibus.bench.processes import (
     router_process,
     torch_threads,
 )
-from omnibus.bench.report import spread
+from omnibus.bench.report import machine, spread
 from omnibus.bench.serve import RunConfig, run_workload
 from omnibus.bench.stats import percentile
 from omnibus.bench.workloads import BenchRequest
@@ -722,8 +721,7 @@ def stream_report(result: dict, baseline: dict | None) -> str:
         "carry other numbers of tokens than at a GPU's rate (tokens/step); the paced part "
         "below measures at that rate, and its columns are the ones to project from.",
         "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        "shared with other work (noisy).",
+        f"Machine: {result.get('machine') or machine()}, shared with other work (noisy).",
         "",
     ]
     if baseline is not None:
@@ -787,6 +785,7 @@ def main() -> None:
                                         engine_seats=args.engine_seats, step_loop=args.step_loop)
     result["step_loop"], result["stream_interval"] = args.step_loop, args.stream_interval
     result["label"] = args.label or git_label()
+    result["machine"] = machine()
     print(json.dumps(result, indent=1))
     if args.save_json:
         args.save_json.write_text(json.dumps(result, indent=1))

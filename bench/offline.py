@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import torch
 from omnibus.bench.processes import engine_and_router, engine_configs, torch_threads
-from omnibus.bench.report import replace_section, spread
+from omnibus.bench.report import machine, replace_section, spread
 
 BENCH_MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
                    num_key_value_heads=4, vocab_size=2048, max_position_embeddings=1024,
@@ -319,7 +318,7 @@ def served_by_threads(path: Path, prompts, lengths, rounds: int = 3) -> dict[str
 
 def env_info() -> dict:
     return {"torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+            "cpu": machine(), "cores": os.cpu_count()}
 
 
 def served_vs_in_process(path: Path, prompts, lengths) -> dict:
@@ -378,7 +377,7 @@ Produced by `make bench-offline` (`python -m omnibus.bench.offline`). Model: Lla
 6 layers, 8 heads / 4 KV heads, vocab 2048, {r['matmul_params'] / 1e6:.1f}M matmul parameters,
 random weights, float32. Workload: {n} requests, 128-token prompts, output lengths
 ~ Exp(mean 64) capped at 256 ({r['output_tokens']} output tokens in all), ignore_eos, greedy.
-Machine: {r['env']['cores']} cores, torch {r['env']['torch']}, {r['env']['threads']} threads.
+Machine: {r['env'].get('cpu') or str(r['env']['cores']) + ' cores'}, torch {r['env']['torch']}, {r['env']['threads']} threads.
 
 Omnibus (both CPU matmuls) and transformers static `generate` took turns {len(r['rounds']['omnibus'])} times in one
 process, each round starting with the next system (the VM's speed drifts between minutes);

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import statistics
 from dataclasses import asdict
 from pathlib import Path
@@ -16,6 +18,24 @@ LATENCY_ROWS = (
     ("ITL", "itl_ms"),
     ("E2E latency", "e2e_ms"),
 )
+
+
+def machine() -> str:
+    """This host's CPU model and core count (benchmark numbers move with the VM they ran on)."""
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not line.strip():
+                    break  # the first processor's block is enough
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = info.get("model name") or platform.processor() or platform.machine()
+    if "model" in info:
+        name += f" (family {info.get('cpu family', '?')}, model {info['model']})"
+    return f"{name}, {os.cpu_count()} cores"
 
 
 def fmt(value: float | int | None, digits: int = 1) -> str:

@@ -5,6 +5,7 @@ Nothing here asserts on a timing: only that each path was measured and what was 
 
 import json
 import math
+import os
 
 from omnibus.bench.host import (
     NOTES_MARKER,
@@ -18,6 +19,7 @@ from omnibus.bench.host import (
     write_markdown,
 )
 from omnibus.bench.processes import engine_and_router
+from omnibus.bench.report import machine
 
 PATHS = ("in_process", "engine_grpc", "router_grpc", "floor_bidi", "floor_unary_stream")
 
@@ -127,3 +129,14 @@ def test_notes_after_their_marker_survive_every_rewrite(tmp_path):
     assert text.endswith(NOTES_MARKER + "\n\nWhat the numbers mean.\n")
     assert "paced-one" not in text and "ttft-one" not in text
     assert "and 25.0 when it sent them as fast as it could" in text
+
+
+def test_the_report_names_the_machine_it_ran_on(tmp_path):
+    """Numbers move with the VM: a report says which CPU measured them (its own, or this one's)."""
+    doc = tmp_path / "host.md"
+    run = {"streams": 2, "ok": 2, "tokens_per_s": 10.0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 1.0,
+           "itl_p99_ms": 1.0, "cpu_us_per_token": {"router": 1.0, "engine": 1.0, "client": 1.0}}
+    write_markdown(doc, {"label": "a", "runs": [run], "machine": "Some CPU, 3 cores"}, None)
+    assert "Machine: Some CPU, 3 cores, shared" in doc.read_text()
+    here = machine()
+    assert here.endswith(f", {os.cpu_count()} cores") and len(here) > len(f", {os.cpu_count()} cores")
