@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from omnibus.common.checkpoint import architecture, context_length, max_positions
+from omnibus.common.checkpoint import architecture, context_length, field, max_positions
 
 LOAD_FORMATS = ("safetensors", "dummy", "null")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,28 +94,30 @@ class ModelConfig:
         if act not in ("silu", "swish"):  # the MLP is SwiGLU (kernels.fused silu_and_mul)
             raise ModelLoadError(f"unsupported hidden_act {act!r}; supported: silu")
         try:
-            num_heads = int(raw["num_attention_heads"])
-            hidden = int(raw["hidden_size"])
+            num_heads = field(raw, "num_attention_heads", int)
+            hidden = field(raw, "hidden_size", int)
             eos_ids = _eos_ids(raw.get("eos_token_id"), "config.json")
             rope_theta, rope_scaling = _parse_rope(raw, max_positions(raw))
+            attention_bias = field(raw, "attention_bias", bool, False)
             cfg = cls(
                 model_type=model_type,
-                vocab_size=int(raw["vocab_size"]),
+                vocab_size=field(raw, "vocab_size", int),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_layers=int(raw["num_hidden_layers"]),
+                intermediate_size=field(raw, "intermediate_size", int),
+                num_layers=field(raw, "num_hidden_layers", int),
                 num_heads=num_heads,
-                num_kv_heads=int(raw.get("num_key_value_heads", _DEFAULT_KV_HEADS.get(model_type))
-                                 or num_heads),
-                head_dim=int(raw.get("head_dim") or hidden // num_heads),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                # Left out: the architecture's default; null: one per query head (as the configs' __init__).
+                num_kv_heads=field(raw, "num_key_value_heads", int, num_heads if "num_key_value_heads" in raw
+                                   else _DEFAULT_KV_HEADS.get(model_type, num_heads)),
+                head_dim=field(raw, "head_dim", int, None) or hidden // num_heads,
+                rms_norm_eps=field(raw, "rms_norm_eps", float, 1e-6),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 max_position_embeddings=context_length(raw),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                qkv_bias=model_type == "qwen2" or (model_type == "llama" and bool(raw.get("attention_bias"))),
-                o_bias=model_type == "llama" and bool(raw.get("attention_bias")),
-                mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias")),
+                tie_word_embeddings=field(raw, "tie_word_embeddings", bool, False),
+                qkv_bias=model_type == "qwen2" or (model_type == "llama" and attention_bias),
+                o_bias=model_type == "llama" and attention_bias,
+                mlp_bias=model_type == "llama" and field(raw, "mlp_bias", bool, False),
                 eos_token_ids=eos_ids,
                 bos_token_id=raw.get("bos_token_id"),
                 torch_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
@@ -125,6 +127,8 @@ class ModelConfig:
         except KeyError as exc:
             raise ModelLoadError(f"config.json lacks required field {exc.args[0]!r}") from exc
         except (TypeError, ValueError, ZeroDivisionError) as exc:
+            if str(exc).startswith("config.json"):  # it names the field
+                raise ModelLoadError(str(exc)) from exc
             raise ModelLoadError(f"config.json has a field of the wrong type or value: {exc}") from exc
         sizes = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
                  "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,

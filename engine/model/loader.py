@@ -68,6 +68,17 @@ def _target(name: str) -> tuple[str, int | None]:
     return name, None
 
 
+def _checkpoint_names(param: str, loaded: set[str]) -> list[str]:
+    """The checkpoint's (Hugging Face) names of a parameter's tensors not loaded: a fused
+    one's missing slices (q/k/v_proj, gate/up_proj), under the checkpoint's model. prefix."""
+    prefix = "" if param.startswith("lm_head.") else "model."
+    slices = [(proj, idx) for proj, (fused, idx) in _FUSED.items() if f".{fused}." in f".{param}"]
+    if not slices:
+        return [prefix + param]
+    fused = _FUSED[slices[0][0]][0]
+    return [prefix + param.replace(fused, proj) for proj, idx in slices if f"{param}#{idx}" not in loaded]
+
+
 def _fused_slices(model: LlamaForCausalLM, fused: str) -> list[int]:
     cfg = model.cfg
     if fused == "qkv_proj":
@@ -123,7 +134,7 @@ def load_weights(model: LlamaForCausalLM, tensors, source: str = "state dict") -
             _copy(model, params, name, tensor, loaded)
     if head is not None:
         _tie_or_untie(model, head, loaded, source)
-    missing = sorted(set(params) - loaded)
+    missing = [hf for name in sorted(set(params) - loaded) for hf in _checkpoint_names(name, loaded)]
     if missing:
         raise ModelLoadError(f"checkpoint {source} lacks weights for: {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))

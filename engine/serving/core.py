@@ -61,13 +61,31 @@ def load_engine(config: EngineConfig) -> Engine:
         torch.set_num_threads(1)
     try:
         engine = Engine(config)
+        engine.warmup()
     except (OSError, ValueError) as exc:  # ModelLoadError and AdapterError are ValueErrors
         raise EngineLoadError(f"cannot load {config.model}: {exc}") from exc
     except LookupError as exc:  # UnknownAdapterError: a --preload-adapters name
         raise EngineLoadError(f"--preload-adapters: {exc}") from exc
-    engine.warmup()
+    except (MemoryError, RuntimeError) as exc:
+        if not _out_of_memory(exc):
+            raise
+        raise EngineLoadError(
+            f"cannot load {config.model}: out of {config.device} memory "
+            f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); the weights, "
+            "the KV pool (--kv-cache-memory, --num-kv-blocks) and the rotary tables, one row per position "
+            "up to --max-model-len (default: config.json's max_position_embeddings), must fit: lower "
+            "those or use a larger device") from exc
     preload(engine)
     return engine
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """torch's allocation failures: torch.OutOfMemoryError (CUDA), a RuntimeError from the
+    CPU allocator, or Python's MemoryError."""
+    import torch
+
+    return (isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+            or "can't allocate memory" in str(exc) or "out of memory" in str(exc))
 
 
 def _check_cuda(device: str) -> None:

@@ -112,3 +112,15 @@ def test_router_reads_the_context_of_a_config_without_max_position_embeddings(tm
     (tmp_path / "config.json").write_text(json.dumps(BASE | {"model_type": "llama"}))
     limits = ModelLimits.load(RouterConfig(model=str(tmp_path), engines=("127.0.0.1:1",), max_tokens_limit=8192))
     assert (limits.context, limits.max_tokens) == (2048, 2047)
+
+
+@pytest.mark.parametrize(("raw", "error"), [
+    (dict(model_type="qwen2", use_sliding_window="false", sliding_window=16), "use_sliding_window must be true or false"),
+    (dict(model_type="mistral", sliding_window=16.5), "sliding_window must be an integer, got 16.5"),
+    (dict(model_type="llama", max_position_embeddings="4096"), "max_position_embeddings must be an integer"),
+    (dict(model_type="llama", max_position_embeddings=True), "max_position_embeddings must be an integer"),
+])  # fmt: skip
+def test_a_context_field_of_the_wrong_json_type_is_refused_not_coerced(raw, error):
+    """bool("false") is True: a Qwen2 context would silently become its window."""
+    with pytest.raises(ValueError, match=error):
+        context_length(raw)

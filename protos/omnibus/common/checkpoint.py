@@ -8,12 +8,40 @@ ValueError saying what is wrong.
 
 from __future__ import annotations
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "architecture", "context_length", "max_positions", "sliding_window"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "architecture", "context_length", "field", "max_positions",
+           "sliding_window"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 _DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768}
 _DEFAULT_WINDOW = 4096  # MistralConfig's and Qwen2Config's sliding_window
 _DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config: layers from this index on slide
+
+
+_MISSING = object()
+
+
+def field(raw: dict, key: str, kind: type, default: object = _MISSING) -> object:
+    """config.json's `key` as `kind` (int, float or bool), refused when JSON holds another
+    type (as transformers' typed configs refuse it) rather than coerced: bool("false") is
+    True and int(2.7) is 2. An integral float counts as an int. A missing key or null
+    gives `default`; without one, KeyError when missing, ValueError when null."""
+    value = raw.get(key)
+    if value is None and default is not _MISSING:
+        return default
+    if key not in raw:
+        raise KeyError(key)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif isinstance(value, bool):
+        ok = False
+    elif kind is int:
+        ok = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    else:
+        ok = isinstance(value, (int, float))
+    if not ok:
+        what = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+        raise ValueError(f"config.json's {key} must be {what}, got {value!r}")
+    return kind(value)
 
 
 def architecture(raw: dict) -> str:
@@ -29,7 +57,7 @@ def architecture(raw: dict) -> str:
 
 def max_positions(raw: dict) -> int:
     """max_position_embeddings, or the architecture's default when config.json has none."""
-    return int(raw.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[architecture(raw)]))
+    return field(raw, "max_position_embeddings", int, _DEFAULT_MAX_POSITIONS[architecture(raw)])
 
 
 def sliding_window(raw: dict) -> int | None:
@@ -41,21 +69,20 @@ def sliding_window(raw: dict) -> int | None:
     kind = architecture(raw)
     if kind == "llama":
         return None
-    window = raw.get("sliding_window", _DEFAULT_WINDOW)
     if kind == "qwen2":
-        if not raw.get("use_sliding_window", False):
+        if not field(raw, "use_sliding_window", bool, False):
             return None  # transformers sets sliding_window to None: no layer slides
         layers = raw.get("layer_types")
         if layers is not None:
             slides = "sliding_attention" in layers
         else:
-            first = int(raw.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS))
-            slides = first < int(raw["num_hidden_layers"])
+            first = field(raw, "max_window_layers", int, _DEFAULT_MAX_WINDOW_LAYERS)
+            slides = first < field(raw, "num_hidden_layers", int)
         if not slides:
             return None
-    if window is None:
+    if "sliding_window" in raw and raw["sliding_window"] is None:
         return None
-    window = int(window)
+    window = field(raw, "sliding_window", int, _DEFAULT_WINDOW)
     if window < 1:
         raise ValueError(f"sliding_window must be a positive number of tokens or null, got {window}")
     return window

@@ -56,9 +56,15 @@ def test_unsupported_architecture(ckpt, tmp_path):
 
 @pytest.mark.parametrize(("field", "value", "error"), [
     ("hidden_act", "gelu", "unsupported hidden_act 'gelu'; supported: silu"),
-    ("hidden_size", "wide", "wrong type or value: invalid literal"),
+    ("hidden_size", "wide", "config.json's hidden_size must be an integer, got 'wide'"),
     ("num_attention_heads", 0, "wrong type or value"),  # hidden_size // 0 for head_dim
-    ("num_hidden_layers", None, "wrong type or value"),
+    ("num_hidden_layers", None, "num_hidden_layers must be an integer, got None"),
+    # Refused, not coerced as Python would (bool("false") is True, int(2.7) is 2).
+    ("num_hidden_layers", 2.7, "num_hidden_layers must be an integer, got 2.7"),
+    ("attention_bias", "false", "attention_bias must be true or false, got 'false'"),
+    ("tie_word_embeddings", "false", "tie_word_embeddings must be true or false"),
+    ("max_position_embeddings", 100.9, "max_position_embeddings must be an integer, got 100.9"),
+    ("rms_norm_eps", "1e-6", "rms_norm_eps must be a number, got '1e-6'"),
     ("vocab_size", -1, "sizes must be positive: vocab_size=-1"),
 ])  # fmt: skip
 def test_bad_config_values_are_load_errors(ckpt, tmp_path, field, value, error):
@@ -86,8 +92,12 @@ def test_missing_tensor(ckpt, tmp_path):
     m = copy(ckpt, tmp_path)
     tensors = load_file(m / "model.safetensors")
     del tensors["model.layers.1.self_attn.v_proj.weight"]
+    del tensors["model.layers.0.mlp.gate_proj.weight"]
+    del tensors["model.norm.weight"]
     save_file(tensors, m / "model.safetensors")
-    with pytest.raises(ModelLoadError, match="lacks weights for: layers.1.self_attn.qkv_proj.weight"):
+    # The checkpoint's own names (a user can find them), not the fused parameters they fill.
+    with pytest.raises(ModelLoadError, match=r"lacks weights for: model\.layers\.0\.mlp\.gate_proj\.weight, "
+                       r"model\.layers\.1\.self_attn\.v_proj\.weight, model\.norm\.weight$"):
         Engine(EngineConfig(model=str(m)))
 
 
@@ -224,3 +234,13 @@ def test_a_max_model_len_past_the_models_context_is_capped_with_a_warning(ckpt):
     assert engine.model_config.max_model_len == limit
     assert [(e["event"], e["requested"], e["serving"]) for e in logs if e["log_level"] == "warning"] == [
         ("max_model_len_capped", limit * 4, limit)]
+
+
+def test_a_model_that_does_not_fit_in_memory_is_a_clear_error(ckpt):
+    """An allocation failure at load (here a KV pool of ~10^12 blocks) names what must fit
+    and the flags that size it, instead of a traceback from the allocator."""
+    from omnibus.engine.serving.core import EngineLoadError, load_engine
+
+    with pytest.raises(EngineLoadError, match=r"out of cpu memory .*--kv-cache-memory, --num-kv-blocks.*"
+                       r"--max-model-len"):
+        load_engine(EngineConfig(model=str(ckpt), num_kv_blocks=10**12))
