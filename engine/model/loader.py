@@ -179,7 +179,10 @@ def _copy(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], name: 
     target, idx = _target(name)
     param = params.get(target)
     if param is None:
-        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (not a {model.cfg.model_type} weight)")
+        hint = ""
+        if name.endswith(".bias") and model.cfg.model_type == "llama":
+            hint = "; config.json's attention_bias / mlp_bias say whether projections have biases"
+        raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (not a {model.cfg.model_type} weight{hint})")
     dest = param.data
     if idx is not None:
         bounds = _fused_slices(model, target.split(".")[-2])

@@ -244,3 +244,16 @@ def test_a_model_that_does_not_fit_in_memory_is_a_clear_error(ckpt):
     with pytest.raises(EngineLoadError, match=r"out of cpu memory .*--kv-cache-memory, --num-kv-blocks.*"
                        r"--max-model-len"):
         load_engine(EngineConfig(model=str(ckpt), num_kv_blocks=10**12))
+
+
+def test_an_unexpected_bias_points_at_the_config_switch(ckpt, tmp_path):
+    """A Llama checkpoint with biases its config.json does not declare: refused, naming the
+    tensor and the config fields that declare biases."""
+    m = copy(ckpt, tmp_path)
+    tensors = load_file(m / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(
+        tensors["model.layers.0.self_attn.q_proj.weight"].shape[0])
+    save_file(tensors, m / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model.layers.0.self_attn.q_proj.bias' .*"
+                       r"attention_bias / mlp_bias"):
+        Engine(EngineConfig(model=str(m)))
