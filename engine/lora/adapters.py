@@ -60,13 +60,23 @@ def proj_dims(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
+def _real(path: Path) -> Path | None:
+    """`path` with its symlinks resolved; None for a symlink loop (Python 3.11 raises
+    RuntimeError on one, later versions OSError)."""
+    try:
+        return path.resolve()
+    except (RuntimeError, OSError):
+        return None
+
+
 def resolve_adapter_dir(root: Path, name: str) -> Path:
     """The adapter's directory, proven to lie inside `root` (symlinks resolved)."""
     error = adapter_name_error(name)
     if error is not None:
         raise AdapterError(error)
-    root = root.resolve()
-    path = (root / name).resolve()
+    root, path = _real(root), _real(root / name)
+    if root is None or path is None:
+        raise UnknownAdapterError(f"adapter {name!r} not found (a symlink loop)")
     if path.parent != root:
         raise UnknownAdapterError(f"adapter {name!r} not found")  # a symlink leading out of the root
     if not path.is_dir():
@@ -80,8 +90,10 @@ def _confined_file(root: Path, adapter_dir: Path, filename: str) -> Path | None:
     f = adapter_dir / filename
     if not f.exists():
         return None
-    real = f.resolve()
-    if real.parent != adapter_dir or not real.is_relative_to(root.resolve()):
+    real, real_root = _real(f), _real(root)
+    if real is None or real_root is None:
+        raise AdapterError(f"{filename} of adapter {adapter_dir.name!r} is a symlink loop")
+    if real.parent != adapter_dir or not real.is_relative_to(real_root):
         raise AdapterError(f"{filename} of adapter {adapter_dir.name!r} is a link to a file outside the "
                            "adapter's own directory, which is refused")
     if not real.is_file():
@@ -391,8 +403,8 @@ def _unexpected(name: str, key: str) -> str:
 
 def list_adapter_names(root: Path) -> list[str]:
     """The adapter directories directly under `root`, sorted (lists the root only)."""
-    if not root.is_dir():
+    real = _real(root)
+    if real is None or not root.is_dir():
         return []
-    real = root.resolve()
     return sorted(p.name for p in root.iterdir()
-                  if is_adapter_name(p.name) and p.resolve().parent == real and p.is_dir())
+                  if is_adapter_name(p.name) and (q := _real(p)) is not None and q.parent == real and p.is_dir())

@@ -6,6 +6,10 @@
 - A slot is pinned while a running sequence uses its adapter, so it is never evicted
   under a running sequence; a request is admitted only when its adapter holds a slot
   (at most `max_loras` distinct adapters per step).
+- An adapter read for a waiting request is kept in host memory until it gets a slot,
+  while requests still ask for it (WANTED_S): with more adapters waiting than the host
+  tier holds, reads wait for room instead of evicting each other's adapters before they
+  are used (which read the same files again and again).
 - Everyone else uses the verbs of `LoraManager` only: Engine (`prefetch`, `inventory`,
   `stats`), Scheduler (`gate`, `release`), ModelRunner (`batch_for`), AsyncEngine
   (`load`, `place`, `unload`, `inventory`) and the gRPC server (`ready`, `available`,
@@ -43,6 +47,10 @@ if TYPE_CHECKING:
     from omnibus.engine.core.scheduler import ScheduledSeq
 
 log = structlog.get_logger(__name__)
+
+# A freshly read adapter is kept for its waiting requests while one asked for it this
+# recently (a waiting request asks every step; a cancelled one stops asking).
+WANTED_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,8 @@ class LoraManager:
         self._salts: tuple[tuple[str, str], ...] | None = ()  # of _specs; None: to rebuild
         self._loading: dict[str, Future] = {}
         self._failed: dict[str, str] = {}  # name -> why its last read failed
+        self._fresh: set[str] = set()  # in host memory, read since it last had a slot
+        self._wanted: dict[str, float] = {}  # name -> when a request last asked for it
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
         self._lock = threading.Lock()
         self._loads = 0
@@ -126,14 +136,17 @@ class LoraManager:
         with self._lock:
             in_memory = name in self._host or name in self._loading
         if in_memory and name in self._specs:
+            self._wanted[name] = time.monotonic()
             return self._specs[name].fingerprint
         spec = self._spec(name)
+        self._wanted[name] = time.monotonic()
         self._load_async(name)
         return spec.fingerprint
 
     def gate(self, name: str) -> Gate:
         """Admission of a request for `name`: ready pins a device slot (filling it from
         host memory, evicting the least recently used unpinned one); `release` unpins it."""
+        self._wanted[name] = time.monotonic()
         state = self._poll(name)
         if state == "loading":
             return WAIT
@@ -198,7 +211,7 @@ class LoraManager:
             on_disk = True
         except UnknownAdapterError:
             on_disk = False  # a loaded adapter whose directory went away can still be unloaded
-        if name in self._loading:
+        if name in self._loading and self._settle(name) == "loading":
             raise AdapterStateError(f"adapter {name!r} is still loading; unload it once the load has ended")
         slot = self._slots.slot_of(name)
         if slot is None and name not in self._host:
@@ -215,6 +228,8 @@ class LoraManager:
                     "unload it when they have finished")
             self._slots.clear(slot)
         self._host.pop(name, None)
+        self._fresh.discard(name)
+        self._wanted.pop(name, None)
         if self._specs.pop(name, None) is not None:
             self._salts = None
         self._failed.pop(name, None)
@@ -223,7 +238,10 @@ class LoraManager:
     # ---- introspection -------------------------------------------------------
 
     def inventory(self) -> AdapterInventory:
-        """Which adapters are in device slots and in host memory now."""
+        """Which adapters are in device slots and in host memory now (reads that ended
+        are taken in first, whether or not a request still waits for them)."""
+        for name in [n for n, fut in self._loading.items() if fut.done()]:
+            self._settle(name)
         names = self._slots.names
         if self._salts is None:
             self._salts = tuple(sorted((n, spec.fingerprint) for n, spec in self._specs.items()))
@@ -252,9 +270,13 @@ class LoraManager:
         return spec
 
     def _load_async(self, name: str) -> None:
-        """Start reading `name` from disk unless it is in memory or already loading."""
+        """Start reading `name` from disk unless it is in memory or already loading, or
+        the host tier has no room: reads under way and the adapters it may not evict
+        (running or kept for waiting requests) fill it (a later poll starts it)."""
         with self._lock:
             if name in self._host or name in self._loading:
+                return
+            if len(self._loading) + self._held() >= self.config.max_cpu_loras:
                 return
             self._failed.pop(name, None)
             spec = self._specs.get(name) or self._spec(name)
@@ -273,10 +295,21 @@ class LoraManager:
             return "ready"
         if name in self._failed:
             return "failed"
-        fut = self._loading.get(name)
-        if fut is None:
-            self._load_async(name)
+        if name not in self._loading:
+            try:
+                self._load_async(name)
+            except Exception as exc:  # noqa: BLE001 (its files went away or changed since it was
+                # checked, e.g. unloaded and deleted or rewritten: its requests fail, the engine goes on)
+                self._failed[name] = str(exc)
+                log.warning("adapter_load_failed", adapter=name, error=str(exc))
+                return "failed"
             return "loading"
+        return self._settle(name)
+
+    def _settle(self, name: str) -> str:
+        """A started read's state: "loading", or once it ended, "ready" (in host memory)
+        or "failed"."""
+        fut = self._loading[name]
         if not fut.done():
             return "loading"
         with self._lock:
@@ -289,15 +322,31 @@ class LoraManager:
         self._admit_host(name, fut.result())
         return "ready"
 
+    def _held(self) -> int:
+        """Host adapters a read may not evict: those of running sequences (pinned slots)
+        and fresh ones kept for their waiting requests."""
+        pinned = {n for n, pins in zip(self._slots.names, self._slots.pins) if pins}
+        return len(pinned) + sum(map(self._kept, self._fresh))
+
+    def _kept(self, name: str) -> bool:
+        """Whether a fresh adapter is kept for its waiting requests (see WANTED_S)."""
+        return (name in self._fresh and name not in self._slots.names
+                and time.monotonic() - self._wanted.get(name, 0.0) < WANTED_S)
+
     def _admit_host(self, name: str, weights: AdapterWeights) -> None:
         self._host[name] = weights
+        self._fresh.add(name)
         self._loads += 1
         while len(self._host) > self.config.max_cpu_loras:
-            # least recently used first; never the newcomer, never one in a device slot
-            victim = next((n for n in self._host if n != name and n not in self._slots.names), None)
+            # least recently used first; never the newcomer, one in a device slot or one
+            # kept for its waiting requests
+            victim = next((n for n in self._host if n != name and n not in self._slots.names
+                           and not self._kept(n)), None)
             if victim is None:
-                break  # every host adapter is on the device; keep them
+                break  # keep them all: reads wait for room (_load_async)
             del self._host[victim]
+            self._fresh.discard(victim)
+            self._wanted.pop(victim, None)
 
     # ---- device slots --------------------------------------------------------
 
@@ -310,5 +359,6 @@ class LoraManager:
             if slot is None:
                 return None
             self._slots.fill(slot, self._host[name])
+            self._fresh.discard(name)
         self._slots.pin(slot)
         return slot

@@ -343,8 +343,8 @@ class AdapterCatalog:
             return
         try:
             self.names = tuple(await asyncio.to_thread(list_adapter_names, self._root))
-        except OSError as exc:  # keep the last listing; say why it is stale
-            log.warning("adapter_root_unreadable", error=str(exc))
+        except Exception as exc:  # noqa: BLE001 (keep the last listing and the task; say why it is stale)
+            log.warning("adapter_root_unreadable", error=repr(exc))
 
     async def run(self) -> None:
         while True:

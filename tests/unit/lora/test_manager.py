@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from omnibus.engine.lora import (
     AdapterError, AdapterLoadError, AdapterStateError, LoraConfig, LoraManager, UnknownAdapterError)
+from omnibus.engine.lora.adapters import AdapterSpec, list_adapter_names, resolve_adapter_dir
 from tests.unit.lora.conftest import MAX_RANK
 
 
@@ -127,3 +129,73 @@ def test_a_failed_read_is_the_gates_error_until_a_new_request_retries(manager):
     assert info.value.reason.startswith("adapter 'broken' does not fit this base model")
     manager.prefetch("broken")  # a new request reads it again, and fails again
     assert settle(lambda: manager.gate("broken")).error == gate.error
+
+
+def test_a_waiting_adapter_unloaded_and_deleted_fails_its_request_not_the_engine(manager, model):
+    """Unload of an adapter a queued request waits for (in host memory, no slot free), its
+    directory deleted first: the request's gate errs; the step loop raised before."""
+    _, root = model
+    shutil.copytree(root / "k-r2", root / "gone")
+    try:
+        manager.prefetch("qv-r2")
+        assert settle(lambda: manager.gate("qv-r2")).slot == 0  # the only slot, pinned
+        manager.prefetch("gone")
+        settle(lambda: manager.ready("gone") or None)
+        assert manager.gate("gone").state == "wait"
+    finally:
+        shutil.rmtree(root / "gone")
+    assert manager.unload("gone") is True  # deleted, but loaded: it can be unloaded
+    gate = manager.gate("gone")
+    assert gate.state == "error" and "'gone' not found under the adapter root" in gate.error
+    manager.release("qv-r2")
+
+
+def test_a_read_that_ended_is_taken_in_though_no_request_asks(manager):
+    """A read whose request went away (cancelled while it loaded) is in the inventory, and
+    unloading it is not refused as "still loading" forever."""
+    manager.prefetch("mlp-r4")
+    settle(lambda: manager.stats().load_seconds or None)  # the disk read ended
+    assert manager.unload("mlp-r4") is True
+    manager.prefetch("mlp-r8")
+    settle(lambda: manager.stats().load_seconds[1:] or None)
+    assert "mlp-r8" in manager.inventory().cached
+    assert manager.unload("mlp-r8") is True
+
+
+def test_more_adapters_waiting_than_the_host_tier_holds_are_each_read_once(manager, model):
+    """Five requests for five adapters, one slot, a host tier of two: each adapter is read
+    from disk once; adapters read for waiting requests are not evicted by later reads
+    before their request gets the slot (every adapter was read again and again)."""
+    names = ["all-r8", "qv-r2", "mlp-r4", "mlp-r8", "k-r2"]
+    for name in names:
+        manager.prefetch(name)
+    waiting, running, end = list(names), {}, time.monotonic() + 60
+    while (waiting or running) and time.monotonic() < end:  # one step of the scheduler
+        for name, steps in list(running.items()):  # a request runs 20 steps, then finishes
+            running[name] = steps - 1
+            if not running[name]:
+                manager.release(name)
+                del running[name]
+        for name in list(waiting):  # its pass over the waiting queue
+            if manager.gate(name).state == "ready":
+                waiting.remove(name)
+                running[name] = 20
+        time.sleep(0.002)
+    assert not waiting and not running
+    assert manager.stats().loads == len(names)
+    assert len(manager.inventory().cached) <= manager.config.max_cpu_loras
+
+
+def test_a_symlink_loop_under_the_adapter_root_is_no_adapter(tmp_path, model):
+    """Python 3.11's Path.resolve raises RuntimeError on a loop: the listing skips it and
+    a request for it is NOT_FOUND (the engine failed to start, or its catalog task died)."""
+    _, root = model
+    (tmp_path / "loopy").symlink_to("loopy")
+    shutil.copytree(root / "k-r2", tmp_path / "k-r2")
+    assert list_adapter_names(tmp_path) == ["k-r2"]
+    with pytest.raises(UnknownAdapterError, match="'loopy' not found"):
+        resolve_adapter_dir(tmp_path, "loopy")
+    (tmp_path / "k-r2" / "adapter_model.safetensors").rename(tmp_path / "k-r2" / "real.safetensors")
+    (tmp_path / "k-r2" / "adapter_model.safetensors").symlink_to("adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="has no adapter_model.safetensors"):  # a loop is no file
+        AdapterSpec.read(tmp_path, "k-r2", MAX_RANK)
