@@ -32,7 +32,7 @@ from omnibus.common.heap import freeze_heap
 from omnibus.common.threads import name_this_thread
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.core.sequence import RequestOutput
-from omnibus.engine.engine import Engine, EngineStats
+from omnibus.engine.engine import AdapterError, Engine, EngineStats
 from omnibus.engine.serving.step_loop import Command, Delivery, Outlet, QueueInbox, Refused, StepLoop
 from omnibus.engine.serving.watchdog import Heartbeat
 
@@ -62,7 +62,9 @@ def load_engine(config: EngineConfig) -> Engine:
     try:
         engine = Engine(config)
         engine.warmup()
-    except (OSError, ValueError) as exc:  # ModelLoadError and AdapterError are ValueErrors
+    except AdapterError as exc:  # a --preload-adapters adapter this engine cannot serve
+        raise EngineLoadError(f"--preload-adapters: {exc}") from exc
+    except (OSError, ValueError) as exc:  # ModelLoadError
         raise EngineLoadError(f"cannot load {config.model}: {exc}") from exc
     except LookupError as exc:  # UnknownAdapterError: a --preload-adapters name
         raise EngineLoadError(f"--preload-adapters: {exc}") from exc

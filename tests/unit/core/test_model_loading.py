@@ -257,3 +257,13 @@ def test_an_unexpected_bias_points_at_the_config_switch(ckpt, tmp_path):
     with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model.layers.0.self_attn.q_proj.bias' .*"
                        r"attention_bias / mlp_bias"):
         Engine(EngineConfig(model=str(m)))
+
+
+def test_a_preload_adapter_that_cannot_be_served_is_named_as_such(ckpt, tmp_path):
+    """Not "cannot load <model dir>": the model is fine, the --preload-adapters one is not."""
+    from omnibus.engine.serving.core import EngineLoadError, load_engine
+
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "adapter_config.json").write_text(json.dumps({"r": 2, "target_modules": ["q_proj"]}))
+    with pytest.raises(EngineLoadError, match=r"^--preload-adapters: adapter 'x' has no adapter_model.safetensors"):
+        load_engine(EngineConfig(model=str(ckpt), adapter_dir=str(tmp_path), preload_adapters=("x",)))
