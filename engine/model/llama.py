@@ -88,8 +88,18 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, D)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # On one thread: a process's first vectorized cos on the CPU can return the share
+        # of its other OpenMP threads at low accuracy (torch 2.13, 2 threads: in ~7% of
+        # fresh processes, cos rows of the second half off by up to 1.5e-4, which flipped
+        # greedy tokens), and these tables serve the process's whole life.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            cos, sin = emb.cos(), emb.sin()
+        finally:
+            torch.set_num_threads(threads)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         """q: (T, H, D), k: (T, KVH, D) -> rotated (q, k); rotated in place on the GPU."""
