@@ -32,6 +32,7 @@ from aiohttp import web
 from omnibus.v1 import inference_pb2 as pb
 
 from omnibus.common.adapters import is_adapter_name
+from omnibus.common.sampling import check_context
 from omnibus.router.admission.auth import Tenant
 from omnibus.router.admission.validation import check_request_id
 from omnibus.router.config import RouterConfig
@@ -270,9 +271,15 @@ class OpenAIFront:
             )
         if not is_adapter_name(model):
             raise self._unknown_model(model)
-        if header is None and tenant.may_use(model) and not self._pipeline.serves_adapter(model):
-            raise self._unknown_model(model)
-        return model  # one outside the tenant's list is PERMISSION_DENIED, as on gRPC
+        if header is None:
+            try:  # one outside the tenant's list is PERMISSION_DENIED, as on gRPC
+                self._pipeline.check_adapter_use(tenant, model)
+            except RequestError as err:
+                err.param = "model"
+                raise
+            if not self._pipeline.serves_adapter(model):
+                raise self._unknown_model(model)
+        return model
 
     def _priority(self, request: web.Request, body_priority: int | None) -> int:
         header = request.headers.get(PRIORITY_HEADER)
@@ -326,6 +333,11 @@ class OpenAIFront:
             if not 1 <= max_tokens <= limits.max_tokens:
                 raise invalid(f"max_completion_tokens must be in [1, {limits.max_tokens}], got "
                               f"{max_tokens}", "max_completion_tokens")
+            if len(ids) <= limits.max_prompt_tokens:  # else the prompt is to blame (the Validator)
+                try:
+                    check_context(len(ids), max_tokens, limits.context, "max_completion_tokens")
+                except ValueError as exc:
+                    raise invalid(str(exc), "max_completion_tokens") from None
         if max_tokens is None:  # as the OpenAI API: up to the context
             max_tokens = max(1, min(limits.max_tokens, limits.context - len(ids)))
         logprobs = body.logprob_count

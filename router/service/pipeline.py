@@ -347,7 +347,7 @@ class Pipeline:
     ) -> list[_Job]:
         tenant, adapter = caller.tenant, caller.adapter
         if adapter:
-            self._check_adapter_use(tenant, adapter)
+            self.check_adapter_use(tenant, adapter)
         self._refresh_limits()
         valid = [await self._validator.validate(requests[0], request_ids[0])]
         for request, request_id in zip(requests[1:], request_ids[1:]):
@@ -377,7 +377,7 @@ class Pipeline:
             self._metrics.adapter_requests.labels(adapter).inc(len(valid))
         return [_Job(v, caller, permit, arrival) for v, permit in zip(valid, permits)]
 
-    def _check_adapter_use(self, tenant: Tenant, adapter: str) -> None:
+    def check_adapter_use(self, tenant: Tenant, adapter: str) -> None:
         """A well-formed name (INVALID_ARGUMENT) the tenant may use (PERMISSION_DENIED)."""
         check_adapter_name(adapter)
         if not tenant.may_use(adapter):

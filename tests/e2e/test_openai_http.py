@@ -454,6 +454,11 @@ def test_max_completion_tokens_is_checked_under_its_own_name(cluster):
         assert err.status_code == 400 and err.body["param"] == "max_completion_tokens"
         assert err.body["message"].startswith(f"max_completion_tokens must be in [1, ") and \
             err.body["message"].endswith(f"got {value}")
+    # a context overflow it sets names it too (it was blamed on max_tokens, which was not sent)
+    err = status_of(lambda: client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=1020))
+    assert err.status_code == 400 and err.body["param"] == "max_completion_tokens"
+    assert "+ max_completion_tokens (1020) exceeds the model's context" in err.body["message"], err.body
     reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=2,
                                            temperature=0, extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 2

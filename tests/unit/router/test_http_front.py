@@ -188,3 +188,17 @@ def test_harmless_openai_fields_are_accepted_and_a_negative_seed_is_int64():
     with pytest.raises(RequestError) as err:
         body.logprob_count
     assert (err.value.param, err.value.message) == ("top_logprobs", "top_logprobs must be in [0, 20], got 21")
+
+
+async def test_a_model_the_tenant_may_not_use_is_403_naming_model(tmp_path):
+    tenants = {"t": {"keys": ["sk-t"], "adapters": ["allowed"]}}
+    router = await Router(tmp_path, tenants).start()
+    server = TestServer(OpenAIFront(router.pipeline, router.config, None).app())
+    await server.start_server()
+    try:
+        status, _, reply = await call(server.port, AUTH, {"model": "other", "prompt": "w1", "max_tokens": 2})
+        error = reply["error"]
+        assert (status, error["param"], error["code"]) == (403, "model", "adapter_denied"), reply
+    finally:
+        await server.close()
+        await router.close()
