@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-matmul", default="onednn", choices=["onednn", "aten"],
         help="on a CPU, float32 linear layers: onednn multiplies with weights packed once at "
         "load into oneDNN's layout (1.3-6x faster than aten's per-call MKL product, most at "
-        "decode batch sizes; a tied LM head keeps aten's); aten: torch's default linear",
+        "decode batch sizes; a tied LM head keeps aten's); aten: torch's default linear "
+        "(default: onednn)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
@@ -293,6 +294,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        import torch  # noqa: F401  (the torch-free install `pip install omnibus` has this script too)
+    except ImportError:
+        print("error: omnibus-engine needs torch, which this install lacks: pip install 'omnibus[engine]'",
+              file=sys.stderr)
+        return 1
     try:
         config, server_config = configs_from_args(args)
     except ValueError as exc:

@@ -114,3 +114,17 @@ def test_nothing_sets_pythonpath():
             if "PYTHONPATH" in path.read_text(errors="replace"):
                 offenders.append(str(path.relative_to(ROOT)))
     assert not offenders, f"PYTHONPATH appears in {offenders}"
+
+
+def test_the_engine_script_without_torch_says_what_to_install():
+    """`pip install omnibus` (torch-free) installs omnibus-engine too: it must say what is
+    missing, not end in a ModuleNotFoundError traceback."""
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None  # as if not installed: importing it raises ImportError\n"
+        "from omnibus.engine.serving.cli import main\n"
+        "sys.exit(main(['serve', '--model', '/nonexistent']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "omnibus-engine needs torch" in out.stderr and "pip install 'omnibus[engine]'" in out.stderr
