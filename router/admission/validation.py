@@ -134,11 +134,15 @@ class Validator:
         if not 1 <= count <= cap:
             raise invalid(f"send 1 to {cap} inputs per Embed request, got {count}", "input")
         inputs = []
+        # --max-prompt-tokens bounds an input as it bounds a prompt (all of the context
+        # otherwise: an input needs no room for output)
+        limit = min(self._config.max_prompt_tokens or self.limits.context, self.limits.context)
         for i, item in enumerate(request.inputs):
             ids = await self._ids(item, "input", f"input {i}")
-            if len(ids) > self.limits.context:
-                raise invalid(f"input {i} has {len(ids)} tokens; the model's context is "
-                              f"{self.limits.context}", f"input.{i}")
+            if len(ids) > limit:
+                what = ("the model's context is" if limit == self.limits.context
+                        else "the limit (--max-prompt-tokens) is")
+                raise invalid(f"input {i} has {len(ids)} tokens; {what} {limit}", f"input.{i}")
             inputs.append(ids)
         return inputs
 

@@ -202,3 +202,18 @@ async def test_a_model_the_tenant_may_not_use_is_403_naming_model(tmp_path):
     finally:
         await server.close()
         await router.close()
+
+
+async def test_max_prompt_tokens_bounds_an_embedding_input_as_it_bounds_a_prompt(tmp_path):
+    router = await Router(tmp_path, TENANTS, max_prompt_tokens=5).start()
+    server = TestServer(OpenAIFront(router.pipeline, router.config, None).app())
+    await server.start_server()
+    try:
+        body = {"model": "m", "input": ["w1", " ".join(["w1"] * 6)]}
+        status, _, reply = await call(server.port, AUTH, body, b"/v1/embeddings")
+        error = reply["error"]
+        assert (status, error["param"]) == (400, "input.1"), reply
+        assert error["message"] == "input 1 has 6 tokens; the limit (--max-prompt-tokens) is 5"
+    finally:
+        await server.close()
+        await router.close()
