@@ -195,8 +195,11 @@ class OpenAIFront:
         entry = {"object": "model", "created": self._created, "owned_by": "omnibus"}
         data = [{**entry, "id": base.id, "root": base.id, "parent": None,
                  "max_model_len": base.max_context_length}]  # fmt: skip
+        # An adapter named as the base model is reachable only through the x-adapter-id
+        # header (`model` with that name means the base model): it is not listed twice.
         data += [{**entry, "id": a.id, "root": a.id, "parent": base.id,
-                  "max_model_len": base.max_context_length} for a in listing.adapters]  # fmt: skip
+                  "max_model_len": base.max_context_length}
+                 for a in listing.adapters if a.id != base.id]  # fmt: skip
         return data
 
     def _unknown_model(self, model: str) -> RequestError:

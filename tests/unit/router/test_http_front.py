@@ -217,3 +217,16 @@ async def test_max_prompt_tokens_bounds_an_embedding_input_as_it_bounds_a_prompt
     finally:
         await server.close()
         await router.close()
+
+
+async def test_an_adapter_named_as_the_base_model_is_not_listed_twice(tmp_path):
+    router = await Router(tmp_path, TENANTS).start()
+    router.add_engine("127.0.0.1:2", adapters=("m", "a1"))  # "m": the base model's name
+    server = TestServer(OpenAIFront(router.pipeline, router.config, None).app())
+    await server.start_server()
+    try:
+        status, _, reply = await call(server.port, AUTH, None, b"/v1/models")
+        assert status == 200 and [m["id"] for m in reply["data"]] == ["m", "a1"], reply
+    finally:
+        await server.close()
+        await router.close()
