@@ -23,6 +23,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -162,10 +163,20 @@ def _unauthenticated(message: str) -> RequestError:
     return RequestError(grpc.StatusCode.UNAUTHENTICATED, message, "unauthenticated")
 
 
+def _unique_fields(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose names are all distinct (json keeps the last of a duplicate:
+    a tenant listed twice would silently lose the first entry's keys)."""
+    names = [name for name, _ in pairs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(map(repr, twice))} appear{'s' if len(twice) == 1 else ''} twice in one object")
+    return dict(pairs)
+
+
 def _load_keys(path: Path, default_limits: TenantLimits) -> dict[bytes, Tenant]:
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_unique_fields)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise ValueError(f"cannot read keys file {path}: {exc}") from exc
     tenants = raw.get("tenants") if isinstance(raw, dict) else None
     if not isinstance(tenants, dict) or not tenants:

@@ -291,8 +291,9 @@ class OpenAIFront:
         if not _INTEGER.fullmatch(header):
             raise invalid(f"{PRIORITY_HEADER} must be an integer, got {header!r}")
         priority = int(header)
-        if not -(2**31) <= priority < 2**31:  # the protobuf field is an int32
-            raise invalid(f"{PRIORITY_HEADER} {priority} is out of range")
+        if not -(2**31) <= priority < 2**31:  # the protobuf field is an int32 (the Validator checks the bound)
+            bound = self._config.max_abs_priority
+            raise invalid(f"{PRIORITY_HEADER} must be in [-{bound}, {bound}], got {priority}")
         if body_priority is not None and body_priority != priority:
             raise invalid(
                 f"{PRIORITY_HEADER} {priority} and the body's priority {body_priority} differ; "

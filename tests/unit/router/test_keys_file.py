@@ -55,3 +55,15 @@ def test_a_key_used_twice_names_whose_it_is(tmp_path, tenants, whose):
     with pytest.raises(ValueError) as err:
         _open(tmp_path, f'{{"tenants": {{{tenants}}}}}')
     assert str(err.value) == f"keys file {tmp_path / 'keys.json'}: a key is used twice, by {whose}"
+
+
+@pytest.mark.parametrize("text, twice", [
+    ('{"tenants": {"a": {"keys": ["k1"]}, "a": {"keys": ["k2"]}}}', "'a' appears"),
+    ('{"tenants": {"a": {"keys": ["k1"], "weight": 1, "weight": 2}}}', "'weight' appears"),
+])  # fmt: skip
+def test_a_name_twice_in_one_object_is_refused(tmp_path, text, twice):
+    """JSON keeps the last of a duplicate: a tenant listed twice silently lost its first
+    entry's keys (they answered UNAUTHENTICATED)."""
+    with pytest.raises(ValueError) as err:
+        _open(tmp_path, text)
+    assert str(err.value) == f"cannot read keys file {tmp_path / 'keys.json'}: {twice} twice in one object"
