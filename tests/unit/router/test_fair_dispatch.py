@@ -174,14 +174,8 @@ def test_dispatch_charges_the_prompt_to_the_tenant():
 
 @pytest.mark.parametrize("policy", ["vtc", "fifo"])
 def test_a_tenant_under_its_share_passes_the_cap_while_another_is_over_it(policy):
-    from omnibus.router.config import RouterConfig
-    from omnibus.router.dispatch.engines import EngineClient
-    from omnibus.v1 import engine_pb2
-
     async def main():
-        config = RouterConfig(model="m", engines=("127.0.0.1:1",), max_inflight_per_engine=4)
-        engine = EngineClient(config.engines[0], config, lambda: None)
-        engine._on_report(engine_pb2.LoadReport(max_num_seqs=4, num_total_blocks=8))  # noqa: SLF001
+        engine = _one_engine(4, 4)
         d = Dispatcher([engine], RequestQueue(0, policy))
 
         def submit(tenant: str, n: int) -> list[Ticket]:
@@ -235,14 +229,8 @@ def test_an_under_share_tenant_is_not_over_admitted_ahead_of_a_higher_priority()
     """b keeps both seats busy at priority 50 with 4 more queued; a's priority -100
     request is under its share but must not pass the cap ahead of them, nor take the
     first freed seat."""
-    from omnibus.router.config import RouterConfig
-    from omnibus.router.dispatch.engines import EngineClient
-    from omnibus.v1 import engine_pb2
-
     async def main():
-        config = RouterConfig(model="m", engines=("127.0.0.1:1",), max_inflight_per_engine=2)
-        engine = EngineClient(config.engines[0], config, lambda: None)
-        engine._on_report(engine_pb2.LoadReport(max_num_seqs=2, num_total_blocks=8))  # noqa: SLF001
+        engine = _one_engine(2, 2)
         d = Dispatcher([engine], RequestQueue(10.0, "vtc"))
         try:
             b = [Ticket(50, 1, i * 0.01, tenant="b") for i in range(6)]
@@ -266,14 +254,8 @@ def test_an_under_share_tenant_is_not_over_admitted_ahead_of_a_higher_priority()
 def test_a_tenant_whose_share_is_under_one_seat_still_passes_the_cap_for_its_first():
     """Cap 1, weights 1 and 3: b's share is 0.75 of a seat. With a over its share, b's first
     request is dispatched past the cap, not after a's request ends (outside probe)."""
-    from omnibus.router.config import RouterConfig
-    from omnibus.router.dispatch.engines import EngineClient
-    from omnibus.v1 import engine_pb2
-
     async def main():
-        config = RouterConfig(model="m", engines=("127.0.0.1:1",), max_inflight_per_engine=1)
-        engine = EngineClient(config.engines[0], config, lambda: None)
-        engine._on_report(engine_pb2.LoadReport(max_num_seqs=4, num_total_blocks=8))  # noqa: SLF001
+        engine = _one_engine(1, 4)
         d = Dispatcher([engine], RequestQueue(0, "vtc"))
         try:
             a = Ticket(0, 1, 0.0, tenant="a", weight=1.0)
@@ -289,3 +271,16 @@ def test_a_tenant_whose_share_is_under_one_seat_still_passes_the_cap_for_its_fir
             await engine.close()
 
     asyncio.run(main())
+
+
+def _one_engine(cap: int, max_num_seqs: int):
+    """An EngineClient (never connected) that has reported `max_num_seqs` seats, behind a
+    router with --max-inflight-per-engine `cap`."""
+    from omnibus.router.config import RouterConfig
+    from omnibus.router.dispatch.engines import EngineClient
+    from omnibus.v1 import engine_pb2
+
+    config = RouterConfig(model="m", engines=("127.0.0.1:1",), max_inflight_per_engine=cap)
+    engine = EngineClient(config.engines[0], config, lambda: None)
+    engine._on_report(engine_pb2.LoadReport(max_num_seqs=max_num_seqs, num_total_blocks=8))  # noqa: SLF001
+    return engine
