@@ -176,9 +176,9 @@ class Dispatcher:
         share = {t: capacity * self._weights.get(t, 1.0) / total for t in active}
         if not any(inflight[t] > share[t] for t in active):
             return set()
-        # a seat within its share, and a first seat whatever its share (a share under one
-        # seat, as with --max-inflight-per-engine 1, would otherwise never pass)
-        return {t for t in queued if not inflight[t] or inflight[t] + 1 <= share[t]}
+        # a seat that keeps it within its share (a share under one seat never passes: with
+        # --max-inflight-per-engine 1, a second tenant waits as the cap says)
+        return {t for t in queued if inflight[t] + 1 <= share[t]}
 
     def best_engine(self, ticket: Ticket, overflow: bool = False) -> EngineClient | None:
         """Among engines with room (`overflow`: room past the cap too) and the ticket's

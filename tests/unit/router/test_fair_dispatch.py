@@ -251,28 +251,6 @@ def test_an_under_share_tenant_is_not_over_admitted_ahead_of_a_higher_priority()
     asyncio.run(main())
 
 
-def test_a_tenant_whose_share_is_under_one_seat_still_passes_the_cap_for_its_first():
-    """Cap 1, weights 1 and 3: b's share is 0.75 of a seat. With a over its share, b's first
-    request is dispatched past the cap, not after a's request ends (outside probe)."""
-    async def main():
-        engine = _one_engine(1, 4)
-        d = Dispatcher([engine], RequestQueue(0, "vtc"))
-        try:
-            a = Ticket(0, 1, 0.0, tenant="a", weight=1.0)
-            d.submit(a)
-            d._match()  # noqa: SLF001
-            assert a.future.done() and engine.inflight == 1
-            b = [Ticket(0, 1, float(i), tenant="b", weight=3.0) for i in (1, 2)]
-            for t in b:
-                d.submit(t)
-            d._match()  # noqa: SLF001
-            assert [t.future.done() for t in b] == [True, False] and engine.inflight == 2
-        finally:
-            await engine.close()
-
-    asyncio.run(main())
-
-
 def _one_engine(cap: int, max_num_seqs: int):
     """An EngineClient (never connected) that has reported `max_num_seqs` seats, behind a
     router with --max-inflight-per-engine `cap`."""
