@@ -181,7 +181,9 @@ def _parse_rope(raw: dict, max_positions: int) -> tuple[float, RopeScaling]:
     one when config.json has it (transformers gives that priority), else the dict's, else
     max_position_embeddings. Values that make the frequencies infinite or NaN are refused."""
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    theta = field(rope, "rope_theta", float, None)
+    if theta is None:
+        theta = field(raw, "rope_theta", float, 10000.0)
     if not theta > 0:
         raise ModelLoadError(f"config.json rope_theta must be positive, got {theta}")
     kind = rope.get("rope_type") or rope.get("type") or "default"
@@ -194,19 +196,20 @@ def _parse_rope(raw: dict, max_positions: int) -> tuple[float, RopeScaling]:
     if missing:
         raise ModelLoadError(
             f"{kind} rope scaling needs {', '.join(missing)} in config.json's rope parameters")
-    factor = float(rope["factor"])
+    factor = field(rope, "factor", float)
     if not factor > 0:
         raise ModelLoadError(f"config.json rope scaling factor must be positive, got {factor}")
     if kind == "linear":
         return theta, RopeScaling(kind="linear", factor=factor)
-    original = raw.get("original_max_position_embeddings",
-                       rope.get("original_max_position_embeddings", max_positions))
+    original = field(raw, "original_max_position_embeddings", int, None)
+    if original is None:
+        original = field(rope, "original_max_position_embeddings", int, max_positions)
     return theta, RopeScaling(
         kind="llama3",
         factor=factor,
-        low_freq_factor=float(rope["low_freq_factor"]),
-        high_freq_factor=float(rope["high_freq_factor"]),
-        original_max_position_embeddings=int(original),
+        low_freq_factor=field(rope, "low_freq_factor", float),
+        high_freq_factor=field(rope, "high_freq_factor", float),
+        original_max_position_embeddings=original,
     )
 
 

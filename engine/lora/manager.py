@@ -115,7 +115,7 @@ class LoraManager:
         self._salts: tuple[tuple[str, str], ...] | None = ()  # of _specs; None: to rebuild
         self._loading: dict[str, Future] = {}
         self._failed: dict[str, str] = {}  # name -> why its last read failed
-        self._fresh: set[str] = set()  # in host memory, read since it last had a slot
+        self._fresh: set[str] = set()  # in host memory, never in a slot since it was read
         self._wanted: dict[str, float] = {}  # name -> when a request last asked for it
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
         self._lock = threading.Lock()
@@ -330,8 +330,7 @@ class LoraManager:
 
     def _kept(self, name: str) -> bool:
         """Whether a fresh adapter is kept for its waiting requests (see WANTED_S)."""
-        return (name in self._fresh and name not in self._slots.names
-                and time.monotonic() - self._wanted.get(name, 0.0) < WANTED_S)
+        return name in self._fresh and time.monotonic() - self._wanted.get(name, 0.0) < WANTED_S
 
     def _admit_host(self, name: str, weights: AdapterWeights) -> None:
         self._host[name] = weights

@@ -124,3 +124,16 @@ def test_a_context_field_of_the_wrong_json_type_is_refused_not_coerced(raw, erro
     """bool("false") is True: a Qwen2 context would silently become its window."""
     with pytest.raises(ValueError, match=error):
         context_length(raw)
+
+
+@pytest.mark.parametrize(("rope", "error"), [
+    ({"rope_type": "linear", "factor": "2"}, "factor must be a number, got '2'"),
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": True},
+     "high_freq_factor must be a number, got True"),
+    ({"rope_type": "default", "rope_theta": "1e4"}, "rope_theta must be a number, got '1e4'"),
+])  # fmt: skip
+def test_rope_parameters_of_the_wrong_json_type_are_refused_not_coerced(rope, error):
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16,
+                num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ModelLoadError, match=error):
+        ModelConfig.from_dict(base | {"rope_parameters": rope})
