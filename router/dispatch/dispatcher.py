@@ -58,6 +58,7 @@ class Ticket:
     weight: float = 1.0  # the tenant's share
     prompt_ids: Sequence[int] = ()  # for prefix-aware routing and the prompt charge
     affinity: Affinity | None = None  # set on dispatch when there is an adapter
+    avoid: frozenset[str] = frozenset()  # engines (addresses) that refused to continue it
     # (block size, salt) -> leading block keys
     _keys: dict[tuple[int, str | None], list[int]] = field(default_factory=dict)
     future: asyncio.Future[EngineClient] = field(
@@ -181,13 +182,16 @@ class Dispatcher:
         return {t for t in queued if inflight[t] + 1 <= share[t]}
 
     def best_engine(self, ticket: Ticket, overflow: bool = False) -> EngineClient | None:
-        """Among engines with room (`overflow`: room past the cap too) and the ticket's
-        adapter, if any: the best adapter affinity, then the best score (room share +
+        """Among engines with room (`overflow`: room past the cap too), the ticket's
+        adapter, if any, a KV pool that can hold it (engines' pools may differ) and not
+        in its `avoid`: the best adapter affinity, then the best score (room share +
         prefix_weight * prefix share), then the most free KV blocks."""
         adapter = ticket.adapter
         room = methodcaller("overflow_room" if overflow else "room")
         open_ = [
-            e for e in self._engines if room(e) > 0 and (not adapter or e.has_adapter(adapter))
+            e for e in self._engines
+            if room(e) > 0 and (not adapter or e.has_adapter(adapter)) and e.fits(ticket.cost)
+            and e.address not in ticket.avoid
         ]
         if not open_:
             return None

@@ -141,6 +141,21 @@ class EngineClient:
         it (the dispatcher's over-admission), up to twice the capacity."""
         return max(0, 2 * self.capacity - self.load) if self.accepting else 0
 
+    def kv_tokens(self) -> int | None:
+        """The most tokens (prompt + max_tokens) one request may have on the engine, as it
+        last reported: its usable KV blocks hold every token but the last sampled one
+        (the engine's own rule, Engine._validate). None: no report yet."""
+        report = self.report
+        if report is None or not report.block_size:
+            return None
+        return report.num_total_blocks * report.block_size + 1
+
+    def fits(self, tokens: int) -> bool:
+        """A request of `tokens` (prompt + max_tokens) fits the engine's KV pool, as far
+        as the router knows (an engine that has not reported counts as fitting)."""
+        most = self.kv_tokens()
+        return most is None or tokens <= most
+
     def free_block_share(self) -> float:
         report = self.report
         return (

@@ -280,8 +280,8 @@ class OpenAIFront:
             except RequestError as err:
                 err.param = "model"
                 raise
-            if not self._pipeline.serves_adapter(model):
-                raise self._unknown_model(model)
+            if not (self._pipeline.serves_adapter(model) or self._pipeline.unheard_engines()):
+                raise self._unknown_model(model)  # (else the pipeline's UNAVAILABLE: retry)
         return model
 
     def _priority(self, request: web.Request, body_priority: int | None) -> int:

@@ -97,6 +97,7 @@ class _Job:
     # how many of them were sent before the current engine took over.
     sent_ids: list[int] = field(default_factory=list)
     offset: int = 0
+    refused_by: set[str] = field(default_factory=set)  # engines that would not continue it
     queued_at: float = 0.0  # when it last entered the queue (a continuation re-enters it)
     detok: IncrementalDetokenizer | None = None  # one per stream, kept across engines
     stop: StopStringMatcher | None = None
@@ -247,12 +248,41 @@ class Pipeline:
         reported: one taking requests, or one down or draining for now (a restart), which
         makes a request for it UNAVAILABLE (retry), not NOT_FOUND. An engine leaving
         discovery no longer counts."""
-        return name in available_adapters(self._engines)
+        return any(not e.retiring and e.has_adapter(name) for e in self._engines)
 
-    def _taking(self, adapter: str) -> bool:
+    def unheard_engines(self) -> int:
+        """Engines that have not reported since this router started (starting or down):
+        their adapters are unknown, so a request for an adapter no other engine has is
+        UNAVAILABLE (retry), not NOT_FOUND, while there are any."""
+        return sum(e.report is None and not e.retiring for e in self._engines)
+
+    def _taking(self, adapter: str, tokens: int = 0, avoid: Iterable[str] = ()) -> bool:
         """Whether some engine taking requests now can serve `adapter` ("": the base
-        model): else a new request is refused and a lost stream cannot go on."""
-        return any(e.accepting and (not adapter or e.has_adapter(adapter)) for e in self._engines)
+        model) and hold a request of `tokens` (prompt + max_tokens) in its KV pool, other
+        than those in `avoid`: else a new request is refused and a lost stream cannot go
+        on."""
+        return any(e.accepting and (not adapter or e.has_adapter(adapter)) and e.fits(tokens)
+                   and e.address not in avoid for e in self._engines)
+
+    def _unfit(self, adapter: str, tokens: int) -> RequestError:
+        """The refusal of a request of `tokens` that no engine taking requests (with its
+        adapter) can hold: UNAVAILABLE while one that can is down or draining (a
+        restart), else INVALID_ARGUMENT naming the largest pool."""
+        pools = [e.kv_tokens() for e in self._engines
+                 if not e.retiring and (not adapter or e.has_adapter(adapter))]
+        most = max((p for p in pools if p is not None), default=0)
+        if tokens <= most:
+            return RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the engines whose KV cache can hold this request (prompt + max_tokens = {tokens} "
+                "tokens) are down, restarting or draining; retry later",
+                "no_engine",
+            )
+        return invalid(
+            f"prompt + max_tokens = {tokens} tokens, but the largest engine KV cache holds {most} "
+            "tokens for one request; lower max_tokens or shorten the prompt",
+            param="max_tokens",
+        )
 
     def list_models(self, tenant: Tenant) -> inference_pb2.ListModelsResponse:
         """The base model and its limits, and the adapters `tenant` may use that some
@@ -356,6 +386,15 @@ class Pipeline:
         if not self._taking(""):
             raise _no_engine()
         if adapter and not self.serves_adapter(adapter):
+            silent = self.unheard_engines()
+            if silent:  # it may be on an engine the router has not heard from (a restart)
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"adapter {adapter!r} is not on any engine that has reported, and {silent} "
+                    "engine(s) have not reported since this router started (starting or down); "
+                    "retry later",
+                    "adapter_unavailable",
+                )
             raise RequestError(
                 grpc.StatusCode.NOT_FOUND,
                 f"adapter {adapter!r} not found on any engine; ListModels lists the adapters you "
@@ -369,8 +408,10 @@ class Pipeline:
                 "draining); retry later",
                 "adapter_unavailable",
             )
-        queue = self._dispatcher.queue
         first = valid[0]  # the choices of one request share its prompt and max_tokens
+        if not self._taking(adapter, first.cost):  # engines' KV pools may differ
+            raise self._unfit(adapter, first.cost)
+        queue = self._dispatcher.queue
         cost = Cost(len(first.prompt_ids), first.sampling.max_tokens, len(valid))
         permits = await self._admission.admit(tenant, cost, len(queue), queue.tokens)
         if adapter:
@@ -491,7 +532,7 @@ class Pipeline:
                     # No engine left to take it (one with its adapter): fail now, as a new
                     # request would be refused, rather than wait out the queue limit.
                     if (attempt == self._config.max_engine_attempts
-                            or not self._taking(job.adapter)):
+                            or not self._taking(job.adapter, job.request.cost, job.refused_by)):
                         raise lost.error from None
                     self._moving(job, engine, attempt, lost)
                 finally:
@@ -560,7 +601,7 @@ class Pipeline:
         tenant = job.caller.tenant
         ticket = Ticket(
             job.request.priority, job.request.cost, job.arrival, job.adapter,
-            tenant.name, tenant.weight, job.request.prompt_ids,
+            tenant.name, tenant.weight, job.request.prompt_ids, avoid=frozenset(job.refused_by),
         )
         self._dispatcher.submit(ticket)
         queue_left = job.queued_at + self._config.max_queue_seconds - time.monotonic()
@@ -714,6 +755,11 @@ class Pipeline:
                 when = f"during generation, after {len(job.sent_ids)} tokens"
             return RequestError(code, f"the request's deadline passed {when}", "deadline")
         if code in _ENGINE_REFUSAL_CODES:
+            if job.sent_ids:  # the request was good where it started: go on elsewhere
+                job.refused_by.add(engine.address)
+                return self._lost(job, engine, "engine_refused",
+                                  f"engine {engine.address} refused to continue it "
+                                  f"({code.name}: {details})")
             return RequestError(code, details, f"engine_{code.name.lower()}")
         return RequestError(code, f"engine {engine.address} failed: {details}", "engine_error")
 

@@ -92,6 +92,9 @@ class _Engine:
     def free_block_share(self) -> float:
         return 0.5
 
+    def fits(self, tokens: int) -> bool:
+        return True
+
     def acquire(self, adapter: str = "", tenant: str = "") -> None:
         self.acquired += 1
         self.tenant_inflight[tenant] += 1

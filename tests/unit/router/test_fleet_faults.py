@@ -146,6 +146,106 @@ async def test_over_http_an_adapter_whose_engines_are_down_is_503_an_unknown_one
         await router.close()
 
 
+async def test_an_adapter_while_an_engine_has_not_reported_is_unavailable_not_not_found(tmp_path):
+    """Outside probe: the engine with the adapter was down when the router started (both
+    restarted together); a request for it got NOT_FOUND, which clients do not retry."""
+    router = await Router(tmp_path, TENANTS).start()
+    server = TestServer(OpenAIFront(router.pipeline, router.config, None).app())
+    await server.start_server()
+    try:
+        silent = router.add_engine("127.0.0.1:2")
+        silent.report = None  # no report since the router started
+        _, err = await served(router, caller(router, "ad"))
+        assert err is not None and (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE,
+                                                              "adapter_unavailable")
+        assert "1 engine(s) have not reported since this router started" in err.message
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer sk-t"}) as session:
+            body = {"model": "ad", "prompt": "w1 w2", "max_tokens": 2}
+            async with session.post(server.make_url("/v1/completions"), json=body) as reply:
+                assert reply.status == 503, await reply.text()
+
+        silent.report_load(available_adapters=["ad"])  # it reports: served there
+        responses, err = await served(router, caller(router, "ad"))
+        assert err is None and len(silent.requests) == 1
+        _, err = await served(router, caller(router, "zz"))  # every engine has reported
+        assert err is not None and err.code == grpc.StatusCode.NOT_FOUND
+    finally:
+        await server.close()
+        await router.close()
+
+
+# ---- engines with different KV pools --------------------------------------------------
+
+
+async def test_a_request_goes_only_to_engines_whose_kv_pool_can_hold_it(tmp_path):
+    """Outside probe: engines whose KV pools differ (mixed GPUs). A request too large for
+    one engine's pool was sent there and refused INVALID_ARGUMENT ("lower max_tokens")
+    although another engine could hold it."""
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        small = router.engine  # 4 blocks of 4: 17 tokens (KV for all but the last)
+        small.report_load(block_size=4, num_total_blocks=4, num_free_blocks=4, max_num_seqs=16)
+        big = router.add_engine("127.0.0.1:2")
+        big.report_load(block_size=4, num_total_blocks=64, num_free_blocks=64)  # 257 tokens
+        assert small.fits(17) and not small.fits(18) and big.fits(257) and not big.fits(258)
+        for _ in range(3):  # 18 tokens; `small` has the more room
+            _, err = await served(router, caller(router), prompt(10, 8))
+            assert err is None, err
+        assert small.requests == [] and len(big.requests) == 3
+
+        _, err = await served(router, caller(router), prompt(10, 248))  # 258 tokens
+        assert err is not None and (err.code, err.param) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                             "max_tokens")
+        assert err.message == ("prompt + max_tokens = 258 tokens, but the largest engine KV cache "
+                               "holds 257 tokens for one request; lower max_tokens or shorten the "
+                               "prompt")
+        _, err = await served(router, caller(router), prompt(10, 247))
+        assert err is None, err
+
+        big.mark_failed("connection refused")  # restarting: only `small` takes requests
+        _, err = await served(router, caller(router), prompt(10, 8))
+        assert err is not None and (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "no_engine")
+        assert "are down, restarting or draining; retry later" in err.message
+        _, err = await served(router, caller(router), prompt(10, 7))  # fits `small`
+        assert err is None and len(small.requests) == 1
+    finally:
+        await router.close()
+
+
+@pytest.mark.parametrize("third", [True, False])
+async def test_a_continuation_an_engine_refuses_goes_on_elsewhere(tmp_path, third):
+    """Outside probe: a stream whose engine died was continued on an engine that refused
+    it, and the client's half-sent stream ended INVALID_ARGUMENT ("lower max_tokens"),
+    as if its request were bad. A refusal of a continuation is now a lost engine: the
+    stream goes on on another one (not the refusing one again), or ends UNAVAILABLE."""
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        refusing = router.add_engine("127.0.0.1:2")
+        refusing.error = refusal(grpc.StatusCode.INVALID_ARGUMENT, "too large for this pool")
+        other = router.add_engine("127.0.0.1:3") if third else None
+
+        async def dies(request, timeout=None):
+            yield token(1)
+            raise refusal(grpc.StatusCode.UNAVAILABLE, "connection reset")
+
+        router.engine.generate = dies
+        responses, err = await served(router, caller(router), prompt(5, 3))
+        assert len(refusing.requests) == 1  # tried once, then avoided
+        assert counter(router, "continued", "engine_refused") == int(third)
+        if other is not None:
+            assert err is None, err
+            assert [list(r.token_ids) for r in responses] == [[5], [5], [5]]
+            assert other.requests[0].sampling.output_offset == 1
+        else:
+            assert [list(r.token_ids) for r in responses] == [[5]]
+            assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE
+            assert err.message.startswith(
+                "engine 127.0.0.1:2 refused to continue it (INVALID_ARGUMENT: too large for "
+                "this pool) after 1 tokens and no other engine could continue the stream")
+    finally:
+        await router.close()
+
+
 # ---- deadlines ------------------------------------------------------------------------
 
 
