@@ -48,6 +48,7 @@ __all__ = [
 
 # Above this k a full sort is cheaper than torch.topk for the top-k threshold.
 _TOPK_MAX = 1024
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -251,6 +252,9 @@ def apply_penalties(
         seen = (_token_counts(prompts, vocab, device) > 0) | (out_counts > 0)  # (n, V)
         r = knobs[:, 0:1]
         sub = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+        # A tiny (or huge) penalty can push a logit past float32's range; an inf would make
+        # the row's softmax NaN. Clamped, the row keeps a real distribution.
+        sub = sub.clamp_(-_F32_MAX, _F32_MAX)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in sub_params):
         sub = sub - knobs[:, 1:2] * (out_counts > 0) - knobs[:, 2:3] * out_counts
     if len(rows) == batch:
@@ -381,7 +385,7 @@ class Sampler:
             [(p.temperature, min(p.top_k, vocab), p.top_p, p.min_p) for p in params],
             torch.float32, device,
         )  # (N, 4)
-        x = x / knobs[:, 0:1]  # (N, V), new tensor
+        x = (x / knobs[:, 0:1]).clamp_(-_F32_MAX, _F32_MAX)  # (N, V), new; no inf (as above)
         use_k = any(p.top_k > 0 for p in params)
         use_p = any(p.top_p < 1.0 for p in params)
         use_min_p = any(p.min_p > 0.0 for p in params)

@@ -498,16 +498,23 @@ class CompletionShape(_Shape):
             offsets.append(max(before, c.offset - own))
         return {
             "tokens": [self._tokens.text(lp.token_id) for lp in logprobs],
-            "token_logprobs": [lp.logprob for lp in logprobs],
+            "token_logprobs": [json_logprob(lp.logprob) for lp in logprobs],
             # The sampled token's logprob is always there, as in the OpenAI API (so up to
             # logprobs + 1 entries).
             "top_logprobs": [
-                {self._tokens.text(t.token_id): t.logprob for t in lp.top[: self._logprobs]}
-                | {self._tokens.text(lp.token_id): lp.logprob}
+                {self._tokens.text(t.token_id): json_logprob(t.logprob) for t in lp.top[: self._logprobs]}
+                | {self._tokens.text(lp.token_id): json_logprob(lp.logprob)}
                 for lp in logprobs
             ],
             "text_offset": offsets,
         }
+
+
+def json_logprob(logprob: float) -> float:
+    """A logprob JSON can carry: -inf (a token a penalty pushed below float32's range)
+    and NaN are not JSON numbers, so anything below -9999 is sent as -9999.0 (vLLM's
+    floor)."""
+    return logprob if logprob >= -9999.0 else -9999.0
 
 
 class ChatShape(_Shape):
@@ -562,5 +569,5 @@ class ChatShape(_Shape):
         }
 
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": self._tokens.text(token_id), "logprob": logprob,
+        return {"token": self._tokens.text(token_id), "logprob": json_logprob(logprob),
                 "bytes": list(self._tokens.of(token_id))}

@@ -389,6 +389,30 @@ def test_logprobs_are_of_penalized_logits_before_temperature_and_filters():
     assert out.logprobs[2].top[0][0] == out.token_ids[2]  # greedy picks the top logprob
 
 
+@pytest.mark.parametrize("penalty", [1e-40, 3e38])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 1e-38])
+def test_extreme_penalties_and_temperatures_keep_a_real_distribution(penalty, temperature):
+    """Outside probe: repetition_penalty 1e-40 (> 0, so valid) pushed the seen tokens'
+    positive logits to inf; every row's softmax was NaN, every draw token 0 and every
+    logprob NaN. A tiny temperature can overflow the same way."""
+    logits = torch.tensor([[2.0, -1.0, 3.0, 0.5, -2.0, 1.0]] * 4)
+    params = [SamplingParams(repetition_penalty=penalty, temperature=temperature, logprobs=3,
+                             seed=s) for s in range(4)]
+    prompts, outputs = [[0, 1]] * 4, [[2, 4]] * 4  # seen: 0, 1, 2, 4
+    gens = [make_generator(s) if temperature else None for s in range(4)]
+    out = sample_rows(Sampler(0), logits, params, prompts, outputs, gens)
+    # tiny penalty: 0 and 2 (the seen positive logits) tie at the top. Huge: those go to
+    # ~0 and the seen negative ones to -inf; 5 (1.0) is the top, 3 (0.5) the next.
+    if penalty < 1:
+        allowed = {0, 2}
+    else:
+        allowed = {0, 2, 3, 5} if temperature == 1.0 else {5}
+    assert set(out.token_ids) <= allowed, out.token_ids
+    for lp in out.logprobs:
+        values = [lp.logprob, *(v for _, v in lp.top)]
+        assert all(math.isfinite(v) for v in values), values
+
+
 # --- batch validation ----------------------------------------------------------------
 
 

@@ -107,3 +107,11 @@ def test_a_request_id_leaves_room_for_the_choice_suffix():
         "a" * 126 + "-0", "a" * 126 + "-1"]
     with pytest.raises(RequestError, match="with n=2 the request id .* at most 126 characters.* it has 127"):
         oa.fan_out(body, pb.GenerateRequest(), 4, "a" * 127, 0)
+
+
+def test_a_logprob_json_cannot_carry_is_sent_as_vllms_floor():
+    """Outside probe: a NaN logprob went out as a bare NaN, which strict JSON parsers
+    refuse; -inf would go out as -Infinity."""
+    assert [oa.json_logprob(v) for v in (-1.5, 0.0, -9999.0, -1e30, float("-inf"), float("nan"))] == [
+        -1.5, 0.0, -9999.0, -9999.0, -9999.0, -9999.0]
+    json.dumps([oa.json_logprob(float("-inf"))], allow_nan=False)
