@@ -266,7 +266,8 @@ class EngineConfig:
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
         _check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes", self.kv_cache_memory)
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", ">= 2", self.num_kv_blocks)
-        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+               ">= 2 (a prompt token and an output token)", self.max_model_len)
         _check(self.waiting_order in ("slo", "fifo"), "waiting_order", "slo or fifo", self.waiting_order)
         _check(self.report_prefix_blocks >= 0, "report_prefix_blocks", ">= 0", self.report_prefix_blocks)
         _check(self.batching in BATCHING_POLICIES, "batching", " | ".join(BATCHING_POLICIES), self.batching)

@@ -149,9 +149,14 @@ class Engine:
         # KV for every token but the last sampled one, which no step computes
         blocks = -(-(len(prompt) + params.max_tokens - 1) // self.config.block_size)
         if blocks > self.allocator.num_usable_blocks:
+            # max_tokens 1 needs KV for the prompt alone: when that does not fit either, only
+            # a shorter prompt helps
+            prompt_fits = -(-len(prompt) // self.config.block_size) <= self.allocator.num_usable_blocks
             raise ValueError(
                 f"this request needs up to {blocks} KV blocks but the engine's pool has "
-                f"{self.allocator.num_usable_blocks}; lower max_tokens or give the engine more KV memory"
+                f"{self.allocator.num_usable_blocks}; "
+                f"{'lower max_tokens' if prompt_fits else 'shorten the prompt'} or give the engine "
+                "more KV memory"
             )
 
     def _check_tokens(self, ids: list[int], what: str) -> None:
@@ -201,7 +206,13 @@ class Engine:
         self.scheduler.policy = ContinuousPolicy()
         try:
             token = self.model_config.bos_token_id or 0
-            self.generate([[token] * 4], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            # 4 prompt tokens and 2 outputs (a decode step), or what the context and the KV
+            # pool allow (KV for every token but the last): at least 1 + 1.
+            fit = min(self.model_config.max_model_len,
+                      self.allocator.num_usable_blocks * self.config.block_size + 1)
+            outputs = 2 if fit >= 3 else 1
+            self.generate([[token] * min(4, fit - outputs)],
+                          SamplingParams(max_tokens=outputs, temperature=0.0, ignore_eos=True))
         finally:
             self.scheduler.policy = policy
             self._restart_study()

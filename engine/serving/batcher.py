@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,12 +43,14 @@ class BatcherConfig:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_queue_delay_ms < 0:
-            raise ValueError(f"max_queue_delay_ms must be >= 0, got {self.max_queue_delay_ms}")
+        if not 0 <= self.max_queue_delay_ms < math.inf:  # NaN or inf: a partial batch would never go
+            raise ValueError(f"max_queue_delay_ms must be finite and >= 0, got {self.max_queue_delay_ms}")
         if any(not 1 <= s <= self.max_batch_size for s in self.preferred_batch_sizes):
             raise ValueError(f"preferred_batch_sizes must lie in [1, max_batch_size], got {self.preferred_batch_sizes}")
         if self.max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1, got {self.max_queue_size}")
+        if self.default_timeout_ms is not None and not 0 < self.default_timeout_ms < math.inf:
+            raise ValueError(f"default_timeout_ms must be finite and > 0, got {self.default_timeout_ms}")
 
 
 @dataclass(order=True)
@@ -169,9 +172,12 @@ class DynamicBatcher(Generic[T, R]):
         try:
             results = await self._run(items)
         except Exception as exc:  # every waiter learns why, the loop lives on
-            for e in batch:
-                if not e.future.done():
-                    e.future.set_exception(exc)
+            if len(batch) > 1:  # perhaps one request's bad input: each runs alone, so each
+                for e in batch:  # gets its own answer (and a bad one its own error)
+                    await self._execute([e])
+                return
+            if not batch[0].future.done():
+                batch[0].future.set_exception(exc)
             return
         start = 0
         for e in batch:

@@ -231,18 +231,24 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
     except ValueError:
         raise ValueError(f"--embed-preferred-batch-sizes must be integers, got "
                          f"{args.embed_preferred_batch_sizes!r}") from None
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        drain_seconds=args.drain_seconds,
-        embed_batching=BatcherConfig(
+    try:
+        embed_batching = BatcherConfig(
             max_batch_size=args.embed_max_batch_size,
             max_queue_delay_ms=args.embed_max_queue_delay_ms,
             preferred_batch_sizes=preferred,
             max_queue_size=args.embed_max_queue_size,
             default_timeout_ms=args.embed_queue_timeout_ms,
-        ),
+        )
+    except ValueError as exc:  # named as the flags are: --embed-<field>
+        field, _, rest = str(exc).partition(" ")
+        flag = "--embed-" + {"default_timeout_ms": "queue_timeout_ms"}.get(field, field).replace("_", "-")
+        raise ValueError(f"{flag} {rest}") from None
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=args.metrics_port,
+        drain_seconds=args.drain_seconds,
+        embed_batching=embed_batching,
         security=ServerSecurity.from_files(
             args.tls_cert, args.tls_key, args.tls_client_ca, args.token_file
         ),

@@ -90,7 +90,7 @@ class ServerConfig:
             value = getattr(self, name)
             if not 0 <= value < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
-        if self.drain_seconds < 0:
+        if not self.drain_seconds >= 0:  # NaN too
             raise ValueError(f"drain_seconds must be >= 0, got {self.drain_seconds}")
 
 
@@ -526,12 +526,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                                 "the engine is shutting down; send the request to another engine")
         if self.stalled:
             await context.abort(grpc.StatusCode.UNAVAILABLE, STALLED)
+        if request.pooling not in inference_pb2.Pooling.values():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"pooling must be MEAN (1) or LAST (2), or unset for MEAN; got {request.pooling}")
         pooling = "last" if request.pooling == inference_pb2.LAST else "mean"
         try:
             vectors = await self._aengine.embed(
                 [list(x.ids) for x in request.inputs], pooling, request.normalize,
                 request.priority, request.queue_timeout_ms or None)
-        except (QueueFullError, QueueTimeoutError, ValueError) as exc:
+        except (QueueFullError, QueueTimeoutError, ValueError, StepLoopDown) as exc:
             await context.abort(*_error_status(exc))
         return engine_pb2.EngineEmbedResponse(embeddings=[
             inference_pb2.Embedding(values=v, num_tokens=len(x.ids))

@@ -439,6 +439,8 @@ class Pipeline:
                 f"embeddings come from the base model {self.limits.model_id!r}, not adapter "
                 f"{caller.adapter!r}: leave x-adapter-id empty"
             )
+        if request.pooling not in inference_pb2.Pooling.values():  # an enum value from a newer API
+            raise invalid(f"pooling must be MEAN (1) or LAST (2), or unset for MEAN; got {request.pooling}")
         self._refresh_limits()
         inputs = await self._validator.embed_inputs(request)
         engines = [e for e in self._engines if e.accepting]

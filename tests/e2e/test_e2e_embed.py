@@ -59,6 +59,18 @@ def test_embedding_is_the_same_alone_or_batched(cluster):
     torch.testing.assert_close(torch.tensor(batched), torch.tensor(alone), rtol=1e-5, atol=1e-5)
 
 
+def test_the_engine_refuses_an_unknown_pooling(shared_engine):
+    """The engine's own API (tools, another router) as the router's: it was served as MEAN."""
+    from omnibus.v1 import engine_pb2, engine_pb2_grpc
+
+    with grpc.insecure_channel(shared_engine.process.address) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            engine_pb2_grpc.EngineStub(channel).Embed(engine_pb2.EngineEmbedRequest(
+                inputs=[pb.TokenIds(ids=[5, 6])], pooling=3), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "pooling must be MEAN (1) or LAST (2), or unset for MEAN; got 3"
+
+
 @pytest.mark.parametrize("request_,metadata,code,message", [
     (pb.EmbedRequest(), (), grpc.StatusCode.INVALID_ARGUMENT, "send 1 to 5 inputs per Embed request, got 0"),
     (pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")] * 6), (), grpc.StatusCode.INVALID_ARGUMENT,
@@ -69,6 +81,8 @@ def test_embedding_is_the_same_alone_or_batched(cluster):
      grpc.StatusCode.INVALID_ARGUMENT, "input 1 token_ids: token id 1000000 is outside the vocabulary"),
     (pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")]), (("x-adapter-id", "a1"),),
      grpc.StatusCode.INVALID_ARGUMENT, "embeddings come from the base model"),
+    (pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")], pooling=9), (), grpc.StatusCode.INVALID_ARGUMENT,
+     "pooling must be MEAN (1) or LAST (2), or unset for MEAN; got 9"),  # was served as MEAN
 ])
 def test_bad_embed_requests(cluster, request_, metadata, code, message):
     _, router = cluster

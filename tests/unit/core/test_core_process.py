@@ -129,9 +129,13 @@ async def test_a_server_whose_core_was_killed_asks_to_exit(config):
     from omnibus.engine.serving.server import ServerConfig, start
     from tests.grpc_helpers import free_port
 
+    import grpc
+    from omnibus.v1 import engine_pb2, engine_pb2_grpc, inference_pb2
+
     core = ProcessCore(config)
     exits: list[str] = []
-    running = await start(core, ServerConfig(port=free_port()), exits.append)
+    port = free_port()
+    running = await start(core, ServerConfig(port=port), exits.append)
     try:
         os.kill(core.pid, signal.SIGKILL)
         for _ in range(200):
@@ -141,6 +145,12 @@ async def test_a_server_whose_core_was_killed_asks_to_exit(config):
         assert exits and "core process exited (code -9)" in exits[0], exits
         check = await running.health_servicer.Check(health_pb2.HealthCheckRequest(service=""), None)
         assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        # Embed as Generate: UNAVAILABLE, not UNKNOWN (outside probe)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await engine_pb2_grpc.EngineStub(channel).Embed(engine_pb2.EngineEmbedRequest(
+                    inputs=[inference_pb2.TokenIds(ids=[5, 6])]), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
     finally:
         await running.stop(1.0)
 

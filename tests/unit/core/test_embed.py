@@ -109,6 +109,37 @@ async def test_a_batch_that_started_is_not_timed_out():
 def test_batcher_config_validated():
     with pytest.raises(ValueError, match="preferred_batch_sizes"):
         BatcherConfig(max_batch_size=4, preferred_batch_sizes=(8,))
+    # outside probe: NaN / inf made a partial batch wait forever; 0 or less timed out
+    # every request at once, NaN failed each with "cannot convert float NaN to integer"
+    for delay in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="max_queue_delay_ms must be finite and >= 0"):
+            BatcherConfig(max_queue_delay_ms=delay)
+    for timeout in (float("nan"), float("inf"), 0.0, -5.0):
+        with pytest.raises(ValueError, match="default_timeout_ms must be finite and > 0"):
+            BatcherConfig(default_timeout_ms=timeout)
+
+
+async def test_one_requests_failure_is_its_own_not_its_batchs():
+    """Outside probe: a bad Embed input merged into a batch failed every request in it
+    with the bad one's error (and an index into the merged batch)."""
+    seen: list[list[int]] = []
+
+    async def run(items):
+        seen.append(list(items))
+        bad = [i for i, x in enumerate(items) if x < 0]
+        if bad:
+            raise ValueError(f"input {bad[0]} is negative")
+        return [x * 10 for x in items]
+
+    b = DynamicBatcher(BatcherConfig(max_batch_size=8, max_queue_delay_ms=10_000), run)
+    b.start()
+    results = await asyncio.wait_for(asyncio.gather(
+        b.submit([1, 2]), b.submit([3, -4]), b.submit([5]), b.submit([6, 7, 8]),
+        return_exceptions=True), timeout=2)
+    assert results[0] == [10, 20] and results[2] == [50] and results[3] == [60, 70, 80]
+    assert isinstance(results[1], ValueError) and str(results[1]) == "input 1 is negative"
+    assert seen[0] == [1, 2, 3, -4, 5, 6, 7, 8]  # merged first, then each alone
+    await b.stop()
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +197,18 @@ async def test_embeds_interleave_with_generation(model):
         assert max(aengine.embed_batch_sizes) <= 4 and sum(aengine.embed_batch_sizes) == 12
     finally:
         aengine.shutdown()
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--embed-max-queue-delay-ms", "nan", "--embed-max-queue-delay-ms must be finite and >= 0, got nan"),
+    ("--embed-queue-timeout-ms", "0", "--embed-queue-timeout-ms must be finite and > 0, got 0.0"),
+    ("--embed-queue-timeout-ms", "nan", "--embed-queue-timeout-ms must be finite and > 0, got nan"),
+    ("--embed-max-batch-size", "0", "--embed-max-batch-size must be >= 1, got 0"),
+    ("--drain-seconds", "nan", "drain_seconds must be >= 0, got nan"),
+])
+def test_bad_embed_and_drain_flags_are_refused_at_start_naming_the_flag(flag, value, message):
+    from omnibus.engine.serving.cli import build_parser, configs_from_args
+
+    with pytest.raises(ValueError) as err:
+        configs_from_args(build_parser().parse_args(["serve", "--model", "m", flag, value]))
+    assert str(err.value) == message

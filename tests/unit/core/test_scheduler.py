@@ -404,6 +404,51 @@ def test_engine_warmup_runs_under_a_static_policy(tmp_path):
     assert engine.scheduler.policy.name == "static" and engine.scheduler.observer.steps == 0
 
 
+@pytest.mark.parametrize(("flags", "prompt"), [
+    (dict(max_model_len=2), [5]),
+    (dict(max_model_len=4), [5, 6]),
+    (dict(block_size=1, num_kv_blocks=2), [5]),
+    (dict(block_size=1, num_kv_blocks=3), [5, 6]),
+])
+def test_the_smallest_servable_configs_warm_up_and_serve(tmp_path, flags, prompt):
+    """Outside probe: --max-model-len 2..5 and a 2-block pool were refused at start by the
+    warm-up's own 4 + 2-token request ("the prompt (4 tokens) + max_tokens (2) exceeds
+    the model's context"), a prompt the user never sent."""
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
+    from tests.checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "m", "llama")
+    engine = Engine(EngineConfig(model=str(path), **{"num_kv_blocks": 32, **flags}))
+    engine.warmup()
+    out = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    assert len(out[0]) == 1 and engine.allocator.num_free_blocks == engine.allocator.num_usable_blocks
+
+
+def test_a_request_the_pool_cannot_hold_is_told_what_would_fit(tmp_path):
+    """Outside probe: the advice was always "lower max_tokens", also when max_tokens was 1
+    and only a shorter prompt would fit."""
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
+    from tests.checkpoints import make_checkpoint
+
+    engine = Engine(EngineConfig(model=str(make_checkpoint(tmp_path / "m", "llama")),
+                                 block_size=1, num_kv_blocks=5))  # 4 usable blocks of 1
+    with pytest.raises(ValueError, match="needs up to 6 KV blocks but the engine's pool has 4; "
+                       "lower max_tokens or give"):
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="needs up to 5 KV blocks but the engine's pool has 4; "
+                       "shorten the prompt or give"):
+        engine.add_request("b", [5, 6, 7, 8, 9], SamplingParams(max_tokens=1))
+
+
+def test_a_context_too_short_for_any_request_is_refused_at_start():
+    from omnibus.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"max_model_len must be >= 2 \(a prompt token and an output token\), got 1"):
+        EngineConfig(model="m", max_model_len=1)
+
+
 def test_high_priority_arrival_preempts_lower_priority_when_seats_run_out():
     s = make_scheduler(max_seqs=2, budget=64)
     s.add(seq("low1", 4, max_tokens=20, priority=0))
