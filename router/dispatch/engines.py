@@ -141,19 +141,25 @@ class EngineClient:
         it (the dispatcher's over-admission), up to twice the capacity."""
         return max(0, 2 * self.capacity - self.load) if self.accepting else 0
 
-    def kv_tokens(self) -> int | None:
-        """The most tokens (prompt + max_tokens) one request may have on the engine, as it
-        last reported: its usable KV blocks hold every token but the last sampled one
-        (the engine's own rule, Engine._validate). None: no report yet."""
+    def max_request_tokens(self) -> int | None:
+        """The most tokens (prompt + max_tokens) one request may span on the engine, as it
+        last reported: its context, and its KV pool, whose usable blocks hold every token
+        but the last sampled one (the engine's own rules, Engine._validate). None: no
+        report yet."""
         report = self.report
-        if report is None or not report.block_size:
+        if report is None:
             return None
-        return report.num_total_blocks * report.block_size + 1
+        limits = []
+        if report.max_model_len > 0:
+            limits.append(report.max_model_len)
+        if report.block_size > 0:
+            limits.append(report.num_total_blocks * report.block_size + 1)
+        return min(limits, default=None)
 
     def fits(self, tokens: int) -> bool:
-        """A request of `tokens` (prompt + max_tokens) fits the engine's KV pool, as far
-        as the router knows (an engine that has not reported counts as fitting)."""
-        most = self.kv_tokens()
+        """A request of `tokens` (prompt + max_tokens) fits the engine's context and KV
+        pool, as far as the router knows (one that has not reported counts as fitting)."""
+        most = self.max_request_tokens()
         return most is None or tokens <= most
 
     def free_block_share(self) -> float:

@@ -214,15 +214,17 @@ class Pipeline:
 
     @property
     def limits(self) -> ModelLimits:
-        """The model's limits, at most the context every engine reports serving (an
+        """The model's limits, at most the longest context an engine reports serving (an
         engine's --max-model-len, or a cap the router cannot see in config.json), so that
-        what is advertised and admitted is what the engines take."""
+        what is advertised and admitted is what an engine takes (a request goes only to
+        engines whose context and KV pool hold it)."""
         return self._refresh_limits()
 
     def _refresh_limits(self) -> ModelLimits:
         """`limits`, handed to the validator too when an engine's report changed them."""
-        served = min((e.report.max_model_len for e in self._engines
-                      if e.report is not None and e.report.max_model_len > 0), default=0)
+        served = max((e.report.max_model_len for e in self._engines
+                      if e.report is not None and e.report.max_model_len > 0 and not e.retiring),
+                     default=0)
         if served != self._served_context:
             self._served_context = served
             self._validator.limits = self._model_limits.within(served) if served else self._model_limits
@@ -266,21 +268,23 @@ class Pipeline:
 
     def _unfit(self, adapter: str, tokens: int) -> RequestError:
         """The refusal of a request of `tokens` that no engine taking requests (with its
-        adapter) can hold: UNAVAILABLE while one that can is down or draining (a
-        restart), else INVALID_ARGUMENT naming the largest pool."""
-        pools = [e.kv_tokens() for e in self._engines
-                 if not e.retiring and (not adapter or e.has_adapter(adapter))]
-        most = max((p for p in pools if p is not None), default=0)
+        adapter) can hold (engines' contexts and KV pools may differ): UNAVAILABLE while
+        one that can is down or draining (a restart), else INVALID_ARGUMENT naming the
+        most an engine takes."""
+        limits = [e.max_request_tokens() for e in self._engines
+                  if not e.retiring and (not adapter or e.has_adapter(adapter))]
+        most = max((n for n in limits if n is not None), default=0)
         if tokens <= most:
             return RequestError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"the engines whose KV cache can hold this request (prompt + max_tokens = {tokens} "
-                "tokens) are down, restarting or draining; retry later",
+                f"the engines that can hold this request (prompt + max_tokens = {tokens} tokens) "
+                "are down, restarting or draining; retry later",
                 "no_engine",
             )
         return invalid(
-            f"prompt + max_tokens = {tokens} tokens, but the largest engine KV cache holds {most} "
-            "tokens for one request; lower max_tokens or shorten the prompt",
+            f"prompt + max_tokens = {tokens} tokens, but the most one request may span on an "
+            f"engine is {most} tokens (its context and KV cache); lower max_tokens or shorten "
+            "the prompt",
             param="max_tokens",
         )
 

@@ -196,16 +196,17 @@ async def test_a_request_goes_only_to_engines_whose_kv_pool_can_hold_it(tmp_path
         _, err = await served(router, caller(router), prompt(10, 248))  # 258 tokens
         assert err is not None and (err.code, err.param) == (grpc.StatusCode.INVALID_ARGUMENT,
                                                              "max_tokens")
-        assert err.message == ("prompt + max_tokens = 258 tokens, but the largest engine KV cache "
-                               "holds 257 tokens for one request; lower max_tokens or shorten the "
-                               "prompt")
+        assert err.message == ("prompt + max_tokens = 258 tokens, but the most one request may "
+                               "span on an engine is 257 tokens (its context and KV cache); lower "
+                               "max_tokens or shorten the prompt")
         _, err = await served(router, caller(router), prompt(10, 247))
         assert err is None, err
 
         big.mark_failed("connection refused")  # restarting: only `small` takes requests
         _, err = await served(router, caller(router), prompt(10, 8))
         assert err is not None and (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "no_engine")
-        assert "are down, restarting or draining; retry later" in err.message
+        assert err.message == ("the engines that can hold this request (prompt + max_tokens = 18 "
+                               "tokens) are down, restarting or draining; retry later")
         _, err = await served(router, caller(router), prompt(10, 7))  # fits `small`
         assert err is None and len(small.requests) == 1
     finally:

@@ -67,3 +67,36 @@ async def test_text_that_tokenizes_past_the_models_vocabulary_is_the_servers_err
         assert out[-1].usage.prompt_tokens == 2
     finally:
         await router.close()
+
+
+async def test_engines_with_different_contexts_serve_up_to_the_longest(tmp_path):
+    """Outside probe: the router admitted only the shortest context any engine had ever
+    reported, even after that engine died, though another engine served 4x more. Now
+    it advertises the longest and sends a request only where its context fits."""
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        pipeline = router.pipeline
+        tenant = pipeline.authenticate([("authorization", "Bearer sk-t")])
+        short = router.engine
+        short._on_report(report(48))
+        long_ = router.add_engine("127.0.0.1:2")
+        long_._on_report(report(512))
+        assert pipeline.list_models(tenant).base_model.max_context_length == 512
+        for _ in range(2):
+            out = [r async for r in pipeline.generate(prompt(40, 60), Caller(tenant))]
+            assert out[-1].usage.completion_tokens == 3
+        assert not short.requests and len(long_.requests) == 2
+        [r async for r in pipeline.generate(prompt(40, 8), Caller(tenant))]  # fits both
+        assert len(short.requests) + len(long_.requests) == 3
+
+        long_.mark_failed("connection refused")  # restarting: its context still counts
+        with pytest.raises(RequestError) as err:
+            [r async for r in pipeline.generate(prompt(40, 60), Caller(tenant))]
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        long_.retiring = True  # gone for good: the short engine's context is the limit
+        with pytest.raises(RequestError) as err:
+            [r async for r in pipeline.generate(prompt(40, 60), Caller(tenant))]
+        assert err.value.message == "max_tokens must be in [1, 47], got 60"
+        assert pipeline.list_models(tenant).base_model.max_context_length == 48
+    finally:
+        await router.close()
