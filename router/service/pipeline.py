@@ -450,6 +450,15 @@ class Pipeline:
         engines = [e for e in self._engines if e.accepting]
         if not engines:
             raise _no_engine()
+        longest = max(map(len, inputs))  # engines' contexts may differ (not their KV: unused)
+        engines = [e for e in engines if not 0 < e.report.max_model_len < longest]
+        if not engines:  # those with a long enough context (validated) are down
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the engines whose context holds a {longest}-token input are down, restarting or "
+                "draining; retry later",
+                "no_engine",
+            )
         tokens = sum(map(len, inputs))
         (permit,) = await self._admission.admit(caller.tenant, Cost(tokens), 0, 0)  # tenant limits
         engine = min(engines, key=lambda e: e.load)

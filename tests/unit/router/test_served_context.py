@@ -100,3 +100,44 @@ async def test_engines_with_different_contexts_serve_up_to_the_longest(tmp_path)
         assert pipeline.list_models(tenant).base_model.max_context_length == 48
     finally:
         await router.close()
+
+
+async def test_an_embed_input_goes_to_an_engine_whose_context_holds_it(tmp_path):
+    from types import SimpleNamespace
+
+    from omnibus.v1 import inference_pb2
+
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        calls: list[str] = []
+
+        def embedder(name: str):
+            async def embed(request, timeout=None):
+                calls.append(name)
+                return engine_pb2.EngineEmbedResponse(
+                    embeddings=[inference_pb2.Embedding(values=[0.5]) for _ in request.inputs])
+            return SimpleNamespace(Embed=embed)
+
+        short = router.engine
+        short._on_report(report(48))
+        short.stub = embedder("short")
+        long_ = router.add_engine("127.0.0.1:2")
+        long_._on_report(report(512))
+        long_.stub = embedder("long")
+        long_.inflight = 3  # busier: the short engine would be picked by load alone
+        tenant = router.pipeline.authenticate([("authorization", "Bearer sk-t")])
+
+        def request(tokens: int) -> inference_pb2.EmbedRequest:
+            return inference_pb2.EmbedRequest(inputs=[inference_pb2.EmbedInput(
+                token_ids=inference_pb2.TokenIds(ids=[7] * tokens))])
+
+        await router.pipeline.embed(request(10), Caller(tenant))
+        await router.pipeline.embed(request(100), Caller(tenant))
+        assert calls == ["short", "long"]
+        long_.mark_failed("connection refused")
+        with pytest.raises(RequestError) as err:
+            await router.pipeline.embed(request(100), Caller(tenant))
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "whose context holds a 100-token input are down" in err.value.message
+    finally:
+        await router.close()
