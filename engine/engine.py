@@ -241,7 +241,9 @@ class Engine:
 
     def embed(self, inputs: list[list[int]], pooling: str = "mean", normalize: bool = False) -> list[list[float]]:
         """Embeddings of token sequences from the base model's final hidden states.
-        Runs outside the KV pool: a cache-free forward, between generation steps."""
+        Runs outside the KV pool: cache-free forwards between generation steps, each of
+        at most --max-num-batched-tokens tokens (the step size the device memory was sized
+        for) or one input, when that is longer."""
         if pooling not in ("mean", "last"):
             raise ValueError(f"pooling must be 'mean' or 'last', got {pooling!r}")
         if not inputs:
@@ -251,7 +253,16 @@ class Engine:
             if len(ids) > self.model_config.max_model_len:
                 raise ValueError(f"input {i} has {len(ids)} tokens, over the context limit of "
                                  f"{self.model_config.max_model_len}")
-        return self.runner.embed(inputs, pooling, normalize).tolist()
+        vectors: list[list[float]] = []
+        budget, start = self.config.max_num_batched_tokens, 0
+        while start < len(inputs):
+            end, tokens = start + 1, len(inputs[start])
+            while end < len(inputs) and tokens + len(inputs[end]) <= budget:
+                tokens += len(inputs[end])
+                end += 1
+            vectors += self.runner.embed(inputs[start:end], pooling, normalize).tolist()
+            start = end
+        return vectors
 
     # ---- introspection -------------------------------------------------------
 

@@ -212,3 +212,20 @@ def test_bad_embed_and_drain_flags_are_refused_at_start_naming_the_flag(flag, va
     with pytest.raises(ValueError) as err:
         configs_from_args(build_parser().parse_args(["serve", "--model", "m", flag, value]))
     assert str(err.value) == message
+
+
+def test_embed_forwards_stay_within_the_step_token_budget(model, monkeypatch):
+    """Outside probe: an Embed batch was one forward of up to 32 inputs x the context,
+    past the step size the device memory was sized for."""
+    path, _ = model
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64,
+                                 max_num_batched_tokens=16))
+    sizes: list[int] = []
+    embed = engine.runner.embed
+    monkeypatch.setattr(engine.runner, "embed",
+                        lambda inputs, *a: sizes.append(sum(map(len, inputs))) or embed(inputs, *a))
+    inputs = [[5] * 6, [6] * 6, [7] * 6, [8] * 30, [9] * 3, [10] * 13]
+    split = torch.tensor(engine.embed(inputs, "mean", normalize=True))
+    assert sizes == [12, 6, 30, 16]  # 6+6 | 6 (+30 > 16) | 30 alone | 3+13
+    alone = torch.tensor([engine.embed([x], "mean", normalize=True)[0] for x in inputs])
+    torch.testing.assert_close(split, alone, rtol=1e-5, atol=1e-5)
