@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
-from omnibus.common.cli import HelpFormatter
+from omnibus.common.cli import HelpFormatter, config_error
 from omnibus.router.config import RouterConfig, TenantLimits
 
 _DEFAULTS = {f.name: f.default for f in fields(RouterConfig)}
@@ -277,11 +277,12 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {config_error(exc, parser)}", file=sys.stderr)
         return 2
     import uvloop
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from omnibus.common.adapters import adapter_name_error
-from omnibus.common.cli import HelpFormatter
+from omnibus.common.cli import HelpFormatter, config_error
 
 if TYPE_CHECKING:
     from omnibus.engine.config import EngineConfig
@@ -299,7 +299,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         import torch  # noqa: F401  (the torch-free install `pip install omnibus` has this script too)
     except ImportError:
@@ -309,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config, server_config = configs_from_args(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {config_error(exc, parser)}", file=sys.stderr)
         return 2
     from omnibus.common.logs import configure_logging
 

@@ -35,10 +35,13 @@ class WatchdogConfig:
     exit_seconds: float = 60.0  # still stalled this long after the limit: the process exits
 
     def __post_init__(self) -> None:
-        for name in ("stall_seconds", "first_step_seconds", "exit_seconds"):
+        # named as the flags that set them
+        for name, flag in (("stall_seconds", "watchdog_step_seconds"),
+                           ("first_step_seconds", "watchdog_first_step_seconds"),
+                           ("exit_seconds", "watchdog_exit_seconds")):
             value = getattr(self, name)
             if not value >= 0:  # NaN too
-                raise ValueError(f"watchdog {name} must be >= 0, got {value}")
+                raise ValueError(f"{flag} must be >= 0, got {value}")
 
     @property
     def enabled(self) -> bool:

@@ -43,3 +43,24 @@ def test_bench_refuses_lengths_and_bounds_that_mean_nothing(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_parser().parse_args(["serve", "--target", "h:1", *argv])
     assert exit_.value.code == 2 and f"argument {argv[0]}:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("tool", "argv", "message"), [
+    ("engine", ["--block-size", "3"], "--block-size must be a power of two from 1 to 128, got 3"),
+    ("engine", ["--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
+    ("engine", ["--watchdog-step-seconds", "nan"], "--watchdog-step-seconds must be >= 0, got nan"),
+    ("engine", ["--embed-max-queue-delay-ms", "inf"], "--embed-max-queue-delay-ms must be finite and >= 0, got inf"),
+    ("router", ["--stream-interval", "0"], "--stream-interval must be > 0, got 0"),
+    ("router", ["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+])
+def test_a_bad_flag_value_is_named_as_the_flag(tool, argv, message, capsys):
+    """Outside probe: start-up errors named config fields (block_size), not the flags."""
+    if tool == "engine":
+        from omnibus.engine.serving.cli import main
+
+        code = main(["serve", "--model", "m", *argv])
+    else:
+        from omnibus.router.cli import main
+
+        code = main(["serve", "--model", "m", "--engine", "127.0.0.1:1", *argv])
+    assert code == 2 and capsys.readouterr().err == f"error: {message}\n"

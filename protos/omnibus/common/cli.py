@@ -59,3 +59,17 @@ def uint64(text: str) -> int:
 def count(text: str) -> int:
     """A whole number >= 1 (that fits an int32 field)."""
     return _integer(text, 1, 2**31 - 1, "a whole number >= 1")
+
+
+def config_error(exc: ValueError, parser: argparse.ArgumentParser) -> str:
+    """A config's "<field> must be ..." as the flag that sets it says it ("--field must
+    be ..."), when `parser` (or one of its subcommands) has that flag; else unchanged."""
+    field, _, rest = str(exc).partition(" ")
+    flag = "--" + field.replace("_", "-")
+    parsers = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            parsers += action.choices.values()
+    if rest.startswith("must ") and any(flag in p._option_string_actions for p in parsers):
+        return f"{flag} {rest}"
+    return str(exc)
