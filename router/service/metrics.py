@@ -133,6 +133,8 @@ class _StateCollector(Collector):
 
         healthy = family("healthy", "1 when the engine is reporting load and not draining")
         inflight = family("inflight", "Requests this router has on the engine")
+        # The report gauges below are absent for an engine not reporting now (down, stalled):
+        # its last values would count forever in a sum over engines.
         running = family("running_sequences", "Sequences running, as the engine last reported")
         waiting = family(
             "waiting_sequences", "Sequences waiting inside the engine, as last reported"
@@ -152,7 +154,7 @@ class _StateCollector(Collector):
             report = e.report
             healthy.add_metric(labels, float(e.accepting))
             inflight.add_metric(labels, e.inflight)
-            if report is not None:
+            if report is not None and e.healthy:  # a silent engine's last report is stale: absent
                 running.add_metric(labels, report.num_running)
                 waiting.add_metric(labels, report.num_waiting)
                 free.add_metric(labels, report.num_free_blocks)

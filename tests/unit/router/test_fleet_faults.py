@@ -336,3 +336,28 @@ def test_a_repeated_engine_is_refused_at_startup(tmp_path, capsys):
     config = config_from_args(build_parser().parse_args(argv[:7]))
     assert config.engines == ("h:1", "dns:///n:2")
 
+
+
+async def test_a_silent_engines_load_gauges_are_absent_not_stale(tmp_path):
+    """Outside probe: a dead engine kept its last running_sequences and kv_blocks_free
+    forever, so a sum over engines counted it."""
+    from prometheus_client import generate_latest
+
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        router.engine.report_load(num_running=4, num_free_blocks=10)
+        registry = router.pipeline._metrics.registry
+
+        def gauges() -> str:
+            text = generate_latest(registry).decode()
+            return "\n".join(line for line in text.splitlines() if line.startswith(
+                ("omnibus_router_engine_running_sequences{", "omnibus_router_engine_kv_blocks_free{",
+                 "omnibus_router_engine_healthy{")))
+
+        assert gauges() == ('omnibus_router_engine_healthy{engine="127.0.0.1:1"} 1.0\n'
+                            'omnibus_router_engine_running_sequences{engine="127.0.0.1:1"} 4.0\n'
+                            'omnibus_router_engine_kv_blocks_free{engine="127.0.0.1:1"} 10.0')
+        router.engine.mark_failed("connection refused")
+        assert gauges() == 'omnibus_router_engine_healthy{engine="127.0.0.1:1"} 0.0'
+    finally:
+        await router.close()
