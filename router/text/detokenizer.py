@@ -21,6 +21,12 @@ decoder sees the run). Byte-run ids are kept back and handed to the stream toget
 the token that closes the run. `flush()` releases whatever is held when the request ends.
 Concatenating every delta and the flush equals that continuation (`decode(all_ids)`
 without a context).
+
+When new tokens rewrite text the stream already holds as final (the output's first bytes
+complete, or break, a character the prompt ends with; a byte run turned invalid), the
+stream cannot go on ("invalid prefix"): the text is then settled against the decode of
+all output so far, as `flush()` does, and a new stream starts after it. Until that decode
+stops ending inside a character, nothing is emitted.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from tokenizers.decoders import DecodeStream
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 # The stream starts from the prompt's last tokens: at least this many that decoding keeps
-# (vLLM starts from 4), looking back at most _MAX_CONTEXT for ones that decode whole.
+# (vLLM starts from 4), looking back at most _MAX_CONTEXT.
 _MIN_CONTEXT, _MAX_CONTEXT = 4, 64
 
 
@@ -71,7 +77,8 @@ class IncrementalDetokenizer:
         else:
             self._skipped_ids = special_ids(tokenizer) if skipped_ids is None else skipped_ids
         self._context = self._tail(context)
-        self._stream = DecodeStream(self._context, skip_special_tokens)
+        self._stream: DecodeStream | None = None  # None: settling (push)
+        self._start_stream(self._context)
         self._ids: list[int] = []  # every id pushed, for flush()
         self._byte_run: list[int] = []  # ids of an open byte run, not yet given to the stream
         self._in_byte_run = False  # the last id that is not skipped is a byte token
@@ -89,46 +96,68 @@ class IncrementalDetokenizer:
             return ""
         ids = [*self._byte_run, *token_ids] if self._byte_run else list(token_ids)
         self._byte_run = []
+        if self._stream is None:  # settling a rewrite (module docstring)
+            return self._resync()
         try:
             delta = self._stream.step(self._tokenizer, ids)
-        except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception)
-            # "Invalid prefix": the new tokens rewrote text already emitted. Hold
-            # everything from here; flush() settles it against decode(all).
-            return ""
+        except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception: "invalid prefix")
+            self._stream = None
+            return self._resync()
         if not delta:
             return ""
         self._deltas.append(delta)
         self._pending = False
         return delta
 
+    def _resync(self) -> str:
+        """After a rewrite: what decode(all output) adds to the text emitted so far, once it
+        no longer ends inside a character; the stream then starts again after it."""
+        full = self._decode(self._ids)
+        if full.endswith("\ufffd"):
+            return ""
+        delta = self._settle(full)
+        self._start_stream(self._tail(self._context + self._ids))
+        return delta
+
+    def _start_stream(self, context: list[int]) -> None:
+        """A DecodeStream after `context`, unless its text ends inside a character: its
+        first step would emit that text whole (settling goes on until one can start)."""
+        if not self._tokenizer.decode(context, skip_special_tokens=self._skip_special).endswith("\ufffd"):
+            self._stream = DecodeStream(context, self._skip_special)
+
+    def _settle(self, full: str) -> str:
+        """What `full` (decode of all output) adds to the text emitted so far; text already
+        emitted that `full` rewrote stays as sent (the common prefix is kept)."""
+        emitted = "".join(self._deltas)
+        self._deltas = [full]
+        self._pending = False
+        if full.startswith(emitted):
+            return full[len(emitted):]
+        return full[len(commonprefix([emitted, full])):]
+
     def flush(self) -> str:
         """Everything not emitted yet, complete or not. Call once, at the end."""
         if not self._pending:
             return ""
-        self._pending = False
-        full = self._decode(self._ids)
-        emitted = "".join(self._deltas)
-        self._deltas = [full]
-        if full.startswith(emitted):
-            return full[len(emitted) :]
-        # Text already emitted was rewritten (a byte run turned invalid after a decoded
-        # prefix): the common prefix keeps the result as close to decode(all) as a stream can.
-        return full[len(commonprefix([emitted, full])) :]
+        return self._settle(self._decode(self._ids))
 
     def _tail(self, context: Sequence[int]) -> list[int]:
         """The fewest last ids of `context` holding at least _MIN_CONTEXT that decoding keeps
-        (skipped special tokens, as at the end of a chat prompt, do not count) and whose
-        text does not end inside a character (a tail that starts inside one may begin with
-        U+FFFD: both decodes of the context share it). None when the prompt ends inside a
-        character: the output's first bytes would complete the prompt's text."""
-        kept = 0
-        for start in range(len(context) - 1, max(-1, len(context) - 1 - _MAX_CONTEXT), -1):
+        (skipped special tokens, as at the end of a chat prompt, do not count), at most
+        _MAX_CONTEXT. A tail that starts inside a character may begin with U+FFFD: both
+        decodes of the context share it. One that ends inside a character (a token-id
+        prompt) is kept: the output continues it, settled against decode(context + output)
+        until a stream can start (push)."""
+        kept, lowest = 0, max(0, len(context) - _MAX_CONTEXT)
+        start = len(context)
+        while start > lowest and kept < _MIN_CONTEXT:
+            start -= 1
             kept += context[start] not in self._skipped_ids
-            if kept >= _MIN_CONTEXT or start == 0:
-                tail = list(context[start:])
-                if not self._tokenizer.decode(tail, skip_special_tokens=self._skip_special).endswith("\ufffd"):
-                    return tail
-        return []
+        # A byte run cut at the tail's start would decode to U+FFFDs whole (ByteFallback):
+        # the tail starts where the run does.
+        while start > lowest and context[start] in self._byte_ids and context[start - 1] in self._byte_ids:
+            start -= 1
+        return list(context[start:])
 
     def _decode(self, ids: list[int]) -> str:
         """What `ids` add to the context's text."""

@@ -52,8 +52,15 @@ def test_a_broken_template_stops_the_router_at_start(tmp_path):
          "the model's chat template refused the messages: roles must alternate"),
         ("{{ messages.append(1) }}", "the model's chat template failed on these messages: SecurityError"),
         ("{{ ''.__class__.__mro__ }}", "the model's chat template failed on these messages"),
+        # outside probe: these were HTTP 500s
+        ("{{ 1 // (messages | length - 1) }}",
+         "the model's chat template failed on these messages: ZeroDivisionError"),
+        ("{% for i in range(10**9) %}{% endfor %}",
+         "the model's chat template failed on these messages: OverflowError"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+         "the model's chat template failed on these messages: RecursionError"),
     ],
-    ids=["raise_exception", "mutation", "python-internals"],
+    ids=["raise_exception", "mutation", "python-internals", "zero-division", "range", "recursion"],
 )  # fmt: skip
 def test_refusals_and_sandbox_violations_are_invalid_argument(source, message):
     template = ChatTemplate(source, {})

@@ -141,11 +141,55 @@ def test_the_first_word_keeps_its_leading_space_after_the_prompt():
     assert "".join(stream(tok, ids, [2], [1, *prompt])) == " the fox"  # after a BOS too
 
 
-def test_a_prompt_ending_inside_a_character_gives_no_context():
+def test_a_prompt_ending_inside_a_character_is_still_the_context():
+    """Outside probe: a token-id prompt ending inside a character got no context, so the
+    first word lost its leading space ("the" for " the")."""
     tok = SENTENCEPIECE
     prompt = tok.encode("a 😀").ids[:-1]  # the emoji's last byte missing
     ids = tok.encode("the").ids
-    assert "".join(stream(tok, ids, [1], prompt)) == tok.decode(ids) == "the"
+    assert "".join(stream(tok, ids, [1], prompt)) == continuation(tok, prompt, ids) == " the"
+    bpe_prompt = BPE.encode("a 語").ids[:-1]  # byte-level: the character's last byte missing
+    bpe_ids = BPE.encode(" the").ids
+    assert "".join(stream(BPE, bpe_ids, [1], bpe_prompt)) == continuation(BPE, bpe_prompt, bpe_ids)
+
+
+def test_output_that_rewrites_the_prompts_last_character_streams_on():
+    """Outside probe: the prompt ends with a character made of byte tokens and the output
+    starts with a stray byte, so decoding merges them into one invalid run, rewriting the
+    prompt's text. The stream raised "invalid prefix" at every later token and sent no
+    text until the request ended (so stop strings acted only at the end)."""
+    tok = SENTENCEPIECE
+    prompt = tok.encode("a 語").ids
+    ids = [tok.token_to_id("<0x8C>"), *tok.encode("the fox a the fox").ids]
+    deltas = stream(tok, ids, [1], prompt)
+    assert not tok.decode(prompt + ids).startswith(tok.decode(prompt))  # a rewrite
+    assert "".join(deltas) == tok.decode(ids)  # the output's own text
+    assert deltas[:3] == ["", "\ufffd the", " fox"] and deltas[-1] == ""  # streamed as it comes
+
+
+def test_a_prompts_partial_character_completed_by_the_output_streams_on():
+    tok = SENTENCEPIECE
+    full = tok.encode("a 語").ids  # ▁a ▁ <0xE8> <0xAA> <0x9E>
+    prompt, ids = full[:-1], [full[-1], *tok.encode("the fox").ids]
+    deltas = stream(tok, ids, [1], prompt)
+    assert deltas == ["", "\ufffd the", " fox", ""]  # the byte held until a token closed its run
+    assert "".join(deltas) == tok.decode(ids)  # the output's own text: the rewrite's rule
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), prompt=TEXT, chunks=st.lists(st.integers(1, 3), min_size=1, max_size=5))
+def test_any_output_after_any_prompt_streams_its_continuation(name, data, prompt, chunks):
+    """Arbitrary output ids (stray bytes, specials) after a prompt, whole or cut inside a
+    character: where decode(prompt + output) extends decode(prompt), the stream is that
+    continuation; where it rewrites the prompt's text, the output's own decode."""
+    tokenizer = TOKENIZERS[name]
+    prompt_ids = tokenizer.encode(prompt).ids
+    prompt_ids = prompt_ids[:len(prompt_ids) - data.draw(st.integers(0, 2))]
+    ids = data.draw(st.lists(st.integers(0, tokenizer.get_vocab_size() - 1), max_size=20))
+    before, after = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + ids)
+    expected = after[len(before):] if after.startswith(before) else tokenizer.decode(ids)
+    assert "".join(stream(tokenizer, ids, chunks, prompt_ids)) == expected
 
 
 @pytest.mark.parametrize("prompt", [
