@@ -342,8 +342,8 @@ class OpenAIFront:
                     check_context(len(ids), max_tokens, limits.context, "max_completion_tokens")
                 except ValueError as exc:
                     raise invalid(str(exc), "max_completion_tokens") from None
-        if max_tokens is None:  # as the OpenAI API: up to the context
-            max_tokens = max(1, min(limits.max_tokens, limits.context - len(ids)))
+        if max_tokens is None:  # as the OpenAI API: up to the context (of an engine that takes it)
+            max_tokens = max(1, min(limits.max_tokens, self._pipeline.most_tokens() - len(ids)))
         logprobs = body.logprob_count
         prompt = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
         prompt.sampling.CopyFrom(oa.sampling(body, max_tokens, logprobs))

@@ -140,10 +140,11 @@ class _Job:
 class _EngineLost(Exception):
     """The engine can no longer serve the stream: it may go on on another one."""
 
-    def __init__(self, error: RequestError, why: str = "engine_unavailable") -> None:
+    def __init__(self, error: RequestError, why: str = "engine_unavailable", what: str = "") -> None:
         super().__init__(error.message)
-        self.error = error
-        self.why = why  # engine_unavailable, engine_unhealthy, engine_drained
+        self.error = error  # what the client gets when no other engine goes on with it
+        self.why = why  # engine_unavailable, engine_unhealthy, engine_drained, engine_refused
+        self.what = what or error.message  # what happened to the engine (the log's)
 
 
 class _Drained(Exception):
@@ -266,27 +267,45 @@ class Pipeline:
         return any(e.accepting and (not adapter or e.has_adapter(adapter)) and e.fits(tokens)
                    and e.address not in avoid for e in self._engines)
 
-    def _unfit(self, adapter: str, tokens: int) -> RequestError:
-        """The refusal of a request of `tokens` that no engine taking requests (with its
-        adapter) can hold (engines' contexts and KV pools may differ): UNAVAILABLE while
-        one that can is down or draining (a restart), else INVALID_ARGUMENT naming the
-        most an engine takes."""
+    def _unfit(self, adapter: str, prompt_tokens: int, tokens: int) -> RequestError:
+        """The refusal of a request (prompt + max_tokens = `tokens`) that no engine taking
+        requests (with its adapter) can hold (engines' contexts and KV pools may differ):
+        UNAVAILABLE while one that can is down or draining (a restart), or while some
+        engine has not reported; else INVALID_ARGUMENT naming the most an engine takes."""
         limits = [e.max_request_tokens() for e in self._engines
                   if not e.retiring and (not adapter or e.has_adapter(adapter))]
         most = max((n for n in limits if n is not None), default=0)
-        if tokens <= most:
+        if tokens <= most or self.unheard_engines():
             return RequestError(
                 grpc.StatusCode.UNAVAILABLE,
-                f"the engines that can hold this request (prompt + max_tokens = {tokens} tokens) "
-                "are down, restarting or draining; retry later",
+                f"no engine that can hold this request (prompt + max_tokens = {tokens} tokens) is "
+                "taking requests now (down, restarting, draining or not yet reported); retry later",
                 "no_engine",
+            )
+        if prompt_tokens + 1 > most:  # max_tokens 1 does not fit either
+            return invalid(
+                f"the prompt has {prompt_tokens} tokens, but the most one request may span on an "
+                f"engine is {most} tokens (prompt + max_tokens; its context and KV cache); shorten "
+                "the prompt",
+                param="prompt",
             )
         return invalid(
             f"prompt + max_tokens = {tokens} tokens, but the most one request may span on an "
-            f"engine is {most} tokens (its context and KV cache); lower max_tokens or shorten "
-            "the prompt",
+            f"engine is {most} tokens (its context and KV cache); lower max_tokens to at most "
+            f"{most - prompt_tokens} or shorten the prompt",
             param="max_tokens",
         )
+
+    def most_tokens(self) -> int:
+        """The most tokens (prompt + max_tokens) one request may span on an engine taking
+        requests now (else on any engine that has reported; else the model's context): what
+        a default "up to the context" max_tokens fills."""
+        for engines in ([e for e in self._engines if e.accepting],
+                        [e for e in self._engines if not e.retiring]):
+            limits = [n for n in map(EngineClient.max_request_tokens, engines) if n is not None]
+            if limits:
+                return min(max(limits), self.limits.context)
+        return self.limits.context
 
     def list_models(self, tenant: Tenant) -> inference_pb2.ListModelsResponse:
         """The base model and its limits, and the adapters `tenant` may use that some
@@ -414,7 +433,7 @@ class Pipeline:
             )
         first = valid[0]  # the choices of one request share its prompt and max_tokens
         if not self._taking(adapter, first.cost):  # engines' KV pools may differ
-            raise self._unfit(adapter, first.cost)
+            raise self._unfit(adapter, len(first.prompt_ids), first.cost)
         queue = self._dispatcher.queue
         cost = Cost(len(first.prompt_ids), first.sampling.max_tokens, len(valid))
         permits = await self._admission.admit(tenant, cost, len(queue), queue.tokens)
@@ -584,7 +603,7 @@ class Pipeline:
             engine=engine.address,
             attempt=attempt,
             tokens_sent=len(job.sent_ids),
-            error=lost.error.message,
+            error=lost.what,
         )
 
     def _final(self, job: _Job, finish: int) -> inference_pb2.GenerateResponse:
@@ -835,7 +854,7 @@ class Pipeline:
                 f"the stream (none was available, or {self._config.max_engine_attempts} engines "
                 "were tried); the completion is incomplete, retry the request"
             )
-        return _EngineLost(RequestError(grpc.StatusCode.UNAVAILABLE, message, why), why)
+        return _EngineLost(RequestError(grpc.StatusCode.UNAVAILABLE, message, why), why, what)
 
 
 # How an engine refuses a request before working on it (FAILED_PRECONDITION: e.g. the

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from aiohttp.test_utils import TestServer
 from omnibus.v1 import engine_pb2, inference_pb2
+from structlog.testing import capture_logs
 
 from omnibus.router.cli import build_parser, config_from_args, main
 from omnibus.router.http.app import OpenAIFront
@@ -198,15 +199,29 @@ async def test_a_request_goes_only_to_engines_whose_kv_pool_can_hold_it(tmp_path
                                                              "max_tokens")
         assert err.message == ("prompt + max_tokens = 258 tokens, but the most one request may "
                                "span on an engine is 257 tokens (its context and KV cache); lower "
-                               "max_tokens or shorten the prompt")
+                               "max_tokens to at most 247 or shorten the prompt")
         _, err = await served(router, caller(router), prompt(10, 247))
         assert err is None, err
+        long_prompt = inference_pb2.GenerateRequest(
+            token_ids=inference_pb2.TokenIds(ids=[7] * 257),
+            sampling=inference_pb2.SamplingParams(max_tokens=1))
+        _, err = await served(router, caller(router), long_prompt)  # no room for an output
+        assert err is not None and (err.code, err.param) == (grpc.StatusCode.INVALID_ARGUMENT, "prompt")
+        assert err.message.startswith("the prompt has 257 tokens, but the most one request may span")
+        assert err.message.endswith("; shorten the prompt")
+
+        silent = router.add_engine("127.0.0.1:3")  # in the list, not reported yet (a restart)
+        silent.report = None
+        _, err = await served(router, caller(router), prompt(10, 248))
+        assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE, err
+        silent.retiring = True
 
         big.mark_failed("connection refused")  # restarting: only `small` takes requests
         _, err = await served(router, caller(router), prompt(10, 8))
         assert err is not None and (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "no_engine")
-        assert err.message == ("the engines that can hold this request (prompt + max_tokens = 18 "
-                               "tokens) are down, restarting or draining; retry later")
+        assert err.message == ("no engine that can hold this request (prompt + max_tokens = 18 "
+                               "tokens) is taking requests now (down, restarting, draining or not "
+                               "yet reported); retry later")
         _, err = await served(router, caller(router), prompt(10, 7))  # fits `small`
         assert err is None and len(small.requests) == 1
     finally:
@@ -230,8 +245,14 @@ async def test_a_continuation_an_engine_refuses_goes_on_elsewhere(tmp_path, thir
             raise refusal(grpc.StatusCode.UNAVAILABLE, "connection reset")
 
         router.engine.generate = dies
-        responses, err = await served(router, caller(router), prompt(5, 3))
+        with capture_logs() as logs:
+            responses, err = await served(router, caller(router), prompt(5, 3))
         assert len(refusing.requests) == 1  # tried once, then avoided
+        moves = [e["error"] for e in logs if e["event"] == "request_continued"]
+        assert moves == ["engine 127.0.0.1:1 is unavailable (connection reset)",  # what happened,
+                         "engine 127.0.0.1:2 refused to continue it (INVALID_ARGUMENT: too large "
+                         "for this pool)"][:len(moves)]  # not the client's "could not continue"
+        assert len(moves) == 1 + third
         assert counter(router, "continued", "engine_refused") == int(third)
         if other is not None:
             assert err is None, err

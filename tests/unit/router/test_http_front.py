@@ -230,3 +230,30 @@ async def test_an_adapter_named_as_the_base_model_is_not_listed_twice(tmp_path):
     finally:
         await server.close()
         await router.close()
+
+
+async def test_a_chat_without_max_tokens_fills_what_an_engine_can_hold(tmp_path):
+    """Regression probe: a chat request without max_tokens took "up to the context" from
+    the longest context any engine advertised, and was refused (400 "lower max_tokens",
+    a field the client never set) by a fleet whose KV pools hold less than that, or 503
+    while only the engine with the longest context was down."""
+    from omnibus.router.http.chat_template import ChatTemplate
+
+    router = await Router(tmp_path, {"t": {"keys": ["sk-t"]}}).start()
+    chat = ChatTemplate("{% for m in messages %}{{ m.content }} {% endfor %}", {})
+    server = TestServer(OpenAIFront(router.pipeline, router.config, chat).app())
+    await server.start_server()
+    try:
+        router.engine.report_load(block_size=4, num_total_blocks=8, num_free_blocks=8)  # 33 tokens
+        body = {"model": "m", "messages": [{"role": "user", "content": "w1 w2"}]}
+        status, _, reply = await call(server.port, AUTH, body, b"/v1/chat/completions")
+        assert status == 200, reply
+        assert router.engine.requests[-1].sampling.max_tokens == 33 - 2
+        big = router.add_engine("127.0.0.1:2")
+        big.report_load(block_size=4, num_total_blocks=64, num_free_blocks=64, max_model_len=600)
+        big.mark_failed("connection refused")  # the longest context is down: the small one serves
+        status, _, reply = await call(server.port, AUTH, body, b"/v1/chat/completions")
+        assert status == 200 and router.engine.requests[-1].sampling.max_tokens == 31, reply
+    finally:
+        await server.close()
+        await router.close()
