@@ -17,6 +17,7 @@ import asyncio
 import base64
 import functools
 import json
+import logging
 import re
 import sys
 import time
@@ -29,6 +30,7 @@ from typing import Any
 import grpc
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from omnibus.v1 import inference_pb2 as pb
 
 from omnibus.common.adapters import is_adapter_name
@@ -160,6 +162,7 @@ class OpenAIFront:
             access_log=None,
             shutdown_timeout=self._config.drain_seconds,
         )
+        logging.getLogger("aiohttp.server").addFilter(_bad_http_request)
         await self._runner.setup()
         await web.TCPSite(self._runner, self._config.host, self._config.http_port).start()
 
@@ -476,6 +479,21 @@ def _request_id(request: web.Request) -> str:
     """The client's x-request-id, or a new one; every response echoes it (_json_errors)."""
     request_id = request[_REQUEST_ID] = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
     return request_id
+
+
+def _bad_http_request(record: logging.LogRecord) -> bool:
+    """aiohttp logs a request it cannot parse (the client's error, answered 400) as an
+    error with a traceback: one info line naming it instead, so malformed requests
+    cannot fill the log with tracebacks."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if not isinstance(exc, HttpProcessingError):
+        return True
+    if not logging.getLogger().isEnabledFor(logging.INFO):
+        return False
+    record.levelno, record.levelname = logging.INFO, "INFO"
+    record.msg, record.args, record.exc_info, record.exc_text = (
+        "bad_http_request: %s (%s)", (type(exc).__name__, exc.message[:100]), None, None)
+    return True
 
 
 def _encode(values: list[float], encoding: str) -> list[float] | str:

@@ -30,6 +30,7 @@ class RequestError(Exception):
         self.reason = reason
         self.retry_after_s = retry_after_s
         self.param = param
+        self.counted = False  # Pipeline.refused has counted and logged it
 
 
 def invalid(message: str, param: str | None = None) -> RequestError:

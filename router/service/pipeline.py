@@ -366,8 +366,11 @@ class Pipeline:
             raise self.refused(err, request_id) from None
 
     def refused(self, err: RequestError, request_id: str) -> RequestError:
-        """Counts and logs a refusal (also one a transport makes while parsing a request)
-        and returns it, to raise."""
+        """Counts and logs a refusal (also one a transport makes while parsing a request),
+        once however many layers pass it on, and returns it, to raise."""
+        if err.counted:
+            return err
+        err.counted = True
         self._metrics.rejected.labels(err.reason).inc()
         log.info(
             "request_refused",

@@ -25,3 +25,22 @@ def configure_logging(level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    # Libraries that log through the standard library (aiohttp, grpc) write JSON lines too,
+    # with their logger's name and any traceback inside the line.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+        ],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+    ))
+    handler.omnibus = True  # type: ignore[attr-defined]  (ours: replaced when called again)
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if not getattr(h, "omnibus", False)] + [handler]
+    root.setLevel(numeric)

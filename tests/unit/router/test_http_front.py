@@ -257,3 +257,65 @@ async def test_a_chat_without_max_tokens_fills_what_an_engine_can_hold(tmp_path)
     finally:
         await server.close()
         await router.close()
+
+
+async def test_an_http_refusal_is_counted_and_logged_once(tmp_path):
+    """Outside probe: a bad key over HTTP counted 2 unauthenticated refusals and logged
+    request_refused twice (the pipeline's authenticate counted it, then the front again)."""
+    from structlog.testing import capture_logs
+
+    router = await Router(tmp_path, TENANTS).start()
+    server = TestServer(OpenAIFront(router.pipeline, router.config, None).app())
+    await server.start_server()
+    try:
+        with capture_logs() as logs:
+            status, _, _ = await call(server.port, b"Authorization: Bearer nope\r\n")
+            await call(server.port, b"Authorization: Bearer nope\r\n", {"model": "m", "input": "w1"},
+                       b"/v1/embeddings")
+        assert status == 401
+        assert router.pipeline._metrics.rejected.labels("unauthenticated")._value.get() == 2
+        assert len([e for e in logs if e["event"] == "request_refused"]) == 2
+    finally:
+        await server.close()
+        await router.close()
+
+
+def test_library_logs_are_json_lines_and_malformed_http_is_one_info_line():
+    """Outside probe: a malformed request (an over-long header, a garbage request line)
+    made aiohttp print a dozen plain-text traceback lines, breaking JSON-lines logs and
+    letting any client flood them."""
+    import subprocess
+    import sys
+
+    script = """
+import asyncio, logging
+from aiohttp import web
+from omnibus.common.logs import configure_logging
+from omnibus.router.http.app import _bad_http_request
+configure_logging("info")
+logging.getLogger("aiohttp.server").addFilter(_bad_http_request)
+logging.getLogger("some.library").error("boom", exc_info=ValueError("why"))
+async def main():
+    runner = web.AppRunner(web.Application(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    for payload in (b"GARBAGE\\r\\n\\r\\n", b"GET / HTTP/1.1\\r\\nX: " + b"a" * 9000 + b"\\r\\n\\r\\n"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(payload)
+        assert (await reader.read(20)).startswith(b"HTTP/1.0 400")
+        writer.close()
+    await asyncio.sleep(0.2)
+    await runner.cleanup()
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stderr.splitlines()]  # every line is JSON
+    assert (lines[0]["logger"], lines[0]["level"]) == ("some.library", "error")
+    assert "ValueError: why" in lines[0]["exception"]
+    assert len(lines) >= 2  # aiohttp logs the over-long header (a garbage line only at debug)
+    for e in lines[1:]:
+        assert (e["logger"], e["level"], e["event"].split(":")[0]) == (
+            "aiohttp.server", "info", "bad_http_request") and "exception" not in e, e
