@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -106,7 +107,8 @@ class _Job:
     waiting: str = ""
     waiting_since: float = 0.0
     serving: EngineClient | None = None
-    task: asyncio.Task | None = None
+    task: asyncio.Task | None = None  # the task serving it (engine moves, drains cancel it)
+    writer: asyncio.Task | None = None  # the one writing to the client, when another (HTTP n)
     interrupted: str = ""  # why _Watch interrupted it: "engine", "drain", "client_stalled"
     interrupt_note: str = ""
 
@@ -125,7 +127,9 @@ class _Job:
         if self.interrupted or self.task is None:
             return
         self.interrupted, self.interrupt_note = why, note
-        if why != "drain" or self.waiting != "client":  # a drain lets a write finish
+        if why == "client_stalled":  # the write that is stuck
+            (self.writer or self.task).cancel()
+        elif why != "drain" or self.waiting != "client":  # a drain lets a write finish
             self.task.cancel()
 
     def take_interrupt(self) -> str:
@@ -160,6 +164,7 @@ class _Watch:
     def __init__(self, stall: float) -> None:
         self.stall = stall
         self.jobs: set[_Job] = set()
+        self.stalled: weakref.WeakSet[asyncio.Task] = weakref.WeakSet()  # writers cancelled
         self._task: asyncio.Task | None = None
 
     def add(self, job: _Job) -> None:
@@ -177,7 +182,12 @@ class _Watch:
                 if job.waiting == "engine" and engine is not None and not engine.healthy:
                     job.interrupt("engine", f"engine {engine.address} was marked unhealthy")
                 elif job.waiting == "client" and now - job.waiting_since > self.stall:
-                    job.interrupt("client_stalled")
+                    writer = job.writer or job.task
+                    for other in self.jobs:  # the request's other choices share the write
+                        if (other.writer or other.task) is writer:
+                            other.interrupt("client_stalled")
+                    if writer is not None:
+                        self.stalled.add(writer)
 
     def drain(self) -> None:
         """Ends every stream now: those being served get a final ABORTED message."""
@@ -340,6 +350,8 @@ class Pipeline:
         side: (index, response) as they come. The choices are admitted together, all or
         none, so a refusal charges nothing and describes the whole request."""
         jobs = await self._admitted(requests, caller)
+        for job in jobs:  # the choices are served on tasks of their own; this one writes
+            job.writer = asyncio.current_task()
         try:
             async with aclosing(merge([self._served(job) for job in jobs])) as responses:
                 async for item in responses:
@@ -347,6 +359,19 @@ class Pipeline:
         finally:
             for job in jobs:  # a choice closed before its stream started still holds a permit
                 job.permit.release(0)
+
+    def stall_error(self) -> RequestError | None:
+        """When the current task's write was cancelled because its client stopped reading
+        (--client-stall-seconds), the status the transport ends the call with; else None."""
+        task = asyncio.current_task()
+        if task is None or task not in self._watch.stalled:
+            return None
+        return RequestError(
+            grpc.StatusCode.ABORTED,
+            f"the client did not read its stream for {self._config.client_stall_seconds:g} s "
+            "(the router's --client-stall-seconds), so the router ended it and freed its seat",
+            "client_stalled",
+        )
 
     def drain(self) -> None:
         """The router's drain is out of time: every stream ends now, those being served
@@ -891,17 +916,19 @@ async def merge(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[tuple[
             async for item in only:
                 yield 0, item
         return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    # Bounded: a stream waits while its items are not taken (a slow client), as a single
+    # stream waits on its write, so its outputs merge upstream instead of queueing here.
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=len(streams))
     done = object()
 
     async def pump(index: int, stream: AsyncGenerator[T, None]) -> None:
         try:
             async with aclosing(stream) as items:
                 async for item in items:
-                    queue.put_nowait((index, item))
-            queue.put_nowait((index, done))
+                    await queue.put((index, item))
+            await queue.put((index, done))
         except Exception as exc:  # handed to the consumer, which raises it
-            queue.put_nowait((index, exc))
+            await queue.put((index, exc))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:

@@ -61,14 +61,22 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    ) -> None:
+        # Writes with context.write, not by yielding: a write the stall watch cancels is
+        # then ours to end with a status (a cancelled generator's call just goes silent).
         try:
             caller = self._caller(context)
             async with aclosing(self._pipeline.generate(request, caller)) as responses:
                 async for response in responses:
-                    yield response
+                    await context.write(response)
         except RequestError as err:
             await context.abort(err.code, err.message)
+        except asyncio.CancelledError:
+            stalled = self._pipeline.stall_error()
+            if stalled is None:
+                raise
+            asyncio.current_task().uncancel()
+            await context.abort(stalled.code, stalled.message)
 
     async def Embed(
         self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 from omnibus.v1 import inference_pb2 as pb
 from omnibus.v1 import inference_pb2_grpc
 
@@ -34,6 +35,9 @@ def engine_idle_and_free(address: str) -> bool:
 async def test_a_client_that_stops_reading_frees_its_seat_and_kv_within_the_stall_time(
     tiny_model, shared_engine: Served, tmp_path
 ):
+    """...and when it reads again it gets what was buffered, then ABORTED naming the stall
+    (outside probe: the call went silent, with no status, and a client without a deadline
+    waited forever)."""
     metrics_port = free_port()
     router = router_process(
         tiny_model, [shared_engine.address], tmp_path, "stall-router",
@@ -63,6 +67,16 @@ async def test_a_client_that_stops_reading_frees_its_seat_and_kv_within_the_stal
             assert metric(text, "omnibus_router_requests_total", outcome="length") == 0
             assert metric(text, "omnibus_router_engine_inflight",
                           engine=shared_engine.address) == 0
-            call.cancel()
+
+            async def rest() -> int:
+                count = 0
+                while await call.read() is not grpc.aio.EOF:
+                    count += 1
+                return count
+
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await asyncio.wait_for(rest(), 30)
+            assert err.value.code() == grpc.StatusCode.ABORTED
+            assert "did not read its stream for 1 s (the router's --client-stall-seconds)" in err.value.details()
     finally:
         router.stop()

@@ -5,6 +5,7 @@ without a token: omnibus.common.security), and the signal that starts a drain.""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ class _DecodeErrorsAreInvalid(grpc.aio.ServerInterceptor):
                 f"the request is not a valid {expected} message (protobuf wire format)",
             )
 
-        if handler.response_streaming:
+        if handler.response_streaming and inspect.isasyncgenfunction(behavior):
 
             async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
                 request = decode(raw, context)
@@ -113,6 +114,15 @@ class _DecodeErrorsAreInvalid(grpc.aio.ServerInterceptor):
                     yield item
 
             return handler._replace(request_deserializer=None, unary_stream=unary_stream)
+        if handler.response_streaming:  # a coroutine that writes with context.write
+
+            async def unary_stream_writer(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+                request = decode(raw, context)
+                if request is _UNDECODABLE:
+                    await refuse(context)
+                await behavior(request, context)
+
+            return handler._replace(request_deserializer=None, unary_stream=unary_stream_writer)
 
         async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             request = decode(raw, context)

@@ -70,3 +70,37 @@ async def test_embeds_served_are_counted_with_their_tokens(tmp_path):
         assert (metrics.embed_requests._value.get(), metrics.embed_tokens._value.get()) == (1, 5)
     finally:
         await router.close()
+
+
+async def test_choices_whose_client_stops_reading_end_client_stalled(tmp_path):
+    """Outside probe: HTTP's n choices went into an unbounded queue, so a client that
+    stopped reading was never seen as stalled, the engine ran every choice to its end and
+    the router held it all in memory. Now the choices wait on the client's write, which
+    the stall watch ends (it cancels the writing task; the transport closes the call)."""
+    from contextlib import aclosing
+
+    router = await Router(tmp_path, TENANTS, client_stall_seconds=0.2).start()
+    try:
+        router.engine.tokens = 10_000
+        tenant = router.pipeline.authenticate([("authorization", "Bearer sk-t")])
+        stalled = []
+
+        async def writer() -> None:
+            choices = router.pipeline.generate_choices([prompt(5, 1000) for _ in range(3)],
+                                                       Caller(tenant))
+            async with aclosing(choices):
+                await anext(choices)  # one message written; the next write never completes
+                try:
+                    await asyncio.sleep(3600)
+                except asyncio.CancelledError:
+                    stalled.append(router.pipeline.stall_error())
+                    raise
+
+        task = asyncio.create_task(writer())
+        await asyncio.wait([task], timeout=10)
+        assert task.cancelled()
+        assert stalled[0] is not None and stalled[0].reason == "client_stalled"
+        assert counted(router, "client_stalled") == 3 and counted(router, "length") == 0
+        assert len(router.queue) == 0 and router.engine.inflight == 0
+    finally:
+        await router.close()
