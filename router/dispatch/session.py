@@ -27,6 +27,7 @@ from omnibus.v1 import engine_pb2, engine_pb2_grpc
 EngineOutput = engine_pb2.EngineGenerateResponse
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _HANDLES = 1 << 32  # handles are uint32
+_MAX_DEADLINE_MS = (1 << 32) - 1  # EngineGenerateRequest.deadline_ms is a uint32
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -146,14 +147,16 @@ class EngineSession:
         if timeout is not None and timeout <= 0:
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         handle = self._handle()
-        slot = self._slots[handle] = _Slot(request.request_id, interval)
+        slot = _Slot(request.request_id, interval)
         request.handle = handle
         timer = None
         if timeout is not None:
-            deadline_ms = max(1, math.ceil(timeout * 1000))
+            # deadline_ms is a uint32: a deadline beyond ~49 days is none the engine must keep
+            deadline_ms = min(max(1, math.ceil(timeout * 1000)), _MAX_DEADLINE_MS)
             request.deadline_ms = min(request.deadline_ms or deadline_ms, deadline_ms)
             error = rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             timer = asyncio.get_running_loop().call_later(timeout, slot.fail, error)
+        self._slots[handle] = slot
         self._outbox.add.append(request)
         self._wake.set()
         try:

@@ -324,3 +324,13 @@ def test_a_stream_interval_sends_fewer_larger_messages_with_the_same_tokens(clus
     sizes = [len(r.token_ids) for r in responses]
     assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 1 + 23 // 4 + 1
     assert responses[-1].finish_reason == pb.LENGTH and responses[-1].usage.completion_tokens == 24
+
+
+def test_a_deadline_of_months_is_served_as_a_deadline(cluster):
+    """Outside probe: a client deadline beyond 2**32 ms (~49.7 days) failed UNKNOWN ("Value
+    out of range") writing the engine request's uint32 deadline_ms."""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), sampling=greedy(3))
+    for timeout in (4_300_000.0, 1e8):
+        responses = list(stub(cluster.solo).Generate(request, timeout=timeout))
+        assert sum(len(r.token_ids) for r in responses) == 3
+    wait_idle_and_check_blocks(cluster.engine_a)
