@@ -30,6 +30,9 @@ ENGINE_CALL_TIMEOUT_S = 30.0  # one engine's load or unload (a load reads the we
 LIST_TIMEOUT_S = 10.0  # one engine's listing
 
 _EngineReply = engine_pb2.LoadAdapterResponse | engine_pb2.UnloadAdapterResponse
+# Where an engine would have had the adapter, for a NOT_FOUND
+_WHERE = {"load": "under its adapter root (--adapter-dir)",
+          "unload": "loaded or under its adapter root (--adapter-dir)"}
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
@@ -63,11 +66,9 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         who = await self._authorize(context, action, request.adapter)
         try:
             check_adapter_name(request.adapter, "the request's adapter field")
-            targets = self._targets(action, request)
+            targets, looking = self._targets(action, request)
         except RequestError as err:
             await _abort(context, err)
-        # Load with no report listing the adapter yet: each engine looks on its own disk.
-        looking = action == "load" and not any(e.has_adapter(request.adapter) for e in targets)
         timeout = _engine_timeout(context, ENGINE_CALL_TIMEOUT_S)
         replies = await asyncio.gather(
             *(_engine_call(e, action, request.adapter, timeout) for e in targets)
@@ -76,7 +77,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         if looking:  # an engine without it is not a failure; none with it is NOT_FOUND
             outcomes = [(e, r) for e, r in outcomes if not _missing(r)]
             if not outcomes:
-                await _abort(context, _not_found(request.adapter, "under its adapter root (--adapter-dir)"))
+                await _abort(context, _not_found(request.adapter, _WHERE[action]))
         log.info(
             "admin_adapter",
             action=action,
@@ -98,8 +99,12 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         ]
         return admin_pb2.AdminAdapterResponse(adapter=request.adapter, engines=results)
 
-    def _targets(self, action: str, request: admin_pb2.AdminAdapterRequest) -> list[EngineClient]:
-        """The engines to act on, in --engine order; RequestError when there are none."""
+    def _targets(
+        self, action: str, request: admin_pb2.AdminAdapterRequest
+    ) -> tuple[list[EngineClient], bool]:
+        """The engines to act on, in --engine order, and whether they only look for the
+        adapter (no report lists it: an engine without it is no failure); RequestError when
+        there are none."""
         if request.engines:
             known = [e.address for e in self._engines]
             unknown = sorted(set(request.engines) - set(known))
@@ -109,7 +114,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                     f"engines {unknown} are not behind this router; its engines are {known}",
                     "unknown_engine",
                 )
-            return [e for e in self._engines if e.address in set(request.engines)]
+            return [e for e in self._engines if e.address in set(request.engines)], False
         targets = [e for e in self._engines if e.accepting]
         if not targets:
             raise RequestError(
@@ -121,18 +126,18 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         # deleted adapter stays loaded); any other engine would answer NOT_FOUND.
         adapter = request.adapter
         if action == "load":
-            # An adapter copied in a moment ago is on disk before a report lists it: when
-            # none does, every engine that serves adapters looks on its own disk.
-            targets = ([e for e in targets if e.has_adapter(adapter)]
-                       or [e for e in targets if e.adapters_available])
-            if not targets:
-                raise _not_found(adapter, "under its adapter root (--adapter-dir)")
-            return targets
-        targets = [e for e in targets if e.has_adapter(adapter) or adapter in e.adapters_cached
-                   or adapter in e.adapters_resident]
-        if not targets:
-            raise _not_found(adapter, "loaded or under its adapter root (--adapter-dir)")
-        return targets
+            listed = [e for e in targets if e.has_adapter(adapter)]
+        else:
+            listed = [e for e in targets if e.has_adapter(adapter) or adapter in e.adapters_cached
+                      or adapter in e.adapters_resident]
+        if listed:
+            return listed, False
+        # An adapter copied in (or loaded) a moment ago is there before a report lists it:
+        # every engine that serves adapters looks for itself.
+        looking = [e for e in targets if e.adapters_available]
+        if not looking:
+            raise _not_found(adapter, _WHERE[action])
+        return looking, True
 
     async def _authorize(self, context: grpc.aio.ServicerContext, action: str, adapter: str) -> str:
         try:

@@ -107,7 +107,18 @@ async def test_unload_goes_to_the_engines_that_have_the_adapter(fleet):
     assert (err.value.code, err.value.details) == (
         grpc.StatusCode.NOT_FOUND,
         "adapter 'pirate' not found: no engine has it loaded or under its adapter root (--adapter-dir)")
-    assert len(e0.stub.calls) == 2 and len(e1.stub.calls) == 1
+    # no report lists it: each engine looked for itself (a load a moment ago, see below)
+    assert len(e0.stub.calls) == 3 and len(e1.stub.calls) == 2
+
+
+async def test_unload_right_after_a_load_no_report_lists_yet_reaches_the_engine(fleet):
+    """Outside probe: an unload right after the load of a just-copied adapter (before the
+    engines' next reports) was NOT_FOUND, and the adapter stayed loaded."""
+    admin, (e0, e1) = fleet
+    e1.stub.on_disk.add("fresh")
+    await admin.LoadAdapter(admin_pb2.AdminAdapterRequest(adapter="fresh"), Context())
+    reply = await admin.UnloadAdapter(admin_pb2.AdminAdapterRequest(adapter="fresh"), Context())
+    assert results(reply) == [(E1, True)] and "fresh" not in e1.stub.loaded
 
 
 async def test_load_of_an_adapter_no_report_lists_yet_asks_every_engine(fleet):
