@@ -817,12 +817,15 @@ class Pipeline:
                 when = f"during generation, after {len(job.sent_ids)} tokens"
             return RequestError(code, f"the request's deadline passed {when}", "deadline")
         if code in _ENGINE_REFUSAL_CODES:
-            if job.sent_ids:  # the request was good where it started: go on elsewhere
-                job.refused_by.add(engine.address)
+            # Engines differ (adapter ranks, lengths, what loaded): another may take it.
+            job.refused_by.add(engine.address)
+            if job.sent_ids:  # the request was good where it started
                 return self._lost(job, engine, "engine_refused",
                                   f"engine {engine.address} refused to continue it "
                                   f"({code.name}: {details})")
-            return RequestError(code, details, f"engine_{code.name.lower()}")
+            refusal = RequestError(code, details, f"engine_{code.name.lower()}")  # when none does
+            return _EngineLost(refusal, "engine_refused",
+                               f"engine {engine.address} refused it ({code.name}: {details})")
         return RequestError(code, f"engine {engine.address} failed: {details}", "engine_error")
 
     # ---- accounting ----------------------------------------------------------

@@ -268,6 +268,30 @@ async def test_a_continuation_an_engine_refuses_goes_on_elsewhere(tmp_path, thir
         await router.close()
 
 
+async def test_a_request_one_engine_refuses_runs_on_another(tmp_path):
+    """Regression probe doubt: engines differ (an adapter over one engine's
+    --max-lora-rank), and a new request the chosen engine refused ended with that refusal
+    although another engine could serve it. Now it is tried there; when every engine
+    refuses, the client gets the last refusal."""
+    router = await Router(tmp_path, TENANTS).start()
+    try:
+        router.engine.error = refusal(grpc.StatusCode.FAILED_PRECONDITION, "rank 16 > --max-lora-rank 8")
+        other = router.add_engine("127.0.0.1:2")
+        responses, err = await served(router, caller(router), prompt(5, 3))
+        assert err is None and [list(r.token_ids) for r in responses] == [[5], [5], [5]]
+        assert len(router.engine.requests) == 1 and len(other.requests) == 1
+        assert counter(router, "continued", "engine_refused") == 0  # no token had been sent
+
+        other.error = refusal(grpc.StatusCode.FAILED_PRECONDITION, "weights failed to load")
+        _, err = await served(router, caller(router), prompt(5, 3))
+        assert err is not None and (err.code, err.message) == (
+            grpc.StatusCode.FAILED_PRECONDITION, "weights failed to load")  # the last one asked
+        assert len(router.engine.requests) == 2 and len(other.requests) == 2  # each once
+        assert counter(router, "rejected", "engine_failed_precondition") == 1
+    finally:
+        await router.close()
+
+
 # ---- deadlines ------------------------------------------------------------------------
 
 
