@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from omnibus.bench import workloads
-from omnibus.common.cli import count, positive
+from omnibus.common.cli import config_error, count, positive, seconds
 
 SERVE_EPILOG = """\
 workloads (every length is multiplied by --scale, rounded, at least 1):
@@ -67,16 +69,16 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY'")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", choices=["anyscale", "sharegpt-like"], default="anyscale")
-    w.add_argument("--num-requests", type=int, default=100)
+    w.add_argument("--num-requests", type=count, default=100)
     w.add_argument("--scale", type=positive, default=1.0, help="multiply every length by this")
-    w.add_argument("--input-len", type=int, default=512, help="anyscale: prompt tokens")
+    w.add_argument("--input-len", type=count, default=512, help="anyscale: prompt tokens")
     w.add_argument(
         "--input-len-min",
-        type=int,
+        type=count,
         default=None,
         help="anyscale: prompts uniform over [this, --input-len]",
     )
-    w.add_argument("--output-mean", type=float, default=128.0, help="anyscale: mean output tokens")
+    w.add_argument("--output-mean", type=positive, default=128.0, help="anyscale: mean output tokens")
     w.add_argument(
         "--output-cap",
         type=count,
@@ -88,15 +90,15 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0)
     a = p.add_argument_group("arrivals (default: all at once)").add_mutually_exclusive_group()
     a.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
-    a.add_argument("--concurrency", type=int, default=None, help="requests kept in flight")
+    a.add_argument("--concurrency", type=count, default=None, help="requests kept in flight")
     a.add_argument("--burst", action="store_true", help="send everything at once (the default)")
     p.add_argument(
         "--max-duration",
-        type=float,
+        type=seconds,
         default=None,
         help="seconds; then cancel what is running and send nothing more",
     )
-    p.add_argument("--timeout", type=float, default=None, help="per-request deadline, seconds")
+    p.add_argument("--timeout", type=seconds, default=None, help="per-request deadline, seconds")
     g = p.add_argument_group("goodput SLOs (a request counts when it meets every one given)")
     g.add_argument("--slo-ttft-ms", type=positive, default=None)
     g.add_argument("--slo-tpot-ms", type=positive, default=None)
@@ -127,6 +129,18 @@ def workload_spec(args: argparse.Namespace) -> workloads.Spec:
                 spec.prompt, workloads.LogNormal(o.median, o.sigma, o.low, args.output_cap)
             )
     return spec.scaled(args.scale) if args.scale != 1.0 else spec
+
+
+_SECRET_NAME = re.compile(r"(key|token|secret|password|passwd|credentials?)$|^auth", re.I)
+
+
+def redact_secrets(config: dict) -> dict:
+    """`config` with every secret-like setting (api_key, *_token, *secret, password, ...)
+    that is set replaced by "<redacted>", for files that are kept and shared."""
+    return {
+        k: "<redacted>" if v not in (None, "") and _SECRET_NAME.search(k) else v
+        for k, v in config.items()
+    }
 
 
 async def serve_main(args: argparse.Namespace) -> dict:
@@ -168,7 +182,7 @@ async def serve_main(args: argparse.Namespace) -> dict:
     )
     payload = {
         "setup": setup,
-        "config": vars(args) | {"out_dir": str(args.out_dir)},
+        "config": redact_secrets(vars(args) | {"out_dir": str(args.out_dir)}),
         "summary": summary,
         "engine": run.engine,
     }
@@ -188,10 +202,49 @@ async def serve_main(args: argparse.Namespace) -> dict:
     return payload
 
 
+# Config fields (as their ValueErrors name them) whose flag has another name.
+_FLAGS = {
+    "serve": {"n": "--num-requests", "mean_output": "--output-mean", "cap": "--output-cap",
+              "timeout_s": "--timeout", "max_duration_s": "--max-duration",
+              "input_len": "--input-len", "input_len_min": "--input-len-min"},
+    "strategies": {"batch_size": "--batch-size", "rate_requests": "--rate-requests",
+                   "burst_requests": "--burst-requests"},
+}  # fmt: skip
+
+
+def flag_error(exc: ValueError, parser: argparse.ArgumentParser, command: str) -> str:
+    """A config's ValueError in terms of the flags: "<field> must ..." as "--flag must ...",
+    and the other fields it names as their flags."""
+    flags = _FLAGS.get(command, {})
+    field, _, rest = str(exc).partition(" ")
+    if field in flags and rest.startswith("must "):
+        text = f"{flags[field]} {rest}"
+    else:
+        text = config_error(exc, parser)
+    for name, flag in flags.items():
+        if len(name) > 1:  # "n" would match words
+            text = re.sub(rf"(?<![\w-]){name}\b", flag, text)
+    return text
+
+
+def _check_out_dir(path: Path, flag: str) -> None:
+    """Create `path` now (ValueError if it cannot be, or cannot be written): the run must not
+    end in a traceback that loses its results."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: not writable")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         if args.command == "serve":
+            if args.out_dir:
+                _check_out_dir(args.out_dir, "--out-dir")
             summary = asyncio.run(serve_main(args))["summary"]
             if not summary["completed"]:  # the report says why; a script must not read success
                 print(f"error: none of the {summary['requests']} requests completed "
@@ -202,8 +255,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             strategies.main(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {flag_error(exc, parser, args.command)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was running is cancelled; no report
+        print("error: interrupted; no report written", file=sys.stderr)
+        return 130
     except grpc.RpcError as exc:  # the target could not be reached or refused ListModels
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -74,9 +74,12 @@ class StudyConfig:
             raise ValueError(f"policies must be among {', '.join(POLICIES)}, got {self.policies}")
         if not 0 < self.scale <= 1:
             raise ValueError(f"scale must be in (0, 1], got {self.scale}")
-        if self.batch_size < 1 or self.rate_requests % self.batch_size:
+        for name in ("batch_size", "burst_requests", "rate_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.rate_requests % self.batch_size:
             raise ValueError(
-                "rate_requests must be a multiple of batch_size >= 1 (a static batch "
+                "rate_requests must be a multiple of batch_size (a static batch "
                 "without a timeout runs only when full)"
             )
         if self.burst_requests % self.batch_size:
@@ -397,14 +400,54 @@ def _machine() -> dict:
     }
 
 
+RESULTS_KEYS = ("config", "rates", "latency_cap", "points", "commands", "started", "elapsed_s",
+                "machine")  # fmt: skip
+
+
+def load_results(path: Path) -> dict:
+    """A results.json of this study; ValueError naming --report-only if it is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"--report-only {path}: {exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--report-only {path}: not JSON ({exc})") from None
+    missing = [k for k in RESULTS_KEYS if k not in data] if isinstance(data, dict) else RESULTS_KEYS
+    if missing:
+        raise ValueError(
+            f"--report-only {path}: not a results.json of this study (no {', '.join(missing)})"
+        )
+    return data
+
+
 def main(args: argparse.Namespace) -> None:
+    cfg = None if args.report_only else _config(args)  # its ValueErrors before anything else
+    _check_writable(plots_dir(args.out))
     if args.report_only:
-        data = json.loads(args.report_only.read_text())
+        data = load_results(args.report_only)
+        try:
+            write_report(data, args.out)
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise ValueError(
+                f"--report-only {args.report_only}: not a results.json of this study "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
     else:
-        data = run_study(_config(args))
+        data = run_study(cfg)
         report.write_json(plots_dir(args.out) / "results.json", data)
-    write_report(data, args.out)
+        write_report(data, args.out)
     _log(f"wrote {args.out} and {plots_dir(args.out)}/")
+
+
+def _check_writable(directory: Path) -> None:
+    """Create `directory` (the report's plots) before anything runs; ValueError naming --out
+    if it cannot be, so a study does not end in a traceback that loses its results."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out: cannot create {directory}: {exc.strerror or exc}") from None
+    if not os.access(directory, os.W_OK | os.X_OK) or not os.access(directory.parent, os.W_OK):
+        raise ValueError(f"--out: {directory} is not writable")
 
 
 def _config(args: argparse.Namespace) -> StudyConfig:
@@ -418,14 +461,28 @@ def _config(args: argparse.Namespace) -> StudyConfig:
         engine_queue=args.engine_queue,
         burst_requests=args.burst_requests,
         rate_requests=args.rate_requests,
-        rates=tuple(float(r) for r in args.rates.split(",")) if args.rates else None,
+        rates=_rates(args.rates),
         engine_threads=args.engine_threads,
         seed=args.seed,
         progress=sys.stderr.isatty(),
     )
 
 
+def _rates(text: str) -> tuple[float, ...] | None:
+    if not text:
+        return None
+    try:
+        rates = tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise ValueError(f"--rates must be numbers separated by commas, got {text!r}") from None
+    if not all(r > 0 and math.isfinite(r) for r in rates):
+        raise ValueError(f"--rates must be positive, finite requests/s, got {text!r}")
+    return rates
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from omnibus.common.cli import count, positive
+
     d = StudyConfig(out=Path("."))
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "strategies.md")
     p.add_argument(
@@ -436,14 +493,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--scale",
-        type=float,
+        type=positive,
         default=d.scale,
         help="multiplies the anyscale lengths (512-token prompts, mean 128, caps 32-1536)",
     )
     p.add_argument("--policies", default=",".join(d.policies))
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=count,
         default=d.batch_size,
         help="max running sequences (all policies) = static/dynamic batch size",
     )
@@ -454,15 +511,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d.engine_queue,
         help="requests the router may keep waiting in the engine beyond the batch",
     )
-    p.add_argument("--burst-requests", type=int, default=d.burst_requests)
-    p.add_argument("--rate-requests", type=int, default=d.rate_requests)
+    p.add_argument("--burst-requests", type=count, default=d.burst_requests)
+    p.add_argument("--rate-requests", type=count, default=d.rate_requests)
     p.add_argument(
         "--rates",
         default="",
         help="Poisson rates, req/s (default: fractions "
         f"{', '.join(map(str, d.rate_fractions))} of continuous capacity)",
     )
-    p.add_argument("--engine-threads", type=int, default=d.engine_threads)
+    p.add_argument("--engine-threads", type=count, default=d.engine_threads)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--report-only",

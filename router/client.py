@@ -54,10 +54,38 @@ def make_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
     )
 
 
+def _check_text(parser: argparse.ArgumentParser, args: argparse.Namespace, key: str) -> None:
+    """Usage errors (exit 2) for text a request cannot carry: arguments that are not valid
+    UTF-8 (argv bytes Python surrogate-escaped), and metadata values (--key, --adapter)
+    outside printable ASCII, which gRPC refuses as "Invalid metadata"."""
+    texts = [("prompt", args.prompt), ("--target", args.target), ("--adapter", args.adapter)]
+    texts += [("--stop", stop) for stop in args.stop]
+    for name, value in texts:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            parser.error(f"argument {name}: not valid UTF-8 text")
+    key_name = "--key" if args.key is not None else "$OMNIBUS_API_KEY"
+    for name, value in ((key_name, key), ("--adapter", args.adapter)):
+        if not all(" " <= c <= "~" for c in value):
+            parser.error(f"argument {name}: must be printable ASCII (it is sent as gRPC metadata)")
+
+
+def _write(text: str) -> None:
+    """To stdout; what its encoding cannot hold (PYTHONIOENCODING=ascii) as replacements."""
+    try:
+        sys.stdout.write(text)
+    except UnicodeEncodeError:
+        encoding = sys.stdout.encoding or "utf-8"
+        sys.stdout.write(text.encode(encoding, "replace").decode(encoding))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    request = make_request(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     key = args.key if args.key is not None else os.environ.get("OMNIBUS_API_KEY", "")
+    _check_text(parser, args, key)
+    request = make_request(args)
     metadata = []
     if key:
         metadata.append(("authorization", f"Bearer {key}"))
@@ -66,11 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     security = client_security_from_args(args)
     with security.channel(args.target) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
+        finish = 0
         try:
             for response in stub.Generate(request, metadata=metadata, timeout=args.timeout):
-                sys.stdout.write(response.text)
+                _write(response.text)
                 sys.stdout.flush()
                 if response.finish_reason:
+                    finish = response.finish_reason
                     print()
                     _summary(response)
         except grpc.RpcError as exc:
@@ -81,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BrokenPipeError:  # stdout closed early (| head): stop quietly
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 1
+    if finish == inference_pb2.ABORTED:  # cut short (e.g. the router drained): not success
+        print("error: the completion was aborted before it finished (ABORTED)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -251,3 +251,18 @@ async def test_cli_exits_1_when_no_request_completed(fake, capsys):
             "--adapters", "missing", "--no-progress"]
     assert await asyncio.to_thread(main, argv) == 1
     assert "error: none of the 3 requests completed ({'NOT_FOUND': 3})" in capsys.readouterr().err
+
+
+async def test_cli_never_writes_the_api_key_into_the_saved_config(fake, tmp_path):
+    """`--out-dir D` stored vars(args), the API key in plain text, in D/serve.json."""
+    from omnibus.bench.__main__ import main
+
+    servicer, target = fake
+    argv = ["serve", "--target", target, "--num-requests", "2", "--scale", "0.02",
+            "--api-key", "sk-secret-123", "--out-dir", str(tmp_path / "out"), "--no-progress"]
+    assert await asyncio.to_thread(main, argv) == 0
+    assert servicer.requests[0][1]["authorization"] == "Bearer sk-secret-123"  # still sent
+    for file in (tmp_path / "out").iterdir():
+        assert b"sk-secret-123" not in file.read_bytes(), file.name
+    saved = json.loads((tmp_path / "out" / "serve.json").read_text())
+    assert saved["config"]["api_key"] == "<redacted>"

@@ -31,9 +31,21 @@ def positive(text: str, unit: str = "") -> float:
     return value
 
 
+MAX_SECONDS = 1e8  # about 3.2 years
+
+
 def seconds(text: str) -> float:
-    """A positive, finite number of seconds (a deadline of inf or NaN would have expired)."""
-    return positive(text, " of seconds")
+    """A positive, finite number of seconds, at most MAX_SECONDS (1e8, about 3 years).
+
+    A deadline of inf or NaN would have expired; so does a finite one past what gRPC can
+    carry: grpc (1.85) turns now + timeout into int64 nanoseconds since the epoch, which
+    overflows (an instant DEADLINE_EXCEEDED) from about 7e9 seconds on."""
+    value = positive(text, " of seconds")
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_SECONDS:g} seconds (about 3 years), got {text}"
+        )
+    return value
 
 
 def _integer(text: str, lo: int, hi: int, what: str) -> int:
