@@ -8,12 +8,14 @@ against it) do not load torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from omnibus.common.adapters import adapter_name_error
-from omnibus.common.cli import HelpFormatter, config_error
+from omnibus.common.cli import HelpFormatter, config_error, uint64
 
 if TYPE_CHECKING:
     from omnibus.engine.config import EngineConfig
@@ -111,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(Stats RPC); costs O(running sequences) per step, so off when serving",
     )
     p.add_argument(
-        "--seed", type=int, default=None,
+        "--seed", type=uint64, default=None,
         help="seed of the shared generator that requests without a seed draw from (default: from "
         "the OS, so replicas and restarts sample independently; set it to replay a run)"
     )
@@ -240,9 +242,11 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerCon
             default_timeout_ms=args.embed_queue_timeout_ms,
         )
     except ValueError as exc:  # named as the flags are: --embed-<field>
-        field, _, rest = str(exc).partition(" ")
-        flag = "--embed-" + {"default_timeout_ms": "queue_timeout_ms"}.get(field, field).replace("_", "-")
-        raise ValueError(f"{flag} {rest}") from None
+        def flag(field: str) -> str:
+            return "--embed-" + {"default_timeout_ms": "queue_timeout_ms"}.get(field, field).replace("_", "-")
+
+        fields = "|".join(f.name for f in dataclasses.fields(BatcherConfig))
+        raise ValueError(re.sub(rf"\b({fields})\b", lambda m: flag(m.group()), str(exc))) from None
     server = ServerConfig(
         host=args.host,
         port=args.port,
@@ -312,9 +316,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {config_error(exc, parser)}", file=sys.stderr)
         return 2
-    from omnibus.common.logs import configure_logging
+    from omnibus.common.logs import configure_logging, quiet_shutdown
 
     configure_logging(args.log_level)
+    quiet_shutdown()
     if config.batching in ("continuous", "none"):
         ignored = [flag for flag, value in (("--max-batch-size", args.max_batch_size),
                                             ("--batch-window-ms", args.batch_window_ms)) if value is not None]

@@ -271,11 +271,12 @@ class ProcessCore:
 
 def _core_main(config: EngineConfig, conn: multiprocessing.connection.Connection,
                shared, log_level: str, server_pid: int) -> None:
-    from omnibus.common.logs import configure_logging
+    from omnibus.common.logs import configure_logging, quiet_shutdown
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the server drains, then stops us
     _die_with(server_pid)
     configure_logging(log_level)
+    quiet_shutdown()
     try:
         engine = load_engine(config)
     except EngineLoadError as exc:

@@ -246,7 +246,7 @@ class OpenAIFront:
     async def _start(self, request: web.Request, kind: type, request_id: str) -> tuple[Caller, Any]:
         """Authenticates (first, as on gRPC), then checks the request id, parses the body
         and resolves `model`."""
-        tenant = self._pipeline.authenticate(_metadata(request))
+        tenant = self._pipeline.authenticate(_metadata(request), request_id)
         check_request_id(request_id, REQUEST_ID_HEADER)  # before any protobuf field holds it
         body = oa.parse(kind, await request.read())
         header = request.headers.get(ADAPTER_HEADER)

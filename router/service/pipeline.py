@@ -243,13 +243,14 @@ class Pipeline:
 
     # ---- calls ---------------------------------------------------------------
 
-    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Tenant:
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]], request_id: str = "") -> Tenant:
         """The tenant of `authorization: Bearer <key>` in the call's metadata or headers
-        (lower-case names). Raises RequestError(UNAUTHENTICATED)."""
+        (lower-case names). Raises RequestError(UNAUTHENTICATED), logged with the client's
+        `request_id` (not checked yet: at most its first 128 characters)."""
         try:
             return self._keys.authenticate(metadata)
         except RequestError as err:
-            raise self.refused(err, "") from None
+            raise self.refused(err, request_id[:128]) from None
 
     def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         """A new stream's detokenizer (special tokens skipped, continuing `prompt_ids`), as

@@ -65,7 +65,7 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         # Writes with context.write, not by yielding: a write the stall watch cancels is
         # then ours to end with a status (a cancelled generator's call just goes silent).
         try:
-            caller = self._caller(context)
+            caller = self._caller(context, request.request_id)
             async with aclosing(self._pipeline.generate(request, caller)) as responses:
                 async for response in responses:
                     await context.write(response)
@@ -82,15 +82,15 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.EmbedResponse:
         try:
-            return await self._pipeline.embed(request, self._caller(context))
+            return await self._pipeline.embed(request, self._caller(context, request.request_id))
         except RequestError as err:
             await context.abort(err.code, err.message)
 
-    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+    def _caller(self, context: grpc.aio.ServicerContext, request_id: str) -> Caller:
         metadata = context.invocation_metadata() or ()
         left = context.time_remaining()
         return Caller(
-            tenant=self._pipeline.authenticate(metadata),
+            tenant=self._pipeline.authenticate(metadata, request_id),
             adapter=str(next((v for k, v in metadata if k == ADAPTER_HEADER), "")),
             deadline=None if left is None else time.monotonic() + left,
         )

@@ -153,11 +153,21 @@ class IncrementalDetokenizer:
         while start > lowest and kept < _MIN_CONTEXT:
             start -= 1
             kept += context[start] not in self._skipped_ids
-        # A byte run cut at the tail's start would decode to U+FFFDs whole (ByteFallback):
-        # the tail starts where the run does.
-        while start > lowest and context[start] in self._byte_ids and context[start - 1] in self._byte_ids:
+        # A byte run cut inside a character at the tail's start would decode to U+FFFDs
+        # whole (ByteFallback): the tail starts at the character's first byte (at most 3
+        # continuation bytes back, however long the run).
+        for _ in range(3):
+            if not (start > 0 and context[start - 1] in self._byte_ids
+                    and self._continuation_byte(context[start])):
+                break
             start -= 1
         return list(context[start:])
+
+    def _continuation_byte(self, token_id: int) -> bool:
+        """Whether `token_id` is a <0xNN> byte token for a UTF-8 continuation byte."""
+        if token_id not in self._byte_ids:
+            return False
+        return int(self._tokenizer.id_to_token(token_id)[3:5], 16) & 0xC0 == 0x80
 
     def _decode(self, ids: list[int]) -> str:
         """What `ids` add to the context's text."""

@@ -52,6 +52,14 @@ def test_bench_refuses_lengths_and_bounds_that_mean_nothing(argv, capsys):
     ("engine", ["--embed-max-queue-delay-ms", "inf"], "--embed-max-queue-delay-ms must be finite and >= 0, got inf"),
     ("router", ["--stream-interval", "0"], "--stream-interval must be > 0, got 0"),
     ("router", ["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    # regression probe: fields named in the message, and flags with a prefix
+    ("engine", ["--batching", "static", "--max-batch-size", "300"],
+     "--max-batch-size must be in [1, --max-num-seqs (256)], got 300"),
+    ("engine", ["--embed-preferred-batch-sizes", "64"],
+     "--embed-preferred-batch-sizes must lie in [1, --embed-max-batch-size], got (64,)"),
+    ("router", ["--tenant-max-concurrent", "-1"], "--tenant-max-concurrent must be >= 0 (0: no cap), got -1"),
+    ("router", ["--engine-retry-max-seconds", "0.01"],
+     "--engine-retry-max-seconds must be >= --engine-retry-initial-seconds, got 0.01"),
 ])
 def test_a_bad_flag_value_is_named_as_the_flag(tool, argv, message, capsys):
     """Outside probe: start-up errors named config fields (block_size), not the flags."""
@@ -251,3 +259,24 @@ def test_client_writes_what_stdout_cannot_encode_as_replacements(fake_router, mo
     assert main(["--target", target, "hi"]) == 0
     stdout.flush()
     assert stdout.buffer.getvalue() == b"caf?\n"
+
+
+def test_nothing_reaches_stderr_after_the_engines_last_log_line():
+    """Regression probe: triton's nanobind printed a leak report without a final newline
+    at interpreter shutdown, so the engine's last JSON line (engine_stopped) was glued to
+    it and could not be parsed."""
+    import json
+    import subprocess
+    import sys
+
+    script = """
+import atexit, os, structlog
+from omnibus.common.logs import configure_logging, quiet_shutdown
+atexit.register(lambda: os.write(2, b"nanobind: leaked 3 instances!"))  # runs after the silence
+configure_logging("info")
+quiet_shutdown()
+structlog.get_logger().info("engine_stopped")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert [json.loads(line)["event"] for line in out.stderr.splitlines()] == ["engine_stopped"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -74,14 +75,26 @@ def count(text: str) -> int:
 
 
 def config_error(exc: ValueError, parser: argparse.ArgumentParser) -> str:
-    """A config's "<field> must be ..." as the flag that sets it says it ("--field must
-    be ..."), when `parser` (or one of its subcommands) has that flag; else unchanged."""
-    field, _, rest = str(exc).partition(" ")
-    flag = "--" + field.replace("_", "-")
+    """A config's "<field> must be ..." as the flags that set them say it: the field, and
+    any other field the message names (snake_case words), as "--field" when `parser` (or
+    one of its subcommands) has that flag, or has exactly one flag ending in "-field"
+    (--tenant-max-concurrent for max_concurrent); else as it was."""
     parsers = [parser]
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             parsers += action.choices.values()
-    if rest.startswith("must ") and any(flag in p._option_string_actions for p in parsers):
-        return f"{flag} {rest}"
-    return str(exc)
+    flags = {flag for p in parsers for flag in p._option_string_actions if flag.startswith("--")}
+
+    def as_flag(field: str) -> str | None:
+        name = field.replace("_", "-")
+        if f"--{name}" in flags:
+            return f"--{name}"
+        ending = [f for f in flags if f.endswith(f"-{name}")]
+        return ending[0] if len(ending) == 1 else None
+
+    field, _, rest = str(exc).partition(" ")
+    flag = as_flag(field) if rest.startswith("must ") else None
+    if flag is None:
+        return str(exc)
+    rest = re.sub(r"\b[a-z]+(?:_[a-z0-9]+)+\b", lambda m: as_flag(m.group()) or m.group(), rest)
+    return f"{flag} {rest}"

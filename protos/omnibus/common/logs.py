@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import sys
 
 import structlog
@@ -44,3 +46,19 @@ def configure_logging(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if not getattr(h, "omnibus", False)] + [handler]
     root.setLevel(numeric)
+
+
+def quiet_shutdown() -> None:
+    """From interpreter shutdown on, stderr goes to /dev/null: triton's nanobind bindings
+    print a multi-line leak report (no final newline) while the interpreter tears down,
+    which breaks the JSON lines and the last one with them. Triton silences its own
+    compile workers the same way. Registered by the engine's processes once logging is
+    configured; everything they log before exiting is written by then."""
+
+    def silence() -> None:
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+
+    atexit.register(silence)

@@ -176,6 +176,17 @@ def test_a_prompts_partial_character_completed_by_the_output_streams_on():
     assert "".join(deltas) == tok.decode(ids)  # the output's own text: the rewrite's rule
 
 
+@pytest.mark.parametrize("chars", [10, 21, 22, 30, 100])
+def test_output_bytes_after_a_byte_run_longer_than_the_context_window(chars):
+    """Regression probe: a prompt ending in a byte run longer than the 64-token context
+    window got a tail that began inside a character; the output's first bytes merged into
+    that invalid run and came out as U+FFFDs ('��스l' for 'Hl스l')."""
+    tok = SENTENCEPIECE
+    prompt = tok.encode("語" * chars).ids  # not in the vocabulary: 3 byte tokens each
+    ids = [tok.token_to_id("<0x48>"), *tok.encode("the fox").ids]
+    assert "".join(stream(tok, ids, [1], prompt)) == continuation(tok, prompt, ids) == "H the fox"
+
+
 @pytest.mark.parametrize("name", TOKENIZERS)
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), prompt=TEXT, chunks=st.lists(st.integers(1, 3), min_size=1, max_size=5))
