@@ -360,6 +360,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         self._metrics = metrics
         self.catalog = catalog or AdapterCatalog(aengine.config.adapter_dir)
         self._live: dict[str, _Live] = {}  # request id -> the request being served
+        self._sessions: set[_Session] = set()  # the routers' open Session streams
         self._num_requests = 0
         self.draining = False
         self.stalled = False  # the watchdog saw a step run past its limit
@@ -373,6 +374,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     ) -> AsyncIterator[engine_pb2.SessionUpdate]:
         session = _Session(self, asyncio.get_running_loop())
         reader = asyncio.create_task(self._read_session(session, requests))
+        self._sessions.add(session)
         try:
             while True:
                 await session.ready.wait()
@@ -382,6 +384,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 if session.closed:
                     return
         finally:
+            self._sessions.discard(session)
             reader.cancel()
             for live in [x for x in self._live.values() if x.session is session]:
                 self._aengine.abort(live.request_id)  # the router is gone: free the KV
@@ -686,6 +689,15 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             adapter_salts=dict(stats.adapter_salts),
         )
 
+    async def end_sessions(self, wait: float = 0.5) -> None:
+        """Ends the routers' Session streams (OK, after what is pending), so the server's
+        stop does not cancel their handlers mid-write (gRPC logs those as unhandled
+        errors with a traceback); a router reconnects to the next engine."""
+        for session in self._sessions:
+            session.closed = True
+            session.ready.set()
+        await _wait_until(lambda: not self._sessions, wait)
+
     async def drain(self, grace: float) -> None:
         """Refuses new requests, lets in-flight ones finish for `grace` seconds, then
         aborts the rest (their streams end with finish reason ABORTED)."""
@@ -739,6 +751,7 @@ class RunningServer:
     async def stop(self, drain_seconds: float) -> None:
         await _set_health(self.health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.service.drain(drain_seconds)
+        await self.service.end_sessions()
         for task in self.tasks:
             task.cancel()
         await self.server.stop(0.2)  # what is left are load and health watches

@@ -227,3 +227,30 @@ def test_auto_puts_the_step_loop_in_a_process_except_the_null_model_s_on_a_cpu(c
     assert resolve_step_loop("auto", null) == "thread"
     assert resolve_step_loop("thread", config) == "thread"
     assert resolve_step_loop("process", null) == "process"
+
+
+async def test_a_stopping_server_ends_the_routers_session_streams_cleanly(config):
+    """Regression probe: on SIGTERM the server's stop cancelled the routers' open Session
+    handlers mid-wait, which gRPC logged as an unhandled error with a plain-text traceback
+    (1 stop in 3). The streams now end OK first (the router reconnects elsewhere)."""
+    import grpc
+    from omnibus.v1 import engine_pb2, engine_pb2_grpc
+
+    from omnibus.engine.serving.server import ServerConfig, start
+    from tests.grpc_helpers import free_port
+
+    port = free_port()
+    running = await start(Engine(config), ServerConfig(port=port))
+    stopped = False
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = engine_pb2_grpc.EngineStub(channel).Session()
+            await call.write(engine_pb2.SessionRequest(packed_tokens=True))
+            await asyncio.sleep(0.2)  # the handler is waiting for something to send
+            await running.stop(0.1)
+            stopped = True
+            assert await asyncio.wait_for(call.read(), 10) is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+    finally:
+        if not stopped:
+            await running.stop(0.1)
