@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _file_stem(text: str) -> str:
+    """A file name without a directory part: the reports stay inside --out-dir."""
+    if not text or text in (".", "..") or "/" in text or "\\" in text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"must be a file name without a directory part, got {text!r}")
+    return text
+
+
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target", required=True, metavar="HOST:PORT", help="the router (Inference service)"
@@ -112,7 +119,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out-dir", type=Path, default=None, help="write NAME.json, NAME.md and NAME.png here"
     )
-    p.add_argument("--name", default="serve", help="file name stem for --out-dir")
+    p.add_argument("--name", type=_file_stem, default="serve", help="file name stem for --out-dir")
     p.add_argument("--no-progress", action="store_true")
 
 

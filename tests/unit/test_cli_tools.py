@@ -92,6 +92,7 @@ def test_timeouts_past_what_grpc_carries_are_refused_naming_the_bound(value, cap
     ["--timeout", "inf"], ["--timeout", "1e10"], ["--max-duration", "inf"], ["--max-duration", "0"],
     ["--output-mean", "inf"], ["--output-mean", "nan"], ["--output-mean", "0"],
     ["--num-requests", "0"], ["--concurrency", "0"], ["--input-len", "0"],
+    ["--name", "../../x"], ["--name", ".."], ["--name", ""],  # would write outside --out-dir
 ])  # fmt: skip
 def test_bench_serve_refuses_values_named_as_their_flags(argv, capsys):
     """They were accepted (inf: every request DEADLINE_EXCEEDED at once; --output-mean inf:
