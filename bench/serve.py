@@ -133,6 +133,8 @@ async def run_workload(
         started_wall = time.time()
         await _Sender(stub, config, t0, bar).launch(requests, results)
         duration = max((r.end for r in results if r.end is not None), default=0.0)
+        if config.max_duration_s is not None and any(r.code == NOT_SENT for r in results):
+            duration = max(duration, config.max_duration_s)  # the run lasted to the limit
         engine = await monitor.stop(results, duration) if monitor else {}
     if bar is not None:
         bar.close()

@@ -143,6 +143,17 @@ async def test_failures_are_counted_by_status_code(fake):
     assert [r.code for r in run.results] == ["OK", "NOT_FOUND", "OK", "NOT_FOUND"]
 
 
+async def test_a_run_the_time_limit_cut_lasts_to_the_limit(fake):
+    """Outside probe: with requests still to send at --max-duration, the run's duration
+    ended at its last completion (1.78 s of a 2 s limit), overstating throughput."""
+    _, target = fake
+    quick = workloads.BenchRequest(prompt_ids=(5, 6), max_tokens=2)
+    config = serve.RunConfig(target=target, rate=0.01, max_duration_s=0.5, progress=False)
+    run = await serve.run_workload([quick, quick], config)
+    assert [r.code for r in run.results] == ["OK", serve.NOT_SENT]
+    assert run.results[0].end < 0.5 <= run.duration
+
+
 async def test_time_limit_cancels_running_and_skips_unsent(fake):
     _, target = fake
     hanging = workloads.BenchRequest(prompt_ids=(5, 6), max_tokens=63)
