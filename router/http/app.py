@@ -388,7 +388,7 @@ class OpenAIFront:
                     async for index, response in merged:
                         choices[index].add(response)
                 except RequestError as err:
-                    return error_response(err)
+                    return error_response(_as_sent(err, body))
                 return web.json_response({
                     **head, "object": shape.object, "choices": [shape.choice(c) for c in choices],
                     "usage": oa.total_usage(choices),
@@ -396,10 +396,19 @@ class OpenAIFront:
             try:
                 first = await _first_of_each(merged, len(requests))
             except RequestError as err:
-                return error_response(err)
+                return error_response(_as_sent(err, body))
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             events = _sse_events(shape, head, choices, first, merged, include_usage)
             return await _send_sse(request, events, request_id)
+
+
+def _as_sent(err: RequestError, body: Any) -> RequestError:
+    """A refusal that blames max_tokens, named as the request sent it: a chat request's
+    `max_completion_tokens` (the router's checks call the field max_tokens)."""
+    if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+        err.param = "max_completion_tokens"
+        err.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", err.message)
+    return err
 
 
 async def _first_of_each(

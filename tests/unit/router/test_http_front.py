@@ -254,6 +254,11 @@ async def test_a_chat_without_max_tokens_fills_what_an_engine_can_hold(tmp_path)
         big.mark_failed("connection refused")  # the longest context is down: the small one serves
         status, _, reply = await call(server.port, AUTH, body, b"/v1/chat/completions")
         assert status == 200 and router.engine.requests[-1].sampling.max_tokens == 31, reply
+        # a max_completion_tokens no engine holds is refused under that name (openai probe)
+        status, _, reply = await call(server.port, AUTH, body | {"max_completion_tokens": 300},
+                                      b"/v1/chat/completions")
+        assert (status, reply["error"]["param"]) == (400, "max_completion_tokens"), reply
+        assert "lower max_completion_tokens to at most 255" in reply["error"]["message"]
     finally:
         await server.close()
         await router.close()
