@@ -26,7 +26,7 @@ from omnibus.engine.lora import (
     AdapterError, AdapterInventory, LoraConfig, LoraManager, LoraStats, UnknownAdapterError)
 from omnibus.engine.worker.model_runner import ModelRunner, Step, resolve_dtype
 from omnibus.engine.core.policies import ContinuousPolicy, make_policy
-from omnibus.common.sampling import SamplingParams, check_context, check_token_ids
+from omnibus.common.sampling import SamplingParams, check_context, check_token_ids, kv_tokens
 from omnibus.engine.worker.sampling import make_generator
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
 from omnibus.engine.core.study import StudyCounters
@@ -146,17 +146,14 @@ class Engine:
                 f"output_offset ({params.output_offset}) must leave at least one prompt token "
                 f"of the {len(prompt)} sent"
             )
-        # KV for every token but the last sampled one, which no step computes
-        blocks = -(-(len(prompt) + params.max_tokens - 1) // self.config.block_size)
-        if blocks > self.allocator.num_usable_blocks:
-            # max_tokens 1 needs KV for the prompt alone: when that does not fit either, only
-            # a shorter prompt helps
-            prompt_fits = -(-len(prompt) // self.config.block_size) <= self.allocator.num_usable_blocks
+        most = kv_tokens(self.allocator.num_usable_blocks, self.config.block_size)
+        if len(prompt) + params.max_tokens > most:
+            blocks = -(-(len(prompt) + params.max_tokens - 1) // self.config.block_size)
+            # when max_tokens 1 does not fit either, only a shorter prompt helps
+            advice = "lower max_tokens" if len(prompt) + 1 <= most else "shorten the prompt"
             raise ValueError(
                 f"this request needs up to {blocks} KV blocks but the engine's pool has "
-                f"{self.allocator.num_usable_blocks}; "
-                f"{'lower max_tokens' if prompt_fits else 'shorten the prompt'} or give the engine "
-                "more KV memory"
+                f"{self.allocator.num_usable_blocks}; {advice} or give the engine more KV memory"
             )
 
     def _check_tokens(self, ids: list[int], what: str) -> None:
@@ -209,7 +206,7 @@ class Engine:
             # 4 prompt tokens and 2 outputs (a decode step), or what the context and the KV
             # pool allow (KV for every token but the last): at least 1 + 1.
             fit = min(self.model_config.max_model_len,
-                      self.allocator.num_usable_blocks * self.config.block_size + 1)
+                      kv_tokens(self.allocator.num_usable_blocks, self.config.block_size))
             outputs = 2 if fit >= 3 else 1
             self.generate([[token] * min(4, fit - outputs)],
                           SamplingParams(max_tokens=outputs, temperature=0.0, ignore_eos=True))

@@ -18,6 +18,7 @@ import structlog
 from omnibus.v1 import engine_pb2, engine_pb2_grpc
 
 from omnibus.common.fatal import exit_if_it_fails
+from omnibus.common.sampling import kv_tokens
 from omnibus.router.dispatch.adapters import Affinity
 from omnibus.router.dispatch.session import EngineOutput, EngineSession
 from omnibus.router.config import RouterConfig
@@ -143,9 +144,8 @@ class EngineClient:
 
     def max_request_tokens(self) -> int | None:
         """The most tokens (prompt + max_tokens) one request may span on the engine, as it
-        last reported: its context, and its KV pool, whose usable blocks hold every token
-        but the last sampled one (the engine's own rules, Engine._validate). None: no
-        report yet."""
+        last reported: its context, and what its KV pool holds (kv_tokens, the engine's own
+        rule). None: no report yet."""
         report = self.report
         if report is None:
             return None
@@ -153,7 +153,7 @@ class EngineClient:
         if report.max_model_len > 0:
             limits.append(report.max_model_len)
         if report.block_size > 0:
-            limits.append(report.num_total_blocks * report.block_size + 1)
+            limits.append(kv_tokens(report.num_total_blocks, report.block_size))
         return min(limits, default=None)
 
     def fits(self, tokens: int) -> bool:

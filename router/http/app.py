@@ -34,7 +34,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from omnibus.v1 import inference_pb2 as pb
 
 from omnibus.common.adapters import is_adapter_name
-from omnibus.common.sampling import check_context
 from omnibus.router.admission.auth import Tenant
 from omnibus.router.admission.validation import check_request_id
 from omnibus.router.config import RouterConfig
@@ -334,17 +333,9 @@ class OpenAIFront:
     async def _chat_request(self, body: oa.ChatBody) -> Prepared:
         ids = await self._chat_prompt(body)
         limits = self._pipeline.limits
-        max_tokens = body.max_tokens
-        if body.max_completion_tokens is not None:  # the newer name; 0 is refused, not unset
-            max_tokens = body.max_completion_tokens
-            if not 1 <= max_tokens <= limits.max_tokens:
-                raise invalid(f"max_completion_tokens must be in [1, {limits.max_tokens}], got "
-                              f"{max_tokens}", "max_completion_tokens")
-            if len(ids) <= limits.max_prompt_tokens:  # else the prompt is to blame (the Validator)
-                try:
-                    check_context(len(ids), max_tokens, limits.context, "max_completion_tokens")
-                except ValueError as exc:
-                    raise invalid(str(exc), "max_completion_tokens") from None
+        # The newer name; 0 is refused, not unset. The Validator checks it as max_tokens, and
+        # its refusals are named as sent (_as_sent).
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if max_tokens is None:  # as the OpenAI API: up to the context (of an engine that takes it)
             max_tokens = max(1, min(limits.max_tokens, self._pipeline.most_tokens() - len(ids)))
         logprobs = body.logprob_count
@@ -403,8 +394,9 @@ class OpenAIFront:
 
 
 def _as_sent(err: RequestError, body: Any) -> RequestError:
-    """A refusal that blames max_tokens, named as the request sent it: a chat request's
-    `max_completion_tokens` (the router's checks call the field max_tokens)."""
+    """A refusal that blames max_tokens (its range, the context, the engines' KV pools),
+    named as the request sent it: a chat request's `max_completion_tokens` (the router's
+    checks call the field max_tokens)."""
     if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         err.param = "max_completion_tokens"
         err.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", err.message)

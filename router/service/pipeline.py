@@ -116,6 +116,11 @@ class _Job:
     def adapter(self) -> str:
         return self.caller.adapter
 
+    @property
+    def writing(self) -> asyncio.Task | None:
+        """The task whose write to the client a stall holds up."""
+        return self.writer or self.task
+
     def wait(self, where: str) -> None:
         self.waiting = where
         if where == "client":  # only a write's start is timed (_Watch: client_stalled)
@@ -128,7 +133,7 @@ class _Job:
             return
         self.interrupted, self.interrupt_note = why, note
         if why == "client_stalled":  # the write that is stuck
-            (self.writer or self.task).cancel()
+            self.writing.cancel()
         elif why != "drain" or self.waiting != "client":  # a drain lets a write finish
             self.task.cancel()
 
@@ -182,12 +187,11 @@ class _Watch:
                 if job.waiting == "engine" and engine is not None and not engine.healthy:
                     job.interrupt("engine", f"engine {engine.address} was marked unhealthy")
                 elif job.waiting == "client" and now - job.waiting_since > self.stall:
-                    writer = job.writer or job.task
+                    writer = job.writing
                     for other in self.jobs:  # the request's other choices share the write
-                        if (other.writer or other.task) is writer:
+                        if other.writing is writer:
                             other.interrupt("client_stalled")
-                    if writer is not None:
-                        self.stalled.add(writer)
+                    self.stalled.add(writer)
 
     def drain(self) -> None:
         """Ends every stream now: those being served get a final ABORTED message."""

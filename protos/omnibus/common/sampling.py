@@ -183,10 +183,17 @@ def check_token_ids(ids: list[int], vocab_size: int, what: str) -> None:
         raise ValueError(f"{what}: token id {bad!r} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_context(prompt_tokens: int, max_tokens: int, context: int, name: str = "max_tokens") -> None:
-    """ValueError unless the prompt plus max_tokens (the field `name`) fits the model's context."""
+def kv_tokens(blocks: int, block_size: int) -> int:
+    """The most tokens (prompt + max_tokens) one request may span in `blocks` KV blocks:
+    every token but the last sampled one, which no step computes, needs KV. The engine
+    refuses past it and the router routes by it (one rule for both processes)."""
+    return blocks * block_size + 1
+
+
+def check_context(prompt_tokens: int, max_tokens: int, context: int) -> None:
+    """ValueError unless the prompt plus max_tokens fits the model's context."""
     if prompt_tokens + max_tokens > context:
         raise ValueError(
-            f"the prompt ({prompt_tokens} tokens) + {name} ({max_tokens}) exceeds the "
-            f"model's context of {context} tokens; shorten the prompt or lower {name}"
+            f"the prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the "
+            f"model's context of {context} tokens; shorten the prompt or lower max_tokens"
         )
