@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
 
 .PHONY: setup system-deps proto test test-gpu gpu-env gpu-wheels run bench-offline bench-host bench-strategies \
-	bench-lora bench-gpu test-kernels-triton36 bench-fairness check-install clean fuzz soak
+	bench-lora bench-gpu test-kernels-triton36 bench-fairness check-install clean fuzz fuzz-scheduler soak
 
 setup: $(STAMP)
 
@@ -38,6 +38,13 @@ test: setup system-deps
 FUZZ_EXAMPLES ?= 1000
 fuzz: setup
 	OMNIBUS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/e2e/test_fuzz.py
+
+# The scheduler simulator over many random combined workloads (`make test` replays 160 seeds).
+SIM_SEEDS ?= 5000
+SIM_FIRST_SEED ?= 1000
+fuzz-scheduler: setup
+	OMNIBUS_SIM_SEEDS=$(SIM_SEEDS) OMNIBUS_SIM_FIRST_SEED=$(SIM_FIRST_SEED) $(PY) -m pytest -q -p no:cacheprovider \
+	  tests/unit/core/test_scheduler_sim.py -k random_combined
 
 # Router + 2 null-model engines under a mixed workload for DURATION seconds, failing on
 # RSS / fd / thread growth or KV left in use (`make test` runs it for ~20 s).

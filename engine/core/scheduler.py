@@ -1,9 +1,11 @@
 """Iteration-level scheduler: plans one engine step at a time.
 
 `schedule()` decides which sequences run this step and how many tokens each
-(decodes first, then chunked prefills, running and newly admitted ones in the waiting
-order of core/waiting.py, within a token budget and a sequence cap),
-allocating KV blocks and preempting when the pool runs dry. `update()` applies the
+(decodes first, then chunked prefills, running and newly admitted ones in the one
+order of core/order.py, within a token budget and a sequence cap),
+allocating KV blocks and preempting when the pool runs dry or a waiting request may
+displace a running one. Within one call a request is seated at most once and evicted at
+most once, so every loop in it is bounded by the requests it holds. `update()` applies the
 sampled tokens: advances counts, caches full blocks, detects finished requests and
 frees them. Both work without a model, so tests drive them directly.
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from omnibus.engine.core.block_allocator import BlockAllocator
+from omnibus.engine.core.order import SchedulingOrder
 from omnibus.engine.core.policies import BatchingPolicy
 from omnibus.engine.core.sequence import RequestOutput, SamplerOutput, Sequence, SequenceStatus
 from omnibus.engine.core.study import StepObserver
@@ -35,10 +38,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # running sequences at most
     max_num_batched_tokens: int = 2048  # tokens computed per step at most
     max_model_len: int = 2048  # prompt + output tokens at most
-    waiting_order: str = "slo"  # "slo": EDF and tenant fair share within a priority; "fifo" (core/waiting.py)
-    # slo: a waiting request preempts another tenant's equal-priority one when its tenant's
-    # counter is this many tokens below (a margin against two heavy tenants trading seats).
-    fair_preemption_tokens: int = 16
+    waiting_order: str = "slo"  # "slo": near deadlines, then tenant fair share within a priority; "fifo" (core/order.py)
+    # The step time assumed until steps are measured: it decides when a deadline is near.
+    step_seconds_estimate: float = 0.05
 
 
 @dataclass(slots=True)
@@ -70,7 +72,10 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Sequence] = {}  # every unfinished request
         self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
-        self._waiting = WaitingQueue(config.waiting_order, config.fair_preemption_tokens, config.max_num_seqs)
+        self.order = SchedulingOrder(config.waiting_order, config.max_num_seqs, config.step_seconds_estimate)
+        self.order.budget = config.max_num_batched_tokens
+        self._waiting = WaitingQueue(self.order)
+        self._last_busy: float | None = None  # when the last non-empty step was planned
         self.num_waiting = 0
         self._aborted: list[RequestOutput] = []  # reported by the next update()
         self._step = 0
@@ -108,7 +113,7 @@ class Scheduler:
         """The one exit from the running set: blocks back to the pool, adapter slot unpinned
         (also frees the blocks of a waiting request whose admission failed)."""
         if seq.status is SequenceStatus.RUNNING:
-            self._waiting.unseated(seq)
+            self.order.unseat(seq)
         self.allocator.free(seq)
         if seq.lora_slot is not None:
             self.adapters.release(seq.adapter)
@@ -130,6 +135,8 @@ class Scheduler:
         sampling chunk leaves one token pending until `update` reports it."""
         self._step += 1
         self._now = time.monotonic() if now is None else now
+        self._measure_step_time()
+        self.order.now = self._now
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         decodes: list[Sequence] = []
@@ -146,14 +153,14 @@ class Scheduler:
             (decodes if left == 1 else prefills).append(seq)
         for seq in expired:
             self._end_prefilling(seq)
-        # Prefill chunks of running requests that the waiting order ranks after the head
-        # of the queue (another tenant's, a later deadline) get the budget it leaves.
+        # Prefill chunks of running requests that the order ranks after the head of the
+        # queue (another tenant's, a near deadline) get the budget it leaves.
         head = self._waiting.peek() if prefills else None
         behind: list[Sequence] = []
         if head is not None:
-            cut, ahead = self._waiting.rank(head), []
+            cut, ahead = self.order.key(head), []
             for s in prefills:
-                (behind if self._waiting.rank(s) > cut else ahead).append(s)
+                (behind if self.order.key(s) > cut else ahead).append(s)
             prefills = ahead
         idle = not self.running
         budget = self._plan_running(decodes + prefills, budget, out)
@@ -173,7 +180,14 @@ class Scheduler:
         if self.observer is not None and not out.is_empty:
             slots = self._batch_slots if self.policy.forms_batches else len(self.running)
             self.observer.on_step(out.num_batched_tokens, slots, self.running, self.allocator.block_size)
+        self._last_busy = None if out.is_empty else self._now
         return out
+
+    def _measure_step_time(self) -> None:
+        """The gap since the last non-empty step is one step's time (the loop plans the next
+        step as soon as one is launched): a moving average tells deadlines when they are near."""
+        if self._last_busy is not None and self._now > self._last_busy:
+            self.order.step_seconds += 0.1 * (self._now - self._last_busy - self.order.step_seconds)
 
     def _end_prefilling(self, seq: Sequence) -> None:
         """End a running request whose deadline passed before its first token (mid-prefill,
@@ -219,8 +233,10 @@ class Scheduler:
         return True
 
     def _preemption_victim(self) -> Sequence:
-        """By the waiting order's rule (core/waiting.py), among the unscheduled."""
-        victim = self._waiting.victim((s for s in self.running if s.scheduled_step != self._step), self._now)
+        """The last in the order (core/order.py) among those neither planned nor seated
+        in this step."""
+        step = self._step
+        victim = self.order.victim(s for s in self.running if s.scheduled_step != step and s.seated_step != step)
         if victim is None:
             raise RuntimeError("no sequence left to preempt")  # unreachable: the caller is unscheduled
         return victim
@@ -230,89 +246,106 @@ class Scheduler:
         self.running.remove(seq)
         self._leave_running(seq)
         seq.num_computed_tokens = 0
+        seq.evicted_step = self._step
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
-        """Admits waiting requests in the waiting order; returns the budget left."""
+        """Admits waiting requests in the order; returns the budget left. Each pass takes
+        the head off the queue (seated, deferred or ended) or stops, so the loop runs at
+        most once per waiting request."""
         limit = self.policy.admission_limit(now, len(self.running), self.num_waiting, self._oldest_arrival)
         room = min(limit, self.config.max_num_seqs - len(self.running))
         seated = len(self.running)
-        deferred: list[Sequence] = []  # waiting on their adapter; others may pass them
+        deferred: list[Sequence] = []  # waiting on their adapter or a token: others may pass them
         # A formed batch is admitted whole (its KV reserved) even when this step's token
         # budget runs out: the prefill of its later members continues in the next steps.
-        # With no seat left, the head may still preempt (a planned victim refunds its
-        # tokens), so a light tenant need not wait for a step with budget to spare.
-        while budget > 0 or room <= 0 or self.policy.forms_batches:
-            seq = self._peek_waiting()
+        # With no seat left, the head may still displace a running request (a planned
+        # one refunds its tokens), so a light tenant need not wait for a step with budget.
+        for _ in range(self.num_waiting + len(self.running)):  # each running one is evicted at most once
+            if budget <= 0 and room > 0 and not self.policy.forms_batches:
+                break
+            seq = self._waiting.peek()
             if seq is None:
                 break
+            self._waiting.pop(seq)
+            if seq.evicted_step == self._step:  # seated at most once, evicted at most once per step:
+                deferred.append(seq)  # it waits for the next step, and nobody passes it
+                break
             if seq.num_pending:  # preempted with a token in flight: it rejoins once that reports
-                self._waiting.pop(seq)
                 deferred.append(seq)
                 continue
             if seq.deadline is not None and now >= seq.deadline:
-                self._waiting.pop(seq)
                 self._end_waiting(seq, "deadline", f"the request's deadline passed {now - seq.deadline:.3f} s "
                                   "before the engine could prefill it")
                 continue
-            # The adapter first: a head waiting on it must not preempt for a seat it cannot
-            # take (the victim would take it back, and be preempted again every step).
+            # The adapter first: a head waiting on it must not displace anyone for a seat
+            # it cannot take.
             gate = self._adapter_gate(seq)
             if gate != "ok":
-                self._waiting.pop(seq)
                 if gate == "wait":
                     deferred.append(seq)
                 continue
-            if room <= 0:  # no seat: only a strictly lower-priority running sequence gives one up
-                refund = None if self.policy.forms_batches else self._preempt_for(seq, out)
-                if refund is None:
-                    self._leave_running(seq)  # unpins the adapter slot the gate pinned
-                    break
-                budget, room = budget + refund, room + 1
-                continue
-            cached = self.allocator.allocate_prefix(seq)
-            n = min(seq.num_tokens - cached, budget)
-            reserve = max(cached + n, self.policy.reserve_tokens(seq))
-            while not self.allocator.allocate_slots(seq, reserve):
-                refund = None if self.policy.forms_batches else self._preempt_for(seq, out)
-                if refund is None:
-                    break
-                budget, room = budget + refund, room + 1
-            else:
-                self._start_running(seq, cached, n, out)
-                budget -= n
-                room -= 1
-                continue
-            self._leave_running(seq)
-            break  # strict priority order: the head waits for blocks
+            seat = self._seat(seq, out, budget, room)
+            if seat is None:
+                self._leave_running(seq)  # unpins the adapter slot the gate pinned
+                deferred.append(seq)
+                break  # strict order: the head waits for a seat or blocks
+            planned, refunded, freed = seat
+            budget, room = budget - planned + refunded, room - 1 + freed
         for seq in deferred:
             self._waiting.push(seq, lift=False)
         if limit and self.policy.forms_batches:
             self.policy.admitted(limit, len(self.running) - seated)
         return budget
 
+    def _seat(self, seq: Sequence, out: SchedulerOutput, budget: int, room: int) -> tuple[int, int, int] | None:
+        """Seats `seq`, displacing running requests it may displace when there is no seat
+        or no blocks; returns (tokens planned, tokens refunded, seats freed), or None when
+        it must wait (nothing it may displace is left)."""
+        refunds = freed = 0
+        if room <= 0:
+            refund = self._displace_for(seq, out)
+            if refund is None:
+                return None
+            refunds, freed = refund, 1
+        cached = self.allocator.allocate_prefix(seq)
+        n = min(seq.num_tokens - cached, budget + refunds)
+        reserve = max(cached + n, self.policy.reserve_tokens(seq))
+        while not self.allocator.allocate_slots(seq, reserve):  # each pass evicts one request
+            refund = self._displace_for(seq, out)
+            if refund is None:
+                return None
+            refunds, freed = refunds + refund, freed + 1
+            n = min(seq.num_tokens - cached, budget + refunds)
+            reserve = max(cached + n, self.policy.reserve_tokens(seq))
+        self._start_running(seq, cached, n, out)
+        return n, refunds, freed
+
     def _start_running(self, seq: Sequence, cached: int, n: int, out: SchedulerOutput) -> None:
-        self._waiting.pop(seq)
         self.num_waiting -= 1
         seq.num_computed_tokens = cached
         if not seq.first_scheduled:
             seq.first_scheduled, seq.num_cached_tokens = True, cached
         seq.status = SequenceStatus.RUNNING
-        self._waiting.seated(seq)
+        seq.seated_step = self._step
+        self.order.seat(seq)
         bisect.insort(self.running, seq, key=Sequence.sort_key)
         if n > 0:
             out.scheduled.append(self._plan(seq, n))
 
-    def _preempt_for(self, seq: Sequence, out: SchedulerOutput) -> int | None:
-        """Preempt the running sequence the waiting order picks (core/waiting.py) if its
-        priority is strictly below `seq`'s, or (slo) equal with a far more served tenant;
-        equal priorities of one tenant never preempt each other: no thrashing. A victim
-        already planned for this step leaves the plan; returns the tokens that frees from
-        the step's budget, or None when there is no such victim."""
-        victim = self._waiting.victim(self.running, self._now)
-        if victim is None or not self._waiting.may_preempt(seq, victim):
+    def _displace_for(self, seq: Sequence, out: SchedulerOutput) -> int | None:
+        """Preempt the running request that waiting `seq` may displace (core/order.py) and
+        that comes last in the order, if any (never one seated in this step; formed batches
+        never displace). A victim already planned for this step leaves the plan; returns
+        the tokens that frees from the step's budget, or None when there is no such victim."""
+        if self.policy.forms_batches:
+            return None
+        step, backlogged = self._step, self._waiting.backlogged()
+        victim = self.order.victim(r for r in self.running
+                                   if r.seated_step != step and self.order.may_displace(seq, r, backlogged))
+        if victim is None:
             return None
         refund = sum(item.num_tokens for item in out.scheduled if item.seq is victim)
         if refund:
@@ -362,9 +395,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._waiting.push(seq)
         self.num_waiting += 1
-
-    def _peek_waiting(self) -> Sequence | None:
-        return self._waiting.peek()
 
     def _oldest_arrival(self) -> float | None:
         """Arrival time of the longest-waiting request (O(waiting); only the batch-forming

@@ -73,6 +73,10 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled: bool = False
     scheduled_step: int = -1  # the last step that scheduled it (scheduler bookkeeping)
+    seated_step: int = -1  # the last step that seated it (started it running)
+    evicted_step: int = -1  # the last step that preempted it
+    queue_stamp: int = 0  # its live entry in the waiting queue (0: not queued)
+    urgent_at: float | None = None  # when its deadline starts to count (core/order.py); set when queued
     lora_slot: int | None = None  # device adapter slot, pinned while running
     # The tokens that end it ("stop") and the length at which it ends ("length"): from its
     # params here; the scheduler adds the model's EOS ids and the context limit.

@@ -1,6 +1,7 @@
-"""SLO-aware scheduling without a model: EDF admission, deadline expiry, slack- and
-fairness-ordered preemption, tenant fair share (virtual token counters) in the engine's
-waiting queue, and the prefix hash the router shares with the allocator."""
+"""SLO-aware scheduling without a model: near deadlines first (far ones rank like none),
+deadline expiry, preemption in the one order, tenant fair share (virtual token counters,
+seat shares) in the engine's waiting queue, and the prefix hash the router shares with
+the allocator."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from omnibus.engine.core.block_allocator import BlockAllocator
 from omnibus.engine.core.policies import make_policy
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
 from omnibus.engine.core.sequence import Sequence
-from omnibus.engine.core.waiting import WaitingQueue
+from omnibus.engine.core.order import SchedulingOrder
 from omnibus.engine.worker.sampling import SamplerOutput, SamplingParams
 
 NOW = 1000.0
@@ -47,16 +48,46 @@ def planned(plan) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("order, expected", [
-    ("slo", [("soon", 8), ("late", 2)]),  # EDF; "none" (no deadline) waits
+    ("slo", [("soon", 8), ("none", 2)]),  # the near deadline first; the far one ranks like none
     ("fifo", [("none", 8), ("late", 2)]),  # arrival, whatever the deadlines
 ])
-def test_prefills_are_admitted_earliest_deadline_first_within_the_budget(order, expected):
+def test_a_near_deadline_is_admitted_first_and_a_far_one_ranks_like_none(order, expected):
     s = make_scheduler(order=order, budget=10)
     s.add(seq("none", 8))
     s.add(seq("late", 8, deadline=NOW + 9))
-    s.add(seq("soon", 8, deadline=NOW + 1))
+    # 1 prefill + 4 decode steps at the assumed 0.05 s: near within 2 x 0.25 s of its deadline
+    s.add(seq("soon", 8, deadline=NOW + 0.4))
     plan, _ = step(s)
     assert planned(plan) == expected
+
+
+def test_a_deadline_becomes_near_as_the_clock_passes():
+    s = make_scheduler(budget=8, max_seqs=1)
+    s.add(seq("first", 8, max_tokens=50))
+    s.add(seq("none", 8, start=100))
+    s.add(seq("timed", 8, deadline=NOW + 10, start=200))  # near from NOW + 9.5 (1 + 4 steps, twice 0.25 s)
+    step(s, NOW)
+    assert s.order.urgent_at(s.requests["timed"]) == pytest.approx(NOW + 9.5)
+    s.abort("first")
+    plan, _ = step(s, NOW + 1)
+    assert planned(plan) == [("none", 8)]  # far: arrival decides
+    s.abort("none")
+    s.add(seq("later", 8, start=300))
+    plan, _ = step(s, NOW + 9.6)
+    assert planned(plan) == [("timed", 8)]
+
+
+def test_client_timeouts_on_every_request_leave_fair_share_in_charge():
+    """Every client sets a 600 s deadline, as gRPC advises: that is no SLO, so a light
+    tenant is not queued behind a flood that arrived first (it took no seat before)."""
+    s = make_scheduler(budget=64, max_seqs=2, num_blocks=200)
+    for i in range(8):
+        s.add(seq(f"a{i}", 8, max_tokens=30, tenant="a", deadline=NOW + 600, start=10 * i))
+    step(s)
+    step(s)
+    s.add(seq("b0", 8, max_tokens=4, tenant="b", deadline=NOW + 600, start=200))
+    plan, _ = step(s)
+    assert [v.request_id for v in plan.preempted] == ["a1"] and ("b0", 8) in planned(plan)
 
 
 def test_a_request_whose_deadline_passed_is_never_prefilled():
@@ -97,25 +128,30 @@ def test_a_request_whose_deadline_passes_mid_prefill_gets_no_further_chunk(deadl
     assert long.block_table == [] and s.allocator.counts().referenced == len(dec.block_table)
 
 
-def test_blocks_running_out_preempt_the_request_with_the_most_slack():
+def test_blocks_running_out_preempt_the_last_in_the_order():
     # 6 usable blocks of 4 tokens: three 8-token prompts take all of them.
     s = make_scheduler(num_blocks=7, max_seqs=3)
-    s.add(seq("tight", 8, max_tokens=8, deadline=NOW + 1))
+    s.add(seq("tight", 8, max_tokens=8, deadline=NOW + 0.5))  # near: 9 steps, twice 0.45 s
     s.add(seq("none", 8, max_tokens=8))
-    s.add(seq("loose", 8, max_tokens=8, deadline=NOW + 60))
+    s.add(seq("loose", 8, max_tokens=8, deadline=NOW + 60))  # far: ranks like none
     step(s)
     plan, _ = step(s)  # each decode needs a fifth token's block: someone must go
-    assert [v.request_id for v in plan.preempted] == ["none"]  # no deadline: infinite slack
-    assert sorted(r for r, _ in planned(plan)) == ["loose", "tight"]
+    assert [v.request_id for v in plan.preempted] == ["loose"]  # no near deadline, latest arrival
+    assert sorted(r for r, _ in planned(plan)) == ["none", "tight"]
 
 
-def test_slack_ranks_below_priority_in_the_victim_choice():
-    q = WaitingQueue("slo")
-    low = seq("low", 4, priority=0, deadline=NOW + 1)
+def test_near_deadlines_rank_below_priority_in_the_victim_choice():
+    order = SchedulingOrder("slo")
+    order.now = NOW
+    low = seq("low", 4, priority=0, deadline=NOW + 0.1)
     high = seq("high", 4, priority=1)
-    assert q.victim([high, low], NOW) is low
-    later = seq("later", 4, priority=0, deadline=NOW + 1)
-    assert q.victim([later, low], NOW) is later  # equal slack: the latest arrival
+    later = seq("later", 4, priority=0, deadline=NOW + 0.2)
+    none = seq("none", 4, priority=0)
+    for s in (low, high, later, none):
+        s.urgent_at = order.urgent_at(s)
+    assert order.victim([high, low]) is low
+    assert order.victim([later, low]) is later  # both near: the later deadline
+    assert order.victim([none, low, later]) is none  # no near deadline ranks after any
 
 
 # ---- fair share in the engine -----------------------------------------------------
@@ -130,7 +166,7 @@ def test_waiting_requests_of_the_least_served_tenant_go_first():
     s.add(seq("a2", 8, tenant="a", start=200))  # lifted to b's 0 at most: a keeps its 8
     plan, _ = step(s)
     assert planned(plan) == [("b1", 8)]
-    assert s._waiting.counters.snapshot() == {"a": 8.0, "b": 8.0}  # noqa: SLF001
+    assert s.order.counters.snapshot() == {"a": 8.0, "b": 8.0}  # noqa: SLF001
 
 
 def test_a_tenant_arriving_behind_a_backlog_is_lifted_to_its_counter():
@@ -141,7 +177,7 @@ def test_a_tenant_arriving_behind_a_backlog_is_lifted_to_its_counter():
     s.add(seq("b1", 8, tenant="b", start=100))  # lifted from 0 to 8: equal counters, arrival decides
     plan, _ = step(s)
     assert planned(plan) == [("a2", 8)]
-    assert s._waiting.counters.snapshot() == {"a": 16.0, "b": 8.0}  # noqa: SLF001
+    assert s.order.counters.snapshot() == {"a": 16.0, "b": 8.0}  # noqa: SLF001
     plan, _ = step(s)
     assert planned(plan) == [("a2", 1), ("b1", 7)]  # a2's decode first, then b1 in the budget left
 
@@ -155,7 +191,7 @@ def test_a_tenant_below_its_seat_share_takes_a_seat_from_one_above_it_once():
     plan, _ = step(s)
     assert plan.preempted == []  # one tenant never preempts itself
     s.add(seq("b1", 4, tenant="b"))  # lifted to a's 26 while a waits: no credit banked
-    assert s._waiting.counters["b"] == s._waiting.counters["a"] == 26  # noqa: SLF001
+    assert s.order.counters["b"] == s.order.counters["a"] == 26  # noqa: SLF001
     plan, _ = step(s)  # b holds 0 of its 1 seat, a 2 of its 1: a's latest gives one up
     assert [v.request_id for v in plan.preempted] == ["a2"]
     assert planned(plan) == [("a1", 1), ("b1", 4)]
@@ -191,21 +227,32 @@ def test_a_seat_taken_from_a_prefilling_request_comes_with_its_budget():
     assert planned(plan) == [("a1", 1), ("b1", 4)]
 
 
-def test_a_tenant_at_its_seat_share_preempts_only_past_the_counter_margin():
-    for margin, victims in ((10, []), (5, ["a1"])):
-        s = make_scheduler(budget=64, max_seqs=2)
-        s._waiting.fair_preemption_tokens = margin  # noqa: SLF001
-        s.add(seq("a1", 12, tenant="a", max_tokens=50))
-        s.add(seq("b1", 4, tenant="b", max_tokens=50, start=100))
-        step(s)  # a: 12 served, b: 4; one seat each (their shares)
-        s.add(seq("b2", 4, tenant="b", start=200))  # not lifted: b is the only one waiting
-        plan, _ = step(s)  # a 12 vs b 4 when b2 asks: 8 tokens apart
-        assert [v.request_id for v in plan.preempted] == victims
+def test_a_tenant_at_its_seat_share_is_never_displaced_whatever_the_counters():
+    """Counters decide who is admitted next; taking a running request's seat needs its
+    tenant to hold more than its share (two tenants at their shares never trade seats)."""
+    s = make_scheduler(budget=64, max_seqs=2)
+    s.add(seq("a1", 40, tenant="a", max_tokens=50))
+    s.add(seq("b1", 4, tenant="b", max_tokens=50, start=100))
+    step(s)  # a: 40 served, b: 4; one seat each (their shares)
+    s.add(seq("b2", 4, tenant="b", start=200))  # b's counter far below a's
+    for _ in range(3):
+        plan, _ = step(s)
+        assert plan.preempted == [] and planned(plan) == [("a1", 1), ("b1", 1)]
+
+
+def test_a_higher_priority_head_displaces_once_and_is_seated_itself():
+    """The request that displaces takes the seat it freed: the displaced one (earlier in
+    arrival, same deadline) never gets it back within the step."""
+    s = make_scheduler(budget=64, max_seqs=1)
+    s.add(seq("low", 8, max_tokens=50, deadline=NOW + 600))
+    step(s)
+    s.add(seq("high", 8, priority=1, deadline=NOW + 600, start=100))
+    plan, _ = step(s)
+    assert [v.request_id for v in plan.preempted] == ["low"] and planned(plan) == [("high", 8)]
 
 
 def test_fair_preemption_takes_the_latest_request_of_the_most_served_tenant():
     s = make_scheduler(budget=64, max_seqs=2)
-    s._waiting.fair_preemption_tokens = 10  # noqa: SLF001
     s.add(seq("a1", 12, tenant="a", max_tokens=50))
     s.add(seq("a2", 12, tenant="a", max_tokens=50))
     step(s)  # a: 24 served, nobody else backlogged

@@ -1,0 +1,553 @@
+"""A scheduler simulator: the real Scheduler, BlockAllocator, waiting queue and batching
+policies on a simulated clock, with no model and no torch.
+
+A deterministic fake model (each token a hash of the context and the adapter) and a fake
+adapter manager (few slots, loads that take steps, adapters that fail to load) stand in
+for the worker. Random workloads mix tenants with weights, priorities, tight and loose
+deadlines, adapters, cancels, shared prefixes, tiny KV pools, chunked prefill and
+overlapped steps (tokens reported a step late) under all four batching policies.
+
+After every step `Simulator` checks the invariants the scheduler promises and raises
+`InvariantViolation` naming the broken one:
+
+- `schedule()` returns within its bound (a counting allocator stops a livelock), and no
+  request is seated or evicted twice in one call;
+- every displacement is stable: once seated, the request that displaced another precedes
+  it in the order and could not be displaced back by it;
+- the plan stays within the token budget and the seat cap; planned requests are unique;
+- KV integrity: the allocator's own check, adapter slot pins match the running set,
+  and every KV slot a request reads holds its own token (prefix-cache hits included);
+- no request whose deadline passed is prefilled;
+- priority order: no request is seated while an eligible waiting one of higher
+  priority stays behind;
+- once arrivals stop, every request ends within a bounded number of steps (liveness),
+  and every finished output equals the model's output for that prompt alone;
+- tenants continuously backlogged together stay within the VTC bound of each other.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass, field
+
+from omnibus.common.sampling import SamplingParams
+from omnibus.engine.core.block_allocator import BlockAllocator
+from omnibus.engine.core.policies import make_policy
+from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from omnibus.engine.core.sequence import RequestOutput, SamplerOutput, Sequence, SequenceStatus
+
+EOS = 2
+VOCAB = 40
+T0 = 1000.0  # the simulated clock's start (monotonic seconds)
+
+
+class InvariantViolation(AssertionError):
+    """A promise of the scheduler did not hold; the message says which and where."""
+
+
+class Livelock(InvariantViolation):
+    """One schedule() call did more work than its bound allows (it would not return)."""
+
+
+# ---- the fakes ----------------------------------------------------------------------
+
+
+class CountingAllocator(BlockAllocator):
+    """A BlockAllocator that raises Livelock when one schedule() frees more sequences'
+    blocks than `limit` (each request can leave the running set at most once per call)."""
+
+    limit: int | None = None
+    frees = 0
+
+    def free(self, seq: Sequence) -> None:
+        self.frees += 1
+        if self.limit is not None and self.frees > self.limit:
+            raise Livelock(f"one schedule() freed blocks {self.frees} times (bound {self.limit})")
+        super().free(seq)
+
+
+@dataclass
+class _Gate:
+    slot: int | None = None
+    error: str | None = None
+    salt: str | None = None
+
+
+class FakeAdapters:
+    """The LoraManager verbs the scheduler calls (gate, release) over `slots` device slots:
+    an adapter becomes ready `load_steps` steps after it is first wanted; a failing one
+    ends its requests; a slot is reused (LRU) only when no running request pins it."""
+
+    def __init__(self, slots: int, load_steps: int, failing: frozenset[str]) -> None:
+        self.slots: list[str | None] = [None] * slots
+        self.pins = [0] * slots
+        self.last_used = [0] * slots
+        self.load_steps = load_steps
+        self.failing = failing
+        self.first_wanted: dict[str, int] = {}
+        self.step = 0
+        self.waited: set[str] = set()  # adapters whose gate said "wait" during this step
+
+    def gate(self, name: str) -> _Gate:
+        if name in self.failing:
+            return _Gate(error=f"adapter {name!r} failed to load")
+        if self.step - self.first_wanted.setdefault(name, self.step) < self.load_steps:
+            self.waited.add(name)
+            return _Gate()
+        slot = self.slots.index(name) if name in self.slots else None
+        if slot is None:
+            free = [i for i, p in enumerate(self.pins) if p == 0]
+            if not free:
+                self.waited.add(name)
+                return _Gate()
+            slot = min(free, key=lambda i: self.last_used[i])
+            self.slots[slot] = name
+        self.pins[slot] += 1
+        self.last_used[slot] = self.step
+        return _Gate(slot=slot, salt=f"salt-{name}")
+
+    def release(self, name: str) -> None:
+        slot = self.slots.index(name)
+        if self.pins[slot] <= 0:
+            raise InvariantViolation(f"adapter {name!r} released more often than pinned")
+        self.pins[slot] -= 1
+
+
+def model_token(context: list[int], salt: str | None, eos_ok: bool) -> int:
+    """The fake model's greedy pick: a function of the whole context and the adapter."""
+    h = zlib.crc32(repr((salt, context)).encode())
+    if eos_ok and h % 11 == 0:
+        return EOS
+    return 3 + h % (VOCAB - 3)
+
+
+def solo_output(prompt: list[int], salt: str | None, max_tokens: int, ignore_eos: bool) -> list[int]:
+    """What the request generates alone."""
+    ctx, out = list(prompt), []
+    while len(out) < max_tokens:
+        t = model_token(ctx, salt, not ignore_eos)
+        ctx.append(t)
+        out.append(t)
+        if t == EOS and not ignore_eos:
+            break
+    return out
+
+
+# ---- the workload -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    seed: int
+    policy: str = "continuous"  # continuous | dynamic | static | none
+    waiting_order: str = "slo"
+    num_blocks: int = 24
+    block_size: int = 4
+    max_num_seqs: int = 3
+    budget: int = 16  # max_num_batched_tokens
+    max_model_len: int = 64
+    prefix_caching: bool = True
+    overlap: bool = False
+    tenants: tuple[float, ...] = (1.0, 2.0, 1.0)  # weights
+    adapters: int = 2  # adapter names a0..; 0: a base-model engine
+    adapter_slots: int = 1
+    adapter_load_steps: int = 2
+    num_requests: int = 40
+    arrival_steps: int = 60  # arrivals spread over these steps (a flood at step 0 too)
+    step_seconds: float = 0.01  # simulated time of one step
+
+    @staticmethod
+    def random(seed: int) -> "SimConfig":
+        r = random.Random(seed)
+        block_size = r.choice([2, 4, 8])
+        max_len = r.choice([24, 48, 64])
+        return SimConfig(
+            seed=seed,
+            policy=r.choice(["continuous", "continuous", "continuous", "dynamic", "static", "none"]),
+            waiting_order=r.choice(["slo", "slo", "fifo"]),
+            num_blocks=r.randint(max_len // block_size + 2, max_len // block_size + 20),
+            block_size=block_size,
+            max_num_seqs=r.randint(1, 5),
+            budget=r.choice([1, 3, 8, 16, 32]),
+            max_model_len=max_len,
+            prefix_caching=r.random() < 0.8,
+            overlap=r.random() < 0.4,
+            tenants=tuple(r.choice([1.0, 1.0, 2.0, 3.0]) for _ in range(r.randint(1, 3))),
+            adapters=r.choice([0, 0, 1, 3]),
+            adapter_slots=r.randint(1, 2),
+            adapter_load_steps=r.randint(0, 3),
+            num_requests=r.randint(10, 60),
+            arrival_steps=r.randint(1, 80),
+        )
+
+
+@dataclass
+class Arrival:
+    step: int
+    seq: Sequence
+    cancel_after: int | None  # abort once it has this many output tokens (or waited this many steps)
+    expected: list[int] = field(default_factory=list)
+
+
+def make_workload(cfg: SimConfig, rng: random.Random) -> list[Arrival]:
+    """Tenant 0 floods at step 0 with long outputs and loose (client-timeout) deadlines;
+    the rest arrive over `arrival_steps` with every mix of features."""
+    families = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 16))] for _ in range(3)]
+    adapters = [f"a{i}" for i in range(cfg.adapters)]
+    arrivals = []
+    for i in range(cfg.num_requests):
+        flood = i < cfg.num_requests // 3
+        tenant = 0 if flood else rng.randrange(len(cfg.tenants))
+        step = 0 if flood else rng.randrange(cfg.arrival_steps)
+        t = T0 + step * cfg.step_seconds
+        max_tokens = rng.randint(1, 20 if flood else 12)
+        room = cfg.max_model_len - max_tokens
+        prompt = (rng.choice(families) if rng.random() < 0.5 else [])[:room - 1]
+        prompt = prompt + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, max(1, min(20, room - len(prompt)))))]
+        prompt = prompt[:room]
+        kind = rng.random()
+        deadline = (t + 600.0 if flood or kind < 0.3 else  # a client timeout, far away
+                    t + rng.uniform(0.5, 30) * cfg.step_seconds if kind < 0.5 else  # tight
+                    None)
+        adapter = rng.choice(adapters) if adapters and rng.random() < 0.5 else None
+        ignore_eos = flood or rng.random() < 0.5
+        seq = Sequence(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                                       temperature=0.0),
+                       priority=5 if rng.random() < 0.15 and not flood else 0, adapter=adapter,
+                       cache_salt=f"salt-{adapter}" if adapter else None,
+                       tenant=f"t{tenant}", weight=cfg.tenants[tenant], deadline=deadline, arrival_time=t)
+        cancel = rng.randint(0, 6) if rng.random() < 0.12 else None
+        arrivals.append(Arrival(step, seq, cancel))
+    arrivals.sort(key=lambda a: (a.step, a.seq.arrival_index))
+    return arrivals
+
+
+# ---- the run ------------------------------------------------------------------------
+
+
+@dataclass
+class SimResult:
+    steps: int
+    finished: dict[str, RequestOutput]
+    preemptions: int
+    max_preemptions_per_step: int
+    max_counter_gap: float  # the largest gap seen between tenants backlogged together
+    counter_bound: float  # the VTC bound it was checked against
+
+
+class Simulator:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.allocator = CountingAllocator(cfg.num_blocks, cfg.block_size, cfg.prefix_caching)
+        failing = frozenset({"a2"}) if cfg.adapters >= 3 else frozenset()
+        self.adapters = FakeAdapters(cfg.adapter_slots, cfg.adapter_load_steps, failing) if cfg.adapters else None
+        policy = make_policy(cfg.policy, max_batch_size=cfg.max_num_seqs, window_ms=30.0)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.budget, cfg.max_model_len, cfg.waiting_order),
+            self.allocator, policy, (EOS,), self.adapters)  # type: ignore[arg-type]
+        self.arrivals = make_workload(cfg, self.rng)
+        self._watch_displacements()
+        self.kv: dict[tuple[int, int], tuple[str | None, int]] = {}  # (block, offset) -> (salt, token)
+        self.tables: dict[int, list[list[int]]] = {}  # id(plan) -> its items' block tables at launch
+        self.finished: dict[str, RequestOutput] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.cancels: dict[str, Arrival] = {}
+        self.waited_steps: dict[str, int] = {}
+        self.step = 0
+        self.now = T0
+        # fairness: counters when each pair of tenants became backlogged together
+        self.together: dict[tuple[str, str], tuple[float, float]] = {}
+        self.max_gap = 0.0
+        weights = min(cfg.tenants)
+        # VTC (Sheng et al., OSDI 2024, Thm 4.3): |dW_f - dW_g| <= 2 U, U the most one
+        # admission can charge (a whole request: max_model_len tokens, recomputed once after
+        # a preemption) plus what the batch in flight holds (its KV) - per unit of weight.
+        self.counter_bound = 2 * (2 * cfg.max_model_len + cfg.num_blocks * cfg.block_size) / weights
+        self.max_preempt = 0
+
+    # -- driving --
+
+    def run(self) -> SimResult:
+        pending = list(self.arrivals)
+        last_arrival = max(a.step for a in self.arrivals)
+        # Liveness bound once arrivals stop: every remaining token computed one per step,
+        # twice over (recompute after preemption), plus adapter loads and batch windows.
+        work = sum(a.seq.num_prompt_tokens + a.seq.params.max_tokens for a in self.arrivals)
+        limit = last_arrival + 2 * work + 10 * (self.cfg.adapter_load_steps + 1) + 50
+        in_flight: SchedulerOutput | None = None
+        while pending or self.scheduler.has_unfinished() or in_flight is not None:
+            if self.step > limit:
+                raise InvariantViolation(
+                    f"liveness: {len(self.scheduler.requests)} requests unfinished {self.step - last_arrival} "
+                    f"steps after the last arrival (bound {limit - last_arrival})")
+            while pending and pending[0].step <= self.step:
+                self._arrive(pending.pop(0))
+            if not pending:
+                self.scheduler.policy.close_arrivals()
+            self._cancel()
+            plan = self._schedule()
+            if in_flight is not None:
+                self._report(in_flight)
+            if self.cfg.overlap and not plan.is_empty:
+                in_flight = plan
+            else:
+                in_flight = None
+                self._report(plan)
+            self._report_aborted()
+            self._check_after_step()
+            self.step += 1
+            self.now = T0 + self.step * self.cfg.step_seconds
+        self._check_end()
+        return SimResult(self.step, self.finished, self.scheduler.num_preemptions, self.max_preempt,
+                         self.max_gap, self.counter_bound)
+
+    def _arrive(self, a: Arrival) -> None:
+        s = a.seq
+        a.expected = solo_output(s.prompt_token_ids, s.cache_salt, min(s.params.max_tokens, self.cfg.max_model_len
+                                                                        - s.num_prompt_tokens), s.params.ignore_eos)
+        self.scheduler.add(s)
+        self.outputs[s.request_id] = []
+        if a.cancel_after is not None:
+            self.cancels[s.request_id] = a
+
+    def _cancel(self) -> None:
+        for rid, a in list(self.cancels.items()):
+            if rid not in self.scheduler.requests:
+                del self.cancels[rid]
+                continue
+            waited = self.waited_steps[rid] = self.waited_steps.get(rid, 0) + 1
+            if len(self.outputs[rid]) >= a.cancel_after or waited >= 4 * (a.cancel_after + 1):
+                self.scheduler.abort(rid)
+                del self.cancels[rid]
+
+    def _schedule(self) -> SchedulerOutput:
+        s = self.scheduler
+        if self.adapters is not None:
+            self.adapters.step, self.adapters.waited = self.step, set()
+        before = {seq: seq.status for seq in s.requests.values()}
+        self.allocator.frees, self.allocator.limit = 0, 2 * len(before) + 2
+        try:
+            plan = s.schedule(self.now)
+        finally:
+            self.allocator.limit = None
+        self._check_plan(plan, before)
+        # the device writes and reads the KV through the block tables of launch time
+        self.tables[id(plan)] = [list(item.seq.block_table) for item in plan.scheduled]
+        return plan
+
+    def _report(self, plan: SchedulerOutput) -> None:
+        rows = []
+        for item in plan.scheduled:
+            if not item.samples:
+                continue
+            seq = item.seq
+            rows.append(model_token(seq.token_ids, seq.cache_salt, not seq.params.ignore_eos))
+        self._check_kv(plan)
+        for out in self.scheduler.update(plan, SamplerOutput(rows, [None] * len(rows))):
+            self._record(out)
+
+    def _report_aborted(self) -> None:
+        for out in self.scheduler.take_aborted():
+            self._record(out)
+
+    def _record(self, out: RequestOutput) -> None:
+        rid = out.request_id
+        if rid in self.finished:
+            raise InvariantViolation(f"{rid} reported after it finished")
+        self.outputs[rid] += out.new_token_ids
+        if out.finished:
+            self.finished[rid] = out
+
+    # -- invariants --
+
+    def _watch_displacements(self) -> None:
+        """Checks each displacement right after the displacing request takes its seat."""
+        s, order = self.scheduler, self.scheduler.order
+        may_displace, start_running = order.may_displace, s._start_running  # noqa: SLF001
+        displaced: dict[int, list[Sequence]] = {}  # id(displacing) -> displaced this step
+
+        def watched_may_displace(seq: Sequence, running: Sequence, backlogged) -> bool:
+            ok = may_displace(seq, running, backlogged)
+            if ok:
+                displaced.setdefault(id(seq), []).append(running)
+            return ok
+
+        def watched_start_running(seq: Sequence, *args) -> None:
+            start_running(seq, *args)
+            for victim in displaced.pop(id(seq), []):
+                if victim.status is not SequenceStatus.WAITING:
+                    continue  # not the request it displaced after all (only asked)
+                if not order.key(seq) < order.key(victim) or may_displace(victim, seq, s._waiting.backlogged()):
+                    raise InvariantViolation(f"unstable: {victim.request_id}, displaced by {seq.request_id}, "
+                                             f"precedes it or could take its seat back, step {self.step} ({self.cfg})")
+            displaced.clear()
+
+        order.may_displace = watched_may_displace  # type: ignore[method-assign]
+        s._start_running = watched_start_running  # type: ignore[method-assign]  # noqa: SLF001
+
+    def _check_plan(self, plan: SchedulerOutput, before: dict[Sequence, SequenceStatus]) -> None:
+        s, cfg, step = self.scheduler, self.cfg, self.step
+        where = f"step {step} ({cfg})"
+        evicted = plan.preempted
+        if len(set(map(id, evicted))) != len(evicted):
+            raise InvariantViolation(f"a request was evicted twice in one schedule(), {where}")
+        self.max_preempt = max(self.max_preempt, len(evicted))
+        running = set(map(id, s.running))
+        for seq in evicted:
+            if id(seq) in running:
+                raise InvariantViolation(f"{seq.request_id} was evicted and seated again in one schedule(), {where}")
+            if before.get(seq) is not SequenceStatus.RUNNING:
+                raise InvariantViolation(f"{seq.request_id} was seated and evicted in one schedule(), {where}")
+        ids = [id(item.seq) for item in plan.scheduled]
+        if len(set(ids)) != len(ids):
+            raise InvariantViolation(f"a request was planned twice in one step, {where}")
+        if plan.num_batched_tokens > cfg.budget:
+            raise InvariantViolation(f"{plan.num_batched_tokens} tokens planned, budget {cfg.budget}, {where}")
+        if len(s.running) > cfg.max_num_seqs:
+            raise InvariantViolation(f"{len(s.running)} running, cap {cfg.max_num_seqs}, {where}")
+        for item in plan.scheduled:
+            seq = item.seq
+            if (seq.deadline is not None and self.now >= seq.deadline
+                    and seq.num_output_tokens == 0 and seq.num_pending == item.samples):
+                raise InvariantViolation(f"{seq.request_id} prefilled after its deadline, {where}")
+        seated = [seq for seq in s.running if before.get(seq) is SequenceStatus.WAITING]
+        if seated and not s.policy.forms_batches:
+            waited = self.adapters.waited if self.adapters is not None else set()
+            low = min(seq.priority for seq in seated)
+            for seq in s.requests.values():
+                if (seq.status is SequenceStatus.WAITING and seq.priority > low and not seq.num_pending
+                        and before.get(seq) is SequenceStatus.WAITING and seq.adapter not in waited):
+                    raise InvariantViolation(
+                        f"priority: {seq.request_id} (priority {seq.priority}) left waiting while a "
+                        f"priority-{low} request was seated, {where}")
+
+    def _check_kv(self, plan: SchedulerOutput) -> None:
+        """Runs the step on the fake KV, in launch order: writes each planned chunk's tokens
+        through its block table of launch time and checks that every slot the chunk reads
+        (its whole context) holds this request's token."""
+        bs = self.cfg.block_size
+        for item, table in zip(plan.scheduled, self.tables.pop(id(plan))):
+            seq = item.seq
+            for p in range(item.start, item.start + item.num_tokens):  # (-1: a token that never came)
+                self.kv[(table[p // bs], p % bs)] = (seq.cache_salt, seq.token_ids[p] if p < seq.num_tokens else -1)
+            if seq.status is SequenceStatus.FINISHED and seq.finish_reason == "abort":
+                continue  # aborted after launch: the step still ran, but nothing reads it
+            for p in range(item.start + item.num_tokens):
+                got = self.kv.get((table[p // bs], p % bs))
+                if got != (seq.cache_salt, seq.token_ids[p]):
+                    raise InvariantViolation(
+                        f"KV: {seq.request_id} position {p} reads {got}, expected "
+                        f"{(seq.cache_salt, seq.token_ids[p])}, step {self.step} ({self.cfg})")
+
+    def _check_after_step(self) -> None:
+        s = self.scheduler
+        try:
+            s.allocator.check_integrity(s.block_tables())
+        except RuntimeError as e:
+            raise InvariantViolation(f"{e}, step {self.step} ({self.cfg})") from None
+        if self.adapters is not None:
+            pinned = sum(1 for seq in s.running if seq.lora_slot is not None)
+            if pinned != sum(self.adapters.pins):
+                raise InvariantViolation(f"adapter pins {sum(self.adapters.pins)} but {pinned} running "
+                                         f"requests hold slots, step {self.step}")
+        self._check_fairness()
+
+    def _check_fairness(self) -> None:
+        """VTC bound for every pair of equal-priority tenants backlogged together since
+        they last both became so (deadlines and priorities reorder, so only requests with
+        neither count as backlog)."""
+        s = self.scheduler
+        if s.config.waiting_order != "slo" or s.policy.forms_batches:
+            return
+        counters = s.order.counters
+        backlog = {seq.tenant for seq in s.requests.values()
+                   if seq.status is SequenceStatus.WAITING and seq.priority == 0 and seq.adapter is None
+                   and seq.deadline is None}
+        tenants = sorted(backlog)
+        for pair in list(self.together):
+            if not set(pair) <= backlog:
+                del self.together[pair]
+        for i, f in enumerate(tenants):
+            for g in tenants[i + 1:]:
+                start = self.together.setdefault((f, g), (counters[f], counters[g]))
+                gap = abs((counters[f] - start[0]) - (counters[g] - start[1]))
+                self.max_gap = max(self.max_gap, gap)
+                if gap > self.counter_bound:
+                    raise InvariantViolation(
+                        f"fairness: tenants {f} and {g}, backlogged together, were served "
+                        f"{gap:.0f} weighted tokens apart (bound {self.counter_bound:.0f}), step {self.step} "
+                        f"({self.cfg})")
+
+    def _check_end(self) -> None:
+        counts = self.allocator.check_integrity([])
+        if counts.referenced:
+            raise InvariantViolation(f"{counts.referenced} KV blocks still referenced at the end ({self.cfg})")
+        if self.adapters is not None and any(self.adapters.pins):
+            raise InvariantViolation(f"adapter slots still pinned at the end ({self.cfg})")
+        for a in self.arrivals:
+            rid = a.seq.request_id
+            out = self.finished.get(rid)
+            if out is None:
+                raise InvariantViolation(f"{rid} never finished ({self.cfg})")
+            got = self.outputs[rid]
+            if out.finish_reason in ("stop", "length"):
+                if got != a.expected:
+                    raise InvariantViolation(f"{rid} generated {got}, alone it generates {a.expected} ({self.cfg})")
+            elif got != a.expected[:len(got)]:
+                raise InvariantViolation(f"{rid} ({out.finish_reason}) generated {got}, not a prefix of "
+                                         f"{a.expected} ({self.cfg})")
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    return Simulator(cfg).run()
+
+
+def two_tenant_flood(seed: int = 0, order: str = "slo") -> SimConfig:
+    """The issue's reproduction, scaled down: tenant A floods 48 long requests with a 600 s
+    client timeout, tenant B sends 4 short ones a moment later, 2 seats."""
+    return SimConfig(seed=seed, waiting_order=order, num_blocks=200, block_size=4, max_num_seqs=2,
+                     budget=64, max_model_len=400, tenants=(1.0, 1.0), adapters=0, num_requests=0)
+
+
+def flood_workload(cfg: SimConfig) -> list[Arrival]:
+    rng = random.Random(cfg.seed)
+    arrivals = []
+    for i in range(48):
+        seq = Sequence(f"a{i}", [rng.randrange(3, VOCAB) for _ in range(8)],
+                       SamplingParams(max_tokens=rng.randint(100, 300), ignore_eos=True, temperature=0.0),
+                       tenant="A", deadline=T0 + 600.0, arrival_time=T0)
+        arrivals.append(Arrival(0, seq, None))
+    for i in range(4):
+        t = T0 + 100 * cfg.step_seconds
+        seq = Sequence(f"b{i}", [rng.randrange(3, VOCAB) for _ in range(8)],
+                       SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
+                       tenant="B", deadline=t + 600.0, arrival_time=t)
+        arrivals.append(Arrival(100, seq, None))
+    return arrivals
+
+
+def first_token_steps(cfg: SimConfig, arrivals: list[Arrival]) -> tuple[dict[str, int], dict[str, int]]:
+    """Runs `arrivals` (the invariants checked every step) and returns the step at which each
+    request's first output token was reported, and the step at which each finished."""
+    sim = Simulator(cfg)
+    sim.arrivals = arrivals
+    first: dict[str, int] = {}
+    done: dict[str, int] = {}
+    record = sim._record
+
+    def spy(out: RequestOutput) -> None:
+        if out.new_token_ids and out.request_id not in first:
+            first[out.request_id] = sim.step
+        if out.finished:
+            done[out.request_id] = sim.step
+        record(out)
+
+    sim._record = spy  # type: ignore[method-assign]
+    sim.run()
+    return first, done
+
+
+__all__ = ["InvariantViolation", "Livelock", "SimConfig", "SimResult", "Simulator", "first_token_steps",
+           "flood_workload", "simulate", "two_tenant_flood"]
