@@ -202,6 +202,9 @@ class Validator:
             raise invalid(f"max_tokens must be in [1, {self.limits.max_tokens}], got {max_tokens}",
                           "max_tokens")
         optional = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
+        if p.speculative not in (inference_pb2.SPECULATIVE_AUTO, inference_pb2.SPECULATIVE_OFF):
+            raise invalid(f"speculative must be SPECULATIVE_AUTO (0) or SPECULATIVE_OFF (1), got {p.speculative}",
+                          "speculative")
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
@@ -212,6 +215,7 @@ class Validator:
                 stop_token_ids=tuple(p.stop_token_ids),
                 ignore_eos=p.ignore_eos,
                 logprobs=p.logprobs,
+                speculative_off=p.speculative == inference_pb2.SPECULATIVE_OFF,
                 **optional,
             )
             if params.stop_token_ids:

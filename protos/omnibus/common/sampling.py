@@ -11,7 +11,7 @@ import functools
 import math
 import numbers
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from omnibus.v1 import engine_pb2
@@ -98,6 +98,7 @@ class SamplingParams:
     # >= 0; a continuation: the prompt's last output_offset tokens are this request's
     # earlier output (penalties count them as output; seeded draws start at this position)
     output_offset: int = 0
+    speculative_off: bool = False  # True: the engine never speculates for this request
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -123,6 +124,8 @@ class SamplingParams:
         lp_range = f"in [0, {MAX_LOGPROBS}]"
         put("logprobs", _int_field("logprobs", self.logprobs, lp_range, 0, MAX_LOGPROBS))
         put("output_offset", _int_field("output_offset", self.output_offset, ">= 0", lo=0))
+        if not isinstance(self.speculative_off, bool):
+            raise FieldError("speculative_off", f"speculative_off must be a bool, got {self.speculative_off!r}")
 
     @classmethod
     def from_proto(cls, p: engine_pb2.EngineSamplingParams) -> SamplingParams:
@@ -156,7 +159,7 @@ class SamplingParams:
 # Every field, as EngineSamplingParams names it too (stop_token_ids aside: a repeated field).
 _FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
-           "output_offset")
+           "output_offset", "speculative_off")
 
 
 def _stop_ids(value: object) -> tuple[int, ...]:
@@ -174,7 +177,7 @@ def check_seed(seed: object) -> int:
     return _int_field("seed", seed, "in [0, 2**64 - 1]", 0, _SEED_MAX)
 
 
-def check_token_ids(ids: list[int], vocab_size: int, what: str) -> None:
+def check_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
     """ValueError unless `ids` is a non-empty list of token ids in [0, vocab_size)."""
     if not ids:
         raise ValueError(f"{what} is empty: send at least one token")

@@ -24,49 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomnibus/v1/inference.proto\x12\nomnibus.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf3\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x10\n\x08logprobs\x18\r \x01(\x05\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xaa\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.omnibus.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.omnibus.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.omnibus.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"[\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xea\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.omnibus.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.omnibus.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.omnibus.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.omnibus.v1.Timing\"\x13\n\x11ListModelsRequest\"a\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x04 \x01(\x05\"0\n\x0b\x41\x64\x61pterInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rbase_model_id\x18\x02 \x01(\t\"j\n\x12ListModelsResponse\x12)\n\nbase_model\x18\x01 \x01(\x0b\x32\x15.omnibus.v1.ModelInfo\x12)\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32\x17.omnibus.v1.AdapterInfo\"P\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.omnibus.v1.TokenIdsH\x00\x42\x07\n\x05input\"\x95\x01\n\x0c\x45mbedRequest\x12&\n\x06inputs\x18\x01 \x03(\x0b\x32\x16.omnibus.v1.EmbedInput\x12$\n\x07pooling\x18\x02 \x01(\x0e\x32\x13.omnibus.v1.Pooling\x12\x11\n\tnormalize\x18\x03 \x01(\x08\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"/\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"d\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\nembeddings\x18\x02 \x03(\x0b\x32\x15.omnibus.v1.Embedding\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05*P\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\x0b\n\x07\x41\x42ORTED\x10\x03*6\n\x07Pooling\x12\x17\n\x13POOLING_UNSPECIFIED\x10\x00\x12\x08\n\x04MEAN\x10\x01\x12\x08\n\x04LAST\x10\x02\x32\xdf\x01\n\tInference\x12G\n\x08Generate\x12\x1b.omnibus.v1.GenerateRequest\x1a\x1c.omnibus.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.omnibus.v1.ListModelsRequest\x1a\x1e.omnibus.v1.ListModelsResponse\x12<\n\x05\x45mbed\x12\x18.omnibus.v1.EmbedRequest\x1a\x19.omnibus.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomnibus/v1/inference.proto\x12\nomnibus.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa1\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x10\n\x08logprobs\x18\r \x01(\x05\x12,\n\x0bspeculative\x18\x0e \x01(\x0e\x32\x17.omnibus.v1.SpeculativeB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\xaa\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.omnibus.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.omnibus.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.omnibus.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"[\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12#\n\x1btime_to_first_token_seconds\x18\x02 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x03 \x01(\x01\"\xea\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.omnibus.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.omnibus.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.omnibus.v1.Usage\x12\"\n\x06timing\x18\x07 \x01(\x0b\x32\x12.omnibus.v1.Timing\"\x13\n\x11ListModelsRequest\"a\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x18\n\x10max_tokens_limit\x18\x04 \x01(\x05\"0\n\x0b\x41\x64\x61pterInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rbase_model_id\x18\x02 \x01(\t\"j\n\x12ListModelsResponse\x12)\n\nbase_model\x18\x01 \x01(\x0b\x32\x15.omnibus.v1.ModelInfo\x12)\n\x08\x61\x64\x61pters\x18\x02 \x03(\x0b\x32\x17.omnibus.v1.AdapterInfo\"P\n\nEmbedInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.omnibus.v1.TokenIdsH\x00\x42\x07\n\x05input\"\x95\x01\n\x0c\x45mbedRequest\x12&\n\x06inputs\x18\x01 \x03(\x0b\x32\x16.omnibus.v1.EmbedInput\x12$\n\x07pooling\x18\x02 \x01(\x0e\x32\x13.omnibus.v1.Pooling\x12\x11\n\tnormalize\x18\x03 \x01(\x08\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"/\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"d\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\nembeddings\x18\x02 \x03(\x0b\x32\x15.omnibus.v1.Embedding\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05*8\n\x0bSpeculative\x12\x14\n\x10SPECULATIVE_AUTO\x10\x00\x12\x13\n\x0fSPECULATIVE_OFF\x10\x01*P\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\x0b\n\x07\x41\x42ORTED\x10\x03*6\n\x07Pooling\x12\x17\n\x13POOLING_UNSPECIFIED\x10\x00\x12\x08\n\x04MEAN\x10\x01\x12\x08\n\x04LAST\x10\x02\x32\xdf\x01\n\tInference\x12G\n\x08Generate\x12\x1b.omnibus.v1.GenerateRequest\x1a\x1c.omnibus.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.omnibus.v1.ListModelsRequest\x1a\x1e.omnibus.v1.ListModelsResponse\x12<\n\x05\x45mbed\x12\x18.omnibus.v1.EmbedRequest\x1a\x19.omnibus.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnibus.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1833
-  _globals['_FINISHREASON']._serialized_end=1913
-  _globals['_POOLING']._serialized_start=1915
-  _globals['_POOLING']._serialized_end=1969
+  _globals['_SPECULATIVE']._serialized_start=1879
+  _globals['_SPECULATIVE']._serialized_end=1935
+  _globals['_FINISHREASON']._serialized_start=1937
+  _globals['_FINISHREASON']._serialized_end=2017
+  _globals['_POOLING']._serialized_start=2019
+  _globals['_POOLING']._serialized_end=2073
   _globals['_TOKENIDS']._serialized_start=42
   _globals['_TOKENIDS']._serialized_end=65
   _globals['_SAMPLINGPARAMS']._serialized_start=68
-  _globals['_SAMPLINGPARAMS']._serialized_end=439
-  _globals['_GENERATEREQUEST']._serialized_start=442
-  _globals['_GENERATEREQUEST']._serialized_end=612
-  _globals['_TOPLOGPROB']._serialized_start=614
-  _globals['_TOPLOGPROB']._serialized_end=661
-  _globals['_TOKENLOGPROB']._serialized_start=663
-  _globals['_TOKENLOGPROB']._serialized_end=749
-  _globals['_USAGE']._serialized_start=751
-  _globals['_USAGE']._serialized_end=838
-  _globals['_TIMING']._serialized_start=840
-  _globals['_TIMING']._serialized_end=931
-  _globals['_GENERATERESPONSE']._serialized_start=934
-  _globals['_GENERATERESPONSE']._serialized_end=1168
-  _globals['_LISTMODELSREQUEST']._serialized_start=1170
-  _globals['_LISTMODELSREQUEST']._serialized_end=1189
-  _globals['_MODELINFO']._serialized_start=1191
-  _globals['_MODELINFO']._serialized_end=1288
-  _globals['_ADAPTERINFO']._serialized_start=1290
-  _globals['_ADAPTERINFO']._serialized_end=1338
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1340
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1446
-  _globals['_EMBEDINPUT']._serialized_start=1448
-  _globals['_EMBEDINPUT']._serialized_end=1528
-  _globals['_EMBEDREQUEST']._serialized_start=1531
-  _globals['_EMBEDREQUEST']._serialized_end=1680
-  _globals['_EMBEDDING']._serialized_start=1682
-  _globals['_EMBEDDING']._serialized_end=1729
-  _globals['_EMBEDRESPONSE']._serialized_start=1731
-  _globals['_EMBEDRESPONSE']._serialized_end=1831
-  _globals['_INFERENCE']._serialized_start=1972
-  _globals['_INFERENCE']._serialized_end=2195
+  _globals['_SAMPLINGPARAMS']._serialized_end=485
+  _globals['_GENERATEREQUEST']._serialized_start=488
+  _globals['_GENERATEREQUEST']._serialized_end=658
+  _globals['_TOPLOGPROB']._serialized_start=660
+  _globals['_TOPLOGPROB']._serialized_end=707
+  _globals['_TOKENLOGPROB']._serialized_start=709
+  _globals['_TOKENLOGPROB']._serialized_end=795
+  _globals['_USAGE']._serialized_start=797
+  _globals['_USAGE']._serialized_end=884
+  _globals['_TIMING']._serialized_start=886
+  _globals['_TIMING']._serialized_end=977
+  _globals['_GENERATERESPONSE']._serialized_start=980
+  _globals['_GENERATERESPONSE']._serialized_end=1214
+  _globals['_LISTMODELSREQUEST']._serialized_start=1216
+  _globals['_LISTMODELSREQUEST']._serialized_end=1235
+  _globals['_MODELINFO']._serialized_start=1237
+  _globals['_MODELINFO']._serialized_end=1334
+  _globals['_ADAPTERINFO']._serialized_start=1336
+  _globals['_ADAPTERINFO']._serialized_end=1384
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1386
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1492
+  _globals['_EMBEDINPUT']._serialized_start=1494
+  _globals['_EMBEDINPUT']._serialized_end=1574
+  _globals['_EMBEDREQUEST']._serialized_start=1577
+  _globals['_EMBEDREQUEST']._serialized_end=1726
+  _globals['_EMBEDDING']._serialized_start=1728
+  _globals['_EMBEDDING']._serialized_end=1775
+  _globals['_EMBEDRESPONSE']._serialized_start=1777
+  _globals['_EMBEDRESPONSE']._serialized_end=1877
+  _globals['_INFERENCE']._serialized_start=2076
+  _globals['_INFERENCE']._serialized_end=2299
 # @@protoc_insertion_point(module_scope)
