@@ -175,7 +175,8 @@ def _queue_flags(p: argparse.ArgumentParser) -> None:
         "--max-queue-seconds",
         type=float,
         default=_DEFAULTS["max_queue_seconds"],
-        help="longest wait for an engine before DEADLINE_EXCEEDED",
+        help="longest time a request may wait for an engine, all its waits added up (a stream "
+        "continued on another engine waits again), before DEADLINE_EXCEEDED",
     )
     g.add_argument(
         "--priority-aging-seconds",

@@ -103,7 +103,9 @@ class RouterConfig:
     # Admission control and queueing.
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20  # prompt + max_tokens of every queued request
-    max_queue_seconds: float = 60.0  # longest wait for an engine, client deadline or not
+    # longest time queued for an engine, client deadline or not: all of a request's waits
+    # added up (a stream continued on another engine queues again)
+    max_queue_seconds: float = 60.0
     priority_aging_seconds: float = 10.0  # waiting this long is worth one priority level; 0 = off
     queue_policy: str = "vtc"  # within a priority: "vtc" = tenant fair share, "fifo" = arrival
     # Prefix-aware routing: an engine's score is its share of room plus this times the

@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions,
-/v1/embeddings and /v1/models on aiohttp, in the router's own event loop.
+/v1/embeddings and /v1/models on aiohttp, in the router's own event loop, and what
+vLLM-class clients probe beside them: /health, /version, /metrics, /tokenize,
+/detokenize and /tokenizer_info.
 
 Each endpoint turns the body into omnibus.v1 requests (openai_schema.py) and calls the
 router's Pipeline, the one the gRPC service calls: the same authentication (the
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import importlib.metadata
 import json
 import logging
 import re
@@ -32,14 +35,18 @@ import structlog
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from omnibus.v1 import inference_pb2 as pb
+from prometheus_client.exposition import choose_encoder
 
 from omnibus.common.adapters import is_adapter_name
+from omnibus.common.metrics import exposition
+from omnibus.common.sampling import check_token_ids
 from omnibus.router.admission.auth import Tenant
 from omnibus.router.admission.validation import check_request_id
 from omnibus.router.config import RouterConfig
 from omnibus.router.dispatch.adapters import ADAPTER_HEADER
 from omnibus.router.http import openai_schema as oa
 from omnibus.router.http.chat_template import ChatTemplate
+from omnibus.router.http.chat_template import tokenizer_info as read_tokenizer_info
 from omnibus.router.service.errors import TOO_LARGE, RequestError, invalid
 from omnibus.router.service.pipeline import Caller, Pipeline
 from omnibus.router.text.token_bytes import TokenBytes
@@ -69,7 +76,7 @@ _STREAMING = web.RequestKey("omnibus.streaming", bool)  # set on a request once 
 _MAX_BODY = web.AppKey("omnibus.max_body", int)  # the request body limit, bytes
 _REQUEST_ID = web.RequestKey("omnibus.request_id", str)  # the request's id, echoed in x-request-id
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Prepared = tuple[pb.GenerateRequest, "oa.CompletionShape | oa.ChatShape"]  # prompt, shape
+Prepared = tuple[list[pb.GenerateRequest], "oa.CompletionShape | oa.ChatShape"]  # prompts, shape
 
 
 def http_status(code: grpc.StatusCode) -> tuple[int, str]:
@@ -139,6 +146,10 @@ class OpenAIFront:
         self._created = int(time.time())
         self._runner: web.AppRunner | None = None
         self._token_bytes = TokenBytes(pipeline.tokenizer)
+        self._draining = False  # stop() was called: /health says 503
+        metrics = pipeline.metrics
+        self._metrics = exposition(metrics.registry, metrics.model_name)  # as on --metrics-port
+        self._tokenizer_info = read_tokenizer_info(config.model)
 
     def app(self) -> web.Application:
         max_body = 2 * self._config.max_request_bytes + 4096  # ours is the clearer refusal
@@ -150,6 +161,12 @@ class OpenAIFront:
             web.post("/v1/embeddings", self.embeddings),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),
+            web.get("/health", self.health),
+            web.get("/version", self.version),
+            web.get("/metrics", self.metrics),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/tokenizer_info", self.tokenizer_info),
         ])  # fmt: skip
         return app
 
@@ -167,10 +184,99 @@ class OpenAIFront:
 
     async def stop(self) -> None:
         """Stops listening, then lets running requests finish for --drain-seconds."""
+        self._draining = True
         if self._runner is not None:
             await self._runner.cleanup()
 
     # ---- endpoints -----------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 (no body, as vLLM) while the router can serve: some engine takes requests,
+        as the gRPC health service reports SERVING; else 503. Open to anyone, as the gRPC
+        health service is: probes and load balancers carry no key."""
+        if self._draining:
+            why = "the router is draining (shutting down)"
+        elif not self._pipeline.serving():
+            why = "no engine worker is taking requests"
+        else:
+            return web.Response()
+        return web.json_response(error_body(why, "service_unavailable_error", "not_serving"),
+                                 status=503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        """The omnibus release, as vLLM's GET /version; open to anyone, as /health."""
+        try:
+            release = importlib.metadata.version("omnibus")
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree
+            release = "unknown"
+        return web.json_response({"version": release})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The router's Prometheus metrics, what --metrics-port serves, for a caller with a
+        key (the series name tenants)."""
+        try:
+            self._pipeline.authenticate(_metadata(request))
+        except RequestError as err:
+            return error_response(err)
+        # The format the scraper asks for (Prometheus text or OpenMetrics), as on --metrics-port.
+        encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+        return web.Response(body=encode(self._metrics), headers={"Content-Type": content_type})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /tokenize: a prompt's token ids as /v1/completions gets them (with
+        the special tokens the tokenizer adds, unless add_special_tokens is false), or
+        chat messages' as /v1/chat/completions gets them."""
+        try:
+            body = await self._tokenizer_body(request, oa.TokenizeBody)
+            if body.messages is not None:
+                ids = await self._chat_prompt(body, body.add_generation_prompt is not False,
+                                              body.add_special_tokens is True)
+            else:
+                add = body.add_special_tokens is not False
+                ids = (await asyncio.to_thread(self._pipeline.tokenizer.encode, body.prompt,
+                                               add_special_tokens=add)).ids
+        except RequestError as err:
+            return error_response(err)
+        spell = self._pipeline.tokenizer.id_to_token
+        return web.json_response({
+            "count": len(ids), "max_model_len": self._pipeline.limits.context, "tokens": ids,
+            "token_strs": [spell(i) for i in ids] if body.return_token_strs else None,
+        })  # fmt: skip
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /detokenize: the text of token ids, special tokens included (as
+        transformers' decode)."""
+        try:
+            body = await self._tokenizer_body(request, oa.DetokenizeBody)
+            if body.tokens:  # ids the model has, as a prompt's are checked
+                try:
+                    check_token_ids(body.tokens, self._pipeline.limits.vocab_size, "tokens")
+                except ValueError as exc:
+                    raise invalid(str(exc), "tokens") from None
+        except RequestError as err:
+            return error_response(err)
+        text = await asyncio.to_thread(self._pipeline.tokenizer.decode, body.tokens,
+                                       skip_special_tokens=False)
+        return web.json_response({"prompt": text})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """vLLM's GET /tokenizer_info: the tokenizer's settings, special tokens and chat
+        template (chat_template.tokenizer_info), with the context served now."""
+        try:
+            self._pipeline.authenticate(_metadata(request))
+        except RequestError as err:
+            return error_response(err)
+        info = {**self._tokenizer_info, "model_max_length": self._pipeline.limits.context}
+        return web.json_response(info)
+
+    async def _tokenizer_body(self, request: web.Request, kind: type) -> Any:
+        """A /tokenize or /detokenize body from a caller with a key, its `model` (if set)
+        the base model or an adapter the caller may use: they share the tokenizer."""
+        tenant = self._pipeline.authenticate(_metadata(request))
+        body = oa.parse(kind, await request.read())
+        if body.model is not None:
+            self._adapter(body.model, request.headers.get(ADAPTER_HEADER), tenant)
+        return body
 
     async def models(self, request: web.Request) -> web.Response:
         try:
@@ -310,25 +416,31 @@ class OpenAIFront:
         request_id = _request_id(request)
         try:
             caller, body = await self._start(request, kind, request_id)
-            prompt, shape = await prepare(body)
+            prompts, shape = await prepare(body)
             priority = self._priority(request, body.priority)
-            requests = oa.fan_out(body, prompt, self._config.max_n, request_id, priority)
+            requests = oa.fan_out(body, prompts, self._config.max_n, request_id, priority)
         except RequestError as err:
             return error_response(self._pipeline.refused(err, request_id))
         return await self._generate(request, shape, body, requests, caller, request_id)
 
     async def _completion_request(self, body: oa.CompletionBody) -> Prepared:
-        prompt = oa.completion_prompt(body.prompt)
+        # The cap on the inputs of one embeddings request caps a batch's prompts too.
+        prompts = oa.completion_prompts(body.prompt, self._config.max_embed_inputs)
         logprobs = None if body.logprobs is None else oa.check_logprobs(body.logprobs, "logprobs")
-        prompt.sampling.CopyFrom(oa.sampling(body, body.max_tokens, logprobs))
-        detokenizer = self._pipeline.detokenizer
-        if logprobs is not None:  # text offsets: detokenized as the text is, after the prompt
-            if prompt.WhichOneof("prompt") == "text":
-                ids = (await asyncio.to_thread(self._pipeline.tokenizer.encode, prompt.text)).ids
-            else:
-                ids = list(prompt.token_ids.ids)
-            detokenizer = functools.partial(self._pipeline.detokenizer, ids)
-        return prompt, oa.CompletionShape(logprobs, body.return_token_ids, self._token_bytes, detokenizer)
+        sampling = oa.sampling(body, body.max_tokens, logprobs)
+        detokenizers = []
+        tokenizer = self._pipeline.tokenizer
+        for prompt in prompts:
+            prompt.sampling.CopyFrom(sampling)
+            if logprobs is not None:  # text offsets: detokenized as the text is, after the prompt
+                if prompt.WhichOneof("prompt") == "text":
+                    ids = (await asyncio.to_thread(tokenizer.encode, prompt.text)).ids
+                else:
+                    ids = list(prompt.token_ids.ids)
+                detokenizers.append(functools.partial(self._pipeline.detokenizer, ids))
+        shape = oa.CompletionShape(logprobs, body.return_token_ids, self._token_bytes,
+                                   detokenizers or self._pipeline.detokenizer)
+        return prompts, shape
 
     async def _chat_request(self, body: oa.ChatBody) -> Prepared:
         ids = await self._chat_prompt(body)
@@ -341,9 +453,12 @@ class OpenAIFront:
         logprobs = body.logprob_count
         prompt = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
         prompt.sampling.CopyFrom(oa.sampling(body, max_tokens, logprobs))
-        return prompt, oa.ChatShape(logprobs, body.return_token_ids, self._token_bytes)
+        return [prompt], oa.ChatShape(logprobs, body.return_token_ids, self._token_bytes)
 
-    async def _chat_prompt(self, body: oa.ChatBody) -> list[int]:
+    async def _chat_prompt(
+        self, body: oa.ChatBody | oa.TokenizeBody, generation_prompt: bool = True,
+        special_tokens: bool = False,
+    ) -> list[int]:
         if self._chat is None:
             raise invalid(
                 f"model {self._pipeline.limits.model_id!r} has no chat template (no "
@@ -354,8 +469,8 @@ class OpenAIFront:
         tokenizer = self._pipeline.tokenizer
 
         def render() -> list[int]:  # off the event loop, as the Validator tokenizes
-            text = self._chat.render(messages)
-            return tokenizer.encode(text, add_special_tokens=False).ids
+            text = self._chat.render(messages, generation_prompt)
+            return tokenizer.encode(text, add_special_tokens=special_tokens).ids
 
         return await asyncio.to_thread(render)
 
@@ -370,16 +485,17 @@ class OpenAIFront:
         caller: Caller,
         request_id: str,
     ) -> web.StreamResponse:
-        choices = [oa.Choice(i) for i in range(len(requests))]
+        choices = [oa.Choice(i, i // body.n) for i in range(len(requests))]
         head = {"id": shape.id_prefix + request_id, "created": int(time.time()), "model": body.model}
-        merged = self._pipeline.generate_choices(requests, caller)
+        prompt_tokens: list[int] = []  # each choice's, once admitted
+        merged = self._pipeline.generate_choices(requests, caller, body.n, prompt_tokens.extend)
         async with aclosing(merged):
             if not body.stream:
                 try:
                     async for index, response in merged:
                         choices[index].add(response)
                 except RequestError as err:
-                    return error_response(_as_sent(err, body))
+                    return error_response(_as_sent(err, body, len(requests) // body.n))
                 return web.json_response({
                     **head, "object": shape.object, "choices": [shape.choice(c) for c in choices],
                     "usage": oa.total_usage(choices),
@@ -387,19 +503,27 @@ class OpenAIFront:
             try:
                 first = await _first_of_each(merged, len(requests))
             except RequestError as err:
-                return error_response(_as_sent(err, body))
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = _sse_events(shape, head, choices, first, merged, include_usage)
+                return error_response(_as_sent(err, body, len(requests) // body.n))
+            options = body.stream_options or oa.StreamOptions()
+            continuous = prompt_tokens if options.continuous_usage_stats else None
+            events = _sse_events(shape, head, choices, first, merged, options.include_usage,
+                                 continuous)
             return await _send_sse(request, events, request_id)
 
 
-def _as_sent(err: RequestError, body: Any) -> RequestError:
+def _as_sent(err: RequestError, body: Any, prompts: int) -> RequestError:
     """A refusal that blames max_tokens (its range, the context, the engines' KV pools),
     named as the request sent it: a chat request's `max_completion_tokens` (the router's
-    checks call the field max_tokens)."""
+    checks call the field max_tokens). One that blames the number of choices (`n` to the
+    tenant limits), in a batch of `prompts` prompts, says that every prompt counts."""
     if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         err.param = "max_completion_tokens"
         err.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", err.message)
+    if prompts > 1 and (err.param == "n" or "lower n" in err.message):
+        err.message += (f" (the {prompts} prompts of n={body.n} choices each run "
+                        f"{prompts * body.n} choices: send fewer prompts per request)")
+        if err.param == "n" and body.n == 1:
+            err.param = "prompt"
     return err
 
 
@@ -423,10 +547,12 @@ async def _sse_events(
     first: list[tuple[int, pb.GenerateResponse]],
     merged: AsyncIterator[tuple[int, pb.GenerateResponse]],
     include_usage: bool,
+    continuous: list[int] | None,
 ) -> AsyncGenerator[dict[str, Any], None]:
     """The stream's chunks, as the OpenAI API sends them: one per engine step and choice,
     the last with finish_reason; with include_usage, `usage: null` on each and a last
-    chunk with no choices and the usage."""
+    chunk with no choices and the usage. With `continuous` (each choice's prompt tokens:
+    vLLM's continuous_usage_stats) each chunk carries the usage so far instead of null."""
     started: set[int] = set()
 
     async def rest() -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
@@ -436,13 +562,19 @@ async def _sse_events(
             yield item
 
     chunk = {**head, "object": shape.chunk_object}
+    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+    prompt_tokens = 0 if continuous is None else oa.prompt_total(choices, continuous)
+    sent = 0  # tokens of every choice so far
     async for index, response in rest():
         choice = choices[index]
         choice.add(response)
         parts = shape.chunk_choices(choice, response, index not in started)
         started.add(index)
+        if continuous is not None:
+            sent += len(response.token_ids)
+            extra = {"usage": oa.usage_so_far(prompt_tokens, sent)}
         for part in parts:
-            yield {**chunk, "choices": [part], **({"usage": None} if include_usage else {})}
+            yield {**chunk, "choices": [part], **extra}
     if include_usage:
         yield {**chunk, "choices": [], "usage": oa.total_usage(choices)}
 

@@ -77,14 +77,7 @@ class ChatTemplate:
         tokenizer config or the template cannot be read or compiled."""
         model_dir = Path(model_dir)
         config = _read_config(model_dir / "tokenizer_config.json")
-        jinja_file = model_dir / "chat_template.jinja"
-        if jinja_file.is_file():
-            source: object = jinja_file.read_text()
-        else:
-            source = config.get("chat_template")
-        if isinstance(source, list):  # [{"name": "default", "template": "..."}, ...]
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
+        source = _source(model_dir, config)
         if source is None:
             return None
         if not isinstance(source, str) or not source.strip():
@@ -109,6 +102,33 @@ class ChatTemplate:
             raise invalid(
                 f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}"
             ) from None
+
+
+def tokenizer_info(model_dir: str | Path) -> dict[str, Any]:
+    """What vLLM's GET /tokenizer_info shows (clients such as lm-evaluation-harness read
+    the special tokens and the chat template from it): tokenizer_config.json's settings
+    without its added-token table, the special tokens as text, the chat template (None
+    when there is none). Raises ValueError when the config cannot be read."""
+    model_dir = Path(model_dir)
+    config = _read_config(model_dir / "tokenizer_config.json")
+    source = _source(model_dir, config)
+    info = {k: v for k, v in config.items() if k not in ("added_tokens_decoder", "auto_map")}
+    info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    return {**info, **_special_tokens(model_dir, config),
+            "chat_template": source if isinstance(source, str) else None}
+
+
+def _source(model_dir: Path, config: dict[str, Any]) -> object:
+    """The chat template's source as found: chat_template.jinja, else the config's
+    (a named list's "default"); None when there is none."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    source = config.get("chat_template")
+    if isinstance(source, list):  # [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    return source
 
 
 def _read_config(path: Path) -> dict[str, Any]:

@@ -46,6 +46,8 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     include_obfuscation: bool = True  # accepted: nothing here is obfuscated
+    # vLLM's extension (guidellm always sends it): every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class _Body(_Strict):
@@ -72,6 +74,8 @@ class _Body(_Strict):
     stop_token_ids: list[Int32] = Field(default_factory=list)
     priority: Int32 | None = None  # or the x-priority header
     return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
+    # Omnibus's: "off" never speculates for this request; "auto" leaves it to the engine.
+    speculative: Literal["auto", "off"] = "auto"
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field set to something this server cannot do, and a message."""
@@ -83,7 +87,7 @@ class _Body(_Strict):
 
 
 class CompletionBody(_Body):
-    prompt: Any  # a string or token ids (checked by completion_prompt)
+    prompt: Any  # a string, strings, token ids or lists of token ids (completion_prompts)
     logprobs: Int32 | None = None  # alternatives per token, 0..20; None: no logprobs
     echo: bool = False
     suffix: str | None = None
@@ -172,7 +176,35 @@ class EmbeddingBody(_Strict):
     priority: Int32 | None = None
 
 
-_Bodies = CompletionBody | ChatBody | EmbeddingBody
+class TokenizeBody(_Strict):
+    """POST /tokenize, in vLLM's shape: a prompt, tokenized as /v1/completions tokenizes
+    it, or chat messages, rendered and tokenized as /v1/chat/completions does."""
+
+    model: str | None = None  # the base model or an adapter (they share the tokenizer)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    add_generation_prompt: bool | None = None  # messages only; default true
+    return_token_strs: bool = False  # also each token as the vocabulary spells it
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if (self.prompt is None) == (self.messages is None):
+            return "prompt", "send either prompt (text) or messages (a chat)"
+        if self.messages is not None and not self.messages:
+            return "messages", "messages must not be empty"
+        if self.prompt is not None and self.add_generation_prompt is not None:
+            return "add_generation_prompt", "add_generation_prompt is for messages, not a prompt"
+        return None
+
+
+class DetokenizeBody(_Strict):
+    """POST /detokenize, in vLLM's shape."""
+
+    model: str | None = None
+    tokens: list[Int32]
+
+
+_Bodies = CompletionBody | ChatBody | EmbeddingBody | TokenizeBody | DetokenizeBody
 
 
 def parse(kind: type[_Bodies], raw: bytes) -> Any:
@@ -255,26 +287,28 @@ def _token_ids(ids: list[int], field: str) -> pb.TokenIds:
     return pb.TokenIds(ids=ids)
 
 
-def completion_prompt(prompt: object) -> pb.GenerateRequest:
-    """A GenerateRequest holding the body's one prompt (text or token ids)."""
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid(
-            f"prompt holds {len(prompt)} prompts; send one prompt per request (use n for "
-            "several completions of one prompt)",
-            "prompt",
-        )
-    one = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else None
-    if isinstance(one, str) or _is_ids(one):
-        prompt = one  # a batch of one
-    if isinstance(prompt, str):
-        return pb.GenerateRequest(text=prompt)
-    if _is_ids(prompt) and prompt:
-        return pb.GenerateRequest(token_ids=_token_ids(prompt, "prompt"))
-    raise invalid(
-        "prompt must be a non-empty string or a non-empty list of token ids (or a list "
-        "holding one of those)",
-        "prompt",
-    )
+def completion_prompts(prompt: object, max_prompts: int) -> list[pb.GenerateRequest]:
+    """A GenerateRequest for each of the body's prompts: a string, a list of strings,
+    token ids, or a list of token-id lists (OpenAI's four forms), at most `max_prompts`."""
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise invalid("prompt must be a non-empty string or a non-empty list of token ids, or a "
+                      "list of those", "prompt")
+    if len(prompt) > max_prompts:
+        raise invalid(f"prompt holds {len(prompt)} prompts; at most {max_prompts} per request",
+                      "prompt")
+    prompts = []
+    for i, item in enumerate(prompt):
+        field = "prompt" if len(prompt) == 1 else f"prompt.{i}"
+        if isinstance(item, str):
+            prompts.append(pb.GenerateRequest(text=item))
+        elif _is_ids(item) and item:
+            prompts.append(pb.GenerateRequest(token_ids=_token_ids(item, field)))
+        else:
+            raise invalid(f"{field} must be a non-empty string or a non-empty list of token ids",
+                          field)
+    return prompts
 
 
 def stop_strings(stop: object) -> list[str]:
@@ -323,6 +357,7 @@ def sampling(body: _Body, max_tokens: int | None, logprobs: int | None) -> pb.Sa
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         logprobs=0 if logprobs is None else max(logprobs, 1),  # in range: check_logprobs
+        speculative=pb.SPECULATIVE_OFF if body.speculative == "off" else pb.SPECULATIVE_AUTO,
     )
     for name, value in (
         ("max_tokens", max_tokens),
@@ -336,34 +371,53 @@ def sampling(body: _Body, max_tokens: int | None, logprobs: int | None) -> pb.Sa
 
 
 def fan_out(
-    body: _Body, request: pb.GenerateRequest, max_n: int, request_id: str, priority: int
+    body: _Body, prompts: list[pb.GenerateRequest], max_n: int, request_id: str, priority: int
 ) -> list[pb.GenerateRequest]:
-    """One GenerateRequest per choice. Choice i of a seeded request gets seed + i, so
-    the choices differ and each is reproducible on its own."""
+    """One GenerateRequest per choice, prompt-major: choice j of prompt p is index
+    p * n + j, as OpenAI indexes them. Choice j of a seeded request gets choice_seed(seed,
+    j), so the choices differ and each is reproducible on its own."""
     if not 1 <= body.n <= max_n:
         raise invalid(f"n must be in [1, {max_n}], got {body.n}", "n")
     seed = body.seed
     if seed is not None:
-        if not MIN_SEED <= seed <= MAX_SEED - (body.n - 1):
-            raise invalid(f"seed must be in [{MIN_SEED}, {MAX_SEED - (body.n - 1)}], got {seed}", "seed")
+        if not MIN_SEED <= seed <= MAX_SEED:
+            raise invalid(f"seed must be in [{MIN_SEED}, {MAX_SEED}], got {seed}", "seed")
         seed %= 2**64
-        if seed > MAX_SEED - (body.n - 1):  # a negative one whose choices would wrap
-            raise invalid(f"with n={body.n} a negative seed must be at most {-body.n}, got {body.seed}",
-                          "seed")
-    longest = MAX_REQUEST_ID_CHARS - len(f"-{body.n - 1}")
-    if body.n > 1 and len(request_id) > longest:  # choice i's id is the request's + "-i"
-        raise invalid(f"with n={body.n} the request id (x-request-id) must be at most {longest} "
-                      f"characters, as each choice's id appends -i; it has {len(request_id)}")
+    count = len(prompts) * body.n
+    longest = MAX_REQUEST_ID_CHARS - len(f"-{count - 1}")
+    if count > 1 and len(request_id) > longest:  # choice i's id is the request's + "-i"
+        raise invalid(f"with {count} choices the request id (x-request-id) must be at most "
+                      f"{longest} characters, as each choice's id appends -i; it has "
+                      f"{len(request_id)}")
     requests = []
-    for i in range(body.n):
-        one = pb.GenerateRequest()
-        one.CopyFrom(request)
-        one.priority = priority
-        one.request_id = request_id if body.n == 1 else f"{request_id}-{i}"
-        if seed is not None:
-            one.sampling.seed = seed + i
-        requests.append(one)
+    for prompt in prompts:
+        for j in range(body.n):
+            one = pb.GenerateRequest()
+            one.CopyFrom(prompt)
+            one.priority = priority
+            one.request_id = request_id if count == 1 else f"{request_id}-{len(requests)}"
+            if seed is not None:
+                one.sampling.seed = choice_seed(seed, j)
+            requests.append(one)
     return requests
+
+
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of choice j of a request seeded `seed`: the seed itself for choice 0 (as
+    with n=1, or over gRPC), else a mix of (seed, j). Not seed + j: that is the first
+    choice of the request seeded seed + j, which would share its tokens. For each j it is
+    one-to-one in the seed, so two requests' choices j never share a seed."""
+    if j == 0:
+        return seed
+    return _mix64(seed ^ _mix64(j))
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers, nearby inputs unrelated."""
+    x = (x + 0x9E3779B97F4A7C15) & MAX_SEED
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MAX_SEED
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MAX_SEED
+    return x ^ (x >> 31)
 
 
 def embed_request(body: EmbeddingBody, request_id: str, priority: int) -> pb.EmbedRequest:
@@ -408,10 +462,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 class Choice:
-    """What one choice has produced so far."""
+    """What one choice (of prompt `prompt`, in a batch) has produced so far."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, prompt: int = 0) -> None:
         self.index = index
+        self.prompt = prompt
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[pb.TokenLogprob] = []
@@ -430,15 +485,29 @@ class Choice:
 
 
 def total_usage(choices: list[Choice]) -> dict[str, Any]:
-    """The prompt counted once (every choice has the same one), completions summed."""
-    done = [c.usage for c in choices if c.usage is not None]
-    if not done:
-        return usage(0, 0, 0)
+    """Each prompt counted once (its choices share it), completions summed."""
+    prompts: dict[int, tuple[int, int]] = {}  # prompt -> its tokens, the fewest cached
+    for c in choices:
+        if c.usage is not None:
+            tokens, cached = prompts.get(c.prompt, (0, c.usage.cached_prompt_tokens))
+            prompts[c.prompt] = (c.usage.prompt_tokens, min(cached, c.usage.cached_prompt_tokens))
     return usage(
-        done[0].prompt_tokens,
-        sum(u.completion_tokens for u in done),
-        min(u.cached_prompt_tokens for u in done),
+        sum(tokens for tokens, _ in prompts.values()),
+        sum(c.usage.completion_tokens for c in choices if c.usage is not None),
+        sum(cached for _, cached in prompts.values()),
     )
+
+
+def prompt_total(choices: list[Choice], prompt_tokens: list[int]) -> int:
+    """The prompt tokens of a request whose choices have `prompt_tokens` each: each
+    prompt once."""
+    return sum({c.prompt: prompt_tokens[c.index] for c in choices}.values())
+
+
+def usage_so_far(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """vLLM's continuous_usage_stats: a chunk's usage, the tokens sent so far."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 class _Shape:
@@ -453,15 +522,17 @@ class _Shape:
 
 class CompletionShape(_Shape):
     """/v1/completions: `text_completion` objects and chunks. `detokenizer` makes a
-    stream's detokenizer, as the text's (for text_offset)."""
+    stream's detokenizer, as the text's (for text_offset): one for every prompt, or a
+    list of one per prompt of a batch."""
 
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
     def __init__(self, logprobs: int | None, token_ids: bool, tokens: TokenBytes,
-                 detokenizer: Callable[[], IncrementalDetokenizer]) -> None:
+                 detokenizer: Callable[[], IncrementalDetokenizer]
+                 | list[Callable[[], IncrementalDetokenizer]]) -> None:
         super().__init__(logprobs, token_ids, tokens)
-        self._detokenizer = detokenizer
+        self._detokenizers = detokenizer if isinstance(detokenizer, list) else [detokenizer]
 
     def choice(self, c: Choice) -> dict[str, Any]:
         return self._choice(c.index, "".join(c.text), c.token_ids, c.logprobs, c.finish, c)
@@ -486,7 +557,7 @@ class CompletionShape(_Shape):
         stripped first space, a skipped special token). A token holding part of a
         character starts where that character does."""
         if c.text_so_far is None:
-            c.text_so_far = self._detokenizer()
+            c.text_so_far = self._detokenizers[c.prompt if len(self._detokenizers) > 1 else 0]()
         offsets = []
         for lp in logprobs:
             before = c.offset

@@ -29,7 +29,7 @@ import asyncio
 import time
 import uuid
 import weakref
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -100,6 +100,7 @@ class _Job:
     offset: int = 0
     refused_by: set[str] = field(default_factory=set)  # engines that would not continue it
     queued_at: float = 0.0  # when it last entered the queue (a continuation re-enters it)
+    queued_before: float = 0.0  # seconds queued before that: the queue limit is on the total
     detok: IncrementalDetokenizer | None = None  # one per stream, kept across engines
     stop: StopStringMatcher | None = None
     # Where the serving task waits now, for _Watch: "queue", "engine" (for its next
@@ -228,6 +229,16 @@ class Pipeline:
         self._watch = _Watch(config.client_stall_seconds)
 
     @property
+    def metrics(self) -> RouterMetrics:
+        """The router's metrics (what --metrics-port and the HTTP front's /metrics show)."""
+        return self._metrics
+
+    def serving(self) -> bool:
+        """Whether some engine takes requests now: the router's readiness (else a new
+        request is UNAVAILABLE, no_engine)."""
+        return self._taking("")
+
+    @property
     def limits(self) -> ModelLimits:
         """The model's limits, at most the longest context an engine reports serving (an
         engine's --max-model-len, or a cap the router cannot see in config.json), so that
@@ -349,15 +360,24 @@ class Pipeline:
                 yield response
 
     async def generate_choices(
-        self, requests: list[inference_pb2.GenerateRequest], caller: Caller
+        self,
+        requests: list[inference_pb2.GenerateRequest],
+        caller: Caller,
+        per_prompt: int = 0,
+        admitted: Callable[[list[int]], None] | None = None,
     ) -> AsyncGenerator[tuple[int, inference_pb2.GenerateResponse], None]:
-        """`generate` for the choices of one client request (HTTP's n), served side by
-        side: (index, response) as they come. The choices are admitted together, all or
-        none, so a refusal charges nothing and describes the whole request."""
-        jobs = await self._admitted(requests, caller)
+        """`generate` for the choices of one client request (HTTP's n, and its batched
+        prompts), served side by side: (index, response) as they come. `requests` are
+        groups of `per_prompt` choices of one prompt each (0: all of one prompt); each
+        prompt is tokenized once. The choices are admitted together, all or none, so a
+        refusal charges nothing and describes the whole request. `admitted`, when given,
+        gets each choice's prompt token count once they are admitted."""
+        jobs = await self._admitted(requests, caller, per_prompt)
         for job in jobs:  # the choices are served on tasks of their own; this one writes
             job.writer = asyncio.current_task()
         try:
+            if admitted is not None:
+                admitted([len(job.request.prompt_ids) for job in jobs])
             async with aclosing(merge([self._served(job) for job in jobs])) as responses:
                 async for item in responses:
                     yield item
@@ -414,13 +434,13 @@ class Pipeline:
     # ---- admission -----------------------------------------------------------
 
     async def _admitted(
-        self, requests: list[inference_pb2.GenerateRequest], caller: Caller
+        self, requests: list[inference_pb2.GenerateRequest], caller: Caller, per_prompt: int = 0
     ) -> list[_Job]:
         """The requests validated and admitted together, or the refusal, counted and logged."""
         arrival = time.monotonic()
         ids = [request.request_id or uuid.uuid4().hex for request in requests]
         try:
-            return await self._admit(requests, ids, caller, arrival)
+            return await self._admit(requests, ids, caller, arrival, per_prompt)
         except RequestError as err:
             raise self.refused(err, ids[0]) from None
 
@@ -430,15 +450,13 @@ class Pipeline:
         request_ids: list[str],
         caller: Caller,
         arrival: float,
+        per_prompt: int = 0,
     ) -> list[_Job]:
         tenant, adapter = caller.tenant, caller.adapter
         if adapter:
             self.check_adapter_use(tenant, adapter)
         self._refresh_limits()
-        valid = [await self._validator.validate(requests[0], request_ids[0])]
-        for request, request_id in zip(requests[1:], request_ids[1:]):
-            request.token_ids.ids[:] = valid[0].prompt_ids  # the same prompt: tokenized once
-            valid.append(await self._validator.validate(request, request_id))
+        valid = await self._validated(requests, request_ids, per_prompt or len(requests))
         if not self._taking(""):
             raise _no_engine()
         if adapter and not self.serves_adapter(adapter):
@@ -464,7 +482,9 @@ class Pipeline:
                 "draining); retry later",
                 "adapter_unavailable",
             )
-        first = valid[0]  # the choices of one request share its prompt and max_tokens
+        # The choices share max_tokens; batched prompts differ, and each choice is charged
+        # as the longest (refunded what it does not use when it ends).
+        first = max(valid, key=lambda v: v.cost)
         if not self._taking(adapter, first.cost):  # engines' KV pools may differ
             raise self._unfit(adapter, len(first.prompt_ids), first.cost)
         queue = self._dispatcher.queue
@@ -473,6 +493,26 @@ class Pipeline:
         if adapter:
             self._metrics.adapter_requests.labels(adapter).inc(len(valid))
         return [_Job(v, caller, permit, arrival) for v, permit in zip(valid, permits)]
+
+    async def _validated(
+        self, requests: list[inference_pb2.GenerateRequest], request_ids: list[str], group: int
+    ) -> list[ValidRequest]:
+        """Each request validated, in groups of `group` choices of one prompt, tokenized
+        once. With several groups (HTTP's batched prompts) a refusal of prompt k says so
+        (param prompt.k)."""
+        valid: list[ValidRequest] = []
+        for i, (request, request_id) in enumerate(zip(requests, request_ids)):
+            if i % group:  # another choice of the same prompt
+                request.token_ids.ids[:] = valid[i - i % group].prompt_ids
+            try:
+                valid.append(await self._validator.validate(request, request_id))
+            except RequestError as err:
+                if group < len(requests) and (i or err.param == "prompt"):  # the prompt's fault
+                    err.message = f"prompt {i // group}: {err.message}"
+                    if err.param == "prompt":
+                        err.param = f"prompt.{i // group}"
+                raise
+        return valid
 
     def check_adapter_use(self, tenant: Tenant, adapter: str) -> None:
         """A well-formed name (INVALID_ARGUMENT) the tenant may use (PERMISSION_DENIED)."""
@@ -664,14 +704,18 @@ class Pipeline:
         return [*request.prompt_ids, *sent], sampling
 
     async def _wait_for_engine(self, job: _Job) -> EngineClient:
-        """Queues the request until the dispatcher assigns it an engine with room."""
+        """Queues the request until the dispatcher assigns it an engine with room. The
+        router's queue limit holds for the time the request spends queued in all: a
+        stream moved to another engine (or a request an engine refused) re-enters the queue
+        with what its earlier waits left of the limit, not a fresh one (issue 31)."""
         tenant = job.caller.tenant
         ticket = Ticket(
             job.request.priority, job.request.cost, job.arrival, job.adapter,
             tenant.name, tenant.weight, job.request.prompt_ids, avoid=frozenset(job.refused_by),
         )
         self._dispatcher.submit(ticket)
-        queue_left = job.queued_at + self._config.max_queue_seconds - time.monotonic()
+        queue_left = (job.queued_at + self._config.max_queue_seconds - job.queued_before
+                      - time.monotonic())
         client_left = job.caller.time_remaining()
         timeout = queue_left if client_left is None else min(queue_left, client_left)
         try:
@@ -684,6 +728,8 @@ class Pipeline:
                     job, client_left is not None and client_left <= queue_left
                 ) from None
             raise
+        finally:
+            job.queued_before += time.monotonic() - job.queued_at
         job.dispatched = job.dispatched or time.monotonic()  # a retry keeps the first
         job.engine = engine.address
         if ticket.affinity is not None:
@@ -698,9 +744,10 @@ class Pipeline:
         )
         if job.sent_ids:  # a continuation: its engine was lost and no other took it in time
             waited = time.monotonic() - job.queued_at
+            total = job.queued_before + waited
             what = (f"the stream's engine was lost after {len(job.sent_ids)} tokens and the rest "
-                    f"waited {waited:.2f} s for another engine to continue it: {why}; the completion "
-                    "is incomplete, retry the request")
+                    f"waited {waited:.2f} s for another engine to continue it ({total:.2f} s queued "
+                    f"in all): {why}; the completion is incomplete, retry the request")
         else:
             waited = time.monotonic() - job.arrival
             what = f"the request waited {waited:.2f} s for an engine and was never scheduled: {why}"

@@ -226,7 +226,10 @@ def test_raw_sse_is_what_the_openai_api_sends(cluster):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
 
 
-def test_n_choices_are_seeded_seed_plus_i(cluster):
+def test_n_choices_draw_from_seeds_of_their_own(cluster):
+    """Choice i had seed + i, the single choice of seed + i: adjacent seeds shared samples."""
+    from omnibus.router.http.openai_schema import choice_seed
+
     def grpc_text(seed: int) -> str:
         request = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(
             max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True))
@@ -236,8 +239,47 @@ def test_n_choices_are_seeded_seed_plus_i(cluster):
         model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=40, n=3,
         extra_body={"ignore_eos": True})  # fmt: skip
     assert [c.index for c in reply.choices] == [0, 1, 2]
-    assert [c.text for c in reply.choices] == [grpc_text(40), grpc_text(41), grpc_text(42)]
+    assert [c.text for c in reply.choices] == [grpc_text(choice_seed(40, i)) for i in range(3)]
+    assert reply.choices[0].text == grpc_text(40) and reply.choices[1].text != grpc_text(41)
     assert reply.usage.completion_tokens == 24
+
+
+def test_what_vllm_clients_probe_and_send(cluster):
+    """lm-evaluation-harness and guidellm: /health, /tokenizer_info, /tokenize,
+    /detokenize, /metrics, /version, batched prompts (token-exact with gRPC, prompt-major
+    with n) and streams with continuous_usage_stats."""
+    url, auth = cluster.url().removesuffix("/v1"), {"Authorization": "Bearer key-initech"}
+    assert httpx.get(url + "/health").status_code == 200  # no key: as gRPC health
+    orphan = httpx.get(f"http://127.0.0.1:{cluster.http['orphan']}/health")
+    assert orphan.status_code == 503
+    assert httpx.get(url + "/version").json()["version"]
+    info = httpx.get(url + "/tokenizer_info", headers=auth).json()
+    assert info["eos_token"] == "</s>" and info["chat_template"] == CHAT_TEMPLATE, info
+    tokenized = httpx.post(url + "/tokenize", headers=auth, json={"prompt": PROMPT}).json()
+    reference = Tokenizer.from_file(str(cluster.model / "tokenizer.json"))
+    assert tokenized["tokens"] == reference.encode(PROMPT).ids
+    chat = httpx.post(url + "/tokenize", headers=auth, json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == chat_prompt_ids(cluster)
+    text = httpx.post(url + "/detokenize", headers=auth, json={"tokens": tokenized["tokens"]}).json()
+    assert text["prompt"].endswith(PROMPT), text
+    # Batched prompts: each choice as gRPC serves its prompt alone.
+    prompts = [PROMPT, PROMPT_IDS]
+    expected = [grpc_result(cluster.grpc(greedy_grpc(p, 6, ignore_eos=True)))[0] for p in prompts]
+    reply = cluster.client().completions.create(model=MODEL, prompt=prompts, max_tokens=6, n=2,
+                                                temperature=0, extra_body={"ignore_eos": True})
+    assert [(c.index, c.text) for c in reply.choices] == [
+        (0, expected[0]), (1, expected[0]), (2, expected[1]), (3, expected[1])]
+    assert reply.usage.prompt_tokens == tokenized["count"] + len(PROMPT_IDS)
+    # guidellm's stream: usage on every chunk.
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", cluster.url() + "/completions", json=body, headers=auth, timeout=30) as sse:
+        events = [json.loads(e.removeprefix("data: ")) for e in sse.read().decode().split("\n\n")[:-2]]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 5 and events[-1]["choices"] == [], counts
+    assert {e["usage"]["prompt_tokens"] for e in events} == {tokenized["count"]}
+    metrics = httpx.get(url + "/metrics", headers=auth).text
+    assert 'omnibus_router_requests_total{model_name="tiny-llama",outcome="length"}' in metrics
 
 
 def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
@@ -383,8 +425,8 @@ ERRORS = {
                     "n must be in [1, 4], got 5"),
     "unknown-field": ("main", "key-initech", {"extra_body": {"best_guess": 1}}, 400,
                       "invalid_request_error", "unknown field 'best_guess'"),
-    "two-prompts": ("main", "key-initech", {"prompt": ["a", "b"]}, 400, "invalid_request_error",
-                    "prompt holds 2 prompts; send one prompt per request"),
+    "empty-prompt-in-a-batch": ("main", "key-initech", {"prompt": ["a", ""]}, 400,
+                                "invalid_request_error", "prompt 1: the prompt text is empty"),
     "context": ("main", "key-initech", {"max_tokens": 1020}, 400, "invalid_request_error",
                 "the model's context"),
     # Over the tenant's limits even with nothing else running: retrying cannot help.
@@ -415,7 +457,7 @@ PARAMS = {  # the field to blame, as OpenAI's error `param`
     "n": ({"n": 5}, "n"),
     "unknown-field": ({"extra_body": {"best_guess": 1}}, "best_guess"),
     "wrong-type": ({"extra_body": {"top_k": "5"}}, "top_k"),
-    "prompt": ({"prompt": ["a", "b"]}, "prompt"),
+    "prompt": ({"prompt": ["a", []]}, "prompt.1"),
     "max_tokens": ({"max_tokens": 0}, "max_tokens"),
     "stop": ({"stop": [""]}, "stop"),
     "budget": ({"max_tokens": 200}, "max_tokens"),

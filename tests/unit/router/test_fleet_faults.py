@@ -175,6 +175,50 @@ async def test_an_adapter_while_an_engine_has_not_reported_is_unavailable_not_no
         await router.close()
 
 
+async def test_the_queue_limit_holds_for_the_time_a_request_is_queued_in_all(tmp_path):
+    """Issue 31: a request ended DEADLINE_EXCEEDED after 182 s in a router whose queue limit
+    is 60 s: a stream continued on another engine re-entered the queue with the limit's
+    clock restarted, so each engine tried added a full limit. The limit is on the total
+    time queued: the first wait (0.7 s of 1 s) leaves the continuation 0.3 s, and the slot
+    that frees 0.65 s after the loss comes too late for it."""
+    router = await Router(tmp_path, TENANTS, max_queue_seconds=1).start()
+    first, other = router.engine, router.add_engine("127.0.0.1:2")
+    for engine in (first, other):  # both full
+        for _ in range(engine.capacity):
+            engine.acquire(tenant="t")  # its own: no fair over-admission
+    lost = asyncio.Event()
+
+    async def dies(request, timeout=None):
+        yield token(1)
+        lost.set()
+        raise refusal(grpc.StatusCode.UNAVAILABLE, "connection reset")
+
+    async def frees() -> None:
+        await asyncio.sleep(0.7)
+        first.release(tenant="t")
+        await lost.wait()
+        await asyncio.sleep(0.65)
+        other.release(tenant="t")
+
+    first.generate = dies
+    freeing = asyncio.create_task(frees())
+    try:
+        start = time.monotonic()
+        responses, err = await served(router, caller(router), prompt(5, 3))
+        assert [list(r.token_ids) for r in responses] == [[5]]
+        assert err is not None and (err.code, err.reason) == (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                              "queue_timeout"), err
+        assert err.message.startswith("the stream's engine was lost after 1 tokens and the rest "
+                                      "waited 0.3")
+        assert "s queued in all): the router's queue limit is 1 s; the completion is " in err.message
+        assert 0.95 <= time.monotonic() - start < 1.3
+        assert other.requests == [] and len(router.queue) == 0
+    finally:
+        freeing.cancel()
+        await asyncio.gather(freeing, return_exceptions=True)
+        await router.close()
+
+
 # ---- engines with different KV pools --------------------------------------------------
 
 

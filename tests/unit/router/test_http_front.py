@@ -179,11 +179,11 @@ def test_harmless_openai_fields_are_accepted_and_a_negative_seed_is_int64():
         "safety_identifier": "u1", "stream": True,
         "stream_options": {"include_usage": True, "include_obfuscation": False},
         "seed": -1}).encode())
-    (one,) = oa.fan_out(body, pb.GenerateRequest(), 8, "r", 0)
+    (one,) = oa.fan_out(body, [pb.GenerateRequest()], 8, "r", 0)
     assert one.sampling.seed == 2**64 - 1
-    body.n = 2
-    with pytest.raises(RequestError, match="a negative seed must be at most -2"):
-        oa.fan_out(body, pb.GenerateRequest(), 8, "r", 0)
+    body.n, body.seed = 2, -(2**63) - 1
+    with pytest.raises(RequestError, match=r"seed must be in \[-9223372036854775808, 18446744073709551615\]"):
+        oa.fan_out(body, [pb.GenerateRequest()], 8, "r", 0)
     body.top_logprobs, body.logprobs = 21, True
     with pytest.raises(RequestError) as err:
         body.logprob_count

@@ -53,7 +53,7 @@ def test_a_surrogate_pair_and_an_escaped_backslash_are_text():
 ])  # fmt: skip
 def test_completion_bodies_are_typed_strictly(raw, message, param):
     with pytest.raises(RequestError) as err:
-        oa.completion_prompt(oa.parse(oa.CompletionBody, raw).prompt)
+        oa.completion_prompts(oa.parse(oa.CompletionBody, raw).prompt, 8)
     assert err.value.message.startswith(message) and err.value.param == param
 
 
@@ -103,10 +103,10 @@ def test_a_request_id_leaves_room_for_the_choice_suffix():
     from omnibus.v1 import inference_pb2 as pb
 
     body = oa.parse(oa.CompletionBody, b'{"model": "m", "prompt": "x", "n": 2}')
-    assert [r.request_id for r in oa.fan_out(body, pb.GenerateRequest(), 4, "a" * 126, 0)] == [
+    assert [r.request_id for r in oa.fan_out(body, [pb.GenerateRequest()], 4, "a" * 126, 0)] == [
         "a" * 126 + "-0", "a" * 126 + "-1"]
-    with pytest.raises(RequestError, match="with n=2 the request id .* at most 126 characters.* it has 127"):
-        oa.fan_out(body, pb.GenerateRequest(), 4, "a" * 127, 0)
+    with pytest.raises(RequestError, match="with 2 choices the request id .* at most 126 characters.* it has 127"):
+        oa.fan_out(body, [pb.GenerateRequest()], 4, "a" * 127, 0)
 
 
 def test_a_logprob_json_cannot_carry_is_sent_as_vllms_floor():
