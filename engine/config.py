@@ -9,16 +9,27 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from omnibus.common.checkpoint import architecture, context_length, field, max_positions
+from omnibus.engine.core.scheduler import SchedulerConfig
+from omnibus.engine.spec.proposer import PROPOSERS, SpecConfig
 
+if TYPE_CHECKING:
+    import torch
+
+# The choices of EngineConfig's fields (the command line offers the same).
 LOAD_FORMATS = ("safetensors", "dummy", "null")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # torch dtypes, by name
 BATCHING_POLICIES = ("continuous", "dynamic", "static", "none")
+WAITING_ORDERS = ("slo", "fifo")
+CPU_MATMULS = ("onednn", "aten")
+DEFAULT_MAX_BATCH_SIZE = 32  # static/dynamic batches, when max_num_seqs allows
+_SCHEDULER = {f.name: f.default for f in fields(SchedulerConfig)}  # the scheduler's own defaults
+_SPEC = {f.name: f.default for f in fields(SpecConfig)}
+SPECULATIVE_METHODS = PROPOSERS
 # transformers' num_key_value_heads when config.json has no such key (null: num_attention_heads)
 _DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32}
 
@@ -224,14 +235,14 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: gpu_memory_utilization (CUDA) or 512 MiB (CPU)
     num_kv_blocks: int | None = None  # exact pool size (tests); overrides kv_cache_memory
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may use in all
-    max_num_seqs: int = 256  # running sequences per step
-    max_num_batched_tokens: int = 2048  # tokens (prefill + decode) per step
+    max_num_seqs: int = _SCHEDULER["max_num_seqs"]  # running sequences per step
+    max_num_batched_tokens: int = _SCHEDULER["max_num_batched_tokens"]  # tokens (prefill + decode) per step
     max_model_len: int | None = None  # context limit; default and ceiling: the model's
     enable_prefix_caching: bool = True
-    waiting_order: str = "slo"  # "slo": EDF + tenant fair share within a priority; "fifo" (core/waiting.py)
+    waiting_order: str = _SCHEDULER["waiting_order"]  # "slo": EDF + tenant fair share within a priority; "fifo" (core/waiting.py)
     report_prefix_blocks: int = 4096  # cached prefix-block keys per load report at most (prefix-aware routing)
     batching: str = "continuous"  # continuous | dynamic | static | none
-    max_batch_size: int | None = None  # static/dynamic: requests per formed batch; None: min(32, max_num_seqs)
+    max_batch_size: int | None = None  # static/dynamic: requests per formed batch; None: min(DEFAULT_MAX_BATCH_SIZE, max_num_seqs)
     batch_window_ms: float | None = None  # dynamic: run a partial batch this long after its first request (default 10); static: optional timeout
     study_counters: bool = False  # collect the batching study's per-step counters (O(running) a step)
     seed: int | None = None  # shared generator of unseeded requests; None: from the OS (dummy weights: 0)
@@ -256,10 +267,18 @@ class EngineConfig:
     # CPU float32 linear layers: "onednn" packs each weight once at load into oneDNN's
     # layout and multiplies with it (model/cpu_linear.py); "aten": torch's default linear
     cpu_matmul: str = "onednn"
+    # Speculative decoding (engine/spec): None never; "ngram" guesses each decode's next
+    # tokens from earlier matches of its last tokens (prompt lookup), and the step scores
+    # them all; kept only where the model itself picks them (the output is unchanged)
+    speculative: str | None = None
+    num_speculative_tokens: int = _SPEC["num_tokens"]  # guesses per sequence per step at most
+    # above this many running sequences speculation turns itself off (the step is compute-bound)
+    speculative_max_batch: int = _SPEC["max_batch"]
+    speculative_draft_model: str | None = None  # "draft": the draft checkpoint (the same tokenizer)
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two from 1 to 128", self.block_size)
-        _check(self.dtype in ("auto", *DTYPES), "dtype", f"one of auto, {', '.join(DTYPES)}", self.dtype)
+        _check(self.dtype in ("auto", *DTYPE_NAMES), "dtype", f"one of auto, {', '.join(DTYPE_NAMES)}", self.dtype)
         _check(re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None, "device", "cpu or cuda[:N]", self.device)
         _check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", self.max_num_batched_tokens)
@@ -268,11 +287,11 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks", ">= 2", self.num_kv_blocks)
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                ">= 2 (a prompt token and an output token)", self.max_model_len)
-        _check(self.waiting_order in ("slo", "fifo"), "waiting_order", "slo or fifo", self.waiting_order)
+        _check(self.waiting_order in WAITING_ORDERS, "waiting_order", " or ".join(WAITING_ORDERS), self.waiting_order)
         _check(self.report_prefix_blocks >= 0, "report_prefix_blocks", ">= 0", self.report_prefix_blocks)
         _check(self.batching in BATCHING_POLICIES, "batching", " | ".join(BATCHING_POLICIES), self.batching)
         if self.max_batch_size is None:
-            object.__setattr__(self, "max_batch_size", min(32, self.max_num_seqs))
+            object.__setattr__(self, "max_batch_size", min(DEFAULT_MAX_BATCH_SIZE, self.max_num_seqs))
         # A formed batch runs all at once: a larger one could never start.
         _check(1 <= self.max_batch_size <= self.max_num_seqs, "max_batch_size",
                f"in [1, max_num_seqs ({self.max_num_seqs})]", self.max_batch_size)
@@ -283,12 +302,31 @@ class EngineConfig:
         _check(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
         _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras ({self.max_loras})", self.max_cpu_loras)
         _check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "in [1, 512]", self.max_lora_rank)
-        _check(self.cpu_matmul in ("onednn", "aten"), "cpu_matmul", "onednn or aten", self.cpu_matmul)
+        _check(self.cpu_matmul in CPU_MATMULS, "cpu_matmul", " or ".join(CPU_MATMULS), self.cpu_matmul)
+        self.spec_config()  # ValueError naming the flag
         _check(self.batch_window_ms is None or 0 <= self.batch_window_ms < math.inf, "batch_window_ms",
                "finite and >= 0", self.batch_window_ms)
+        # Named as the flags that set them, as the command line has always said them.
+        if self.preload_adapters and self.adapter_dir is None:
+            raise ValueError("--preload-adapters needs --adapter-dir")
+        if len(set(self.preload_adapters)) > self.max_cpu_loras:
+            raise ValueError(
+                f"--preload-adapters lists {len(set(self.preload_adapters))} adapters but host "
+                f"memory holds {self.max_cpu_loras} (--max-cpu-loras)"
+            )
+
+    def spec_config(self) -> SpecConfig:
+        """How this engine speculates (method None: never); ValueError naming the flags."""
+        try:
+            return SpecConfig(self.speculative, self.num_speculative_tokens, self.speculative_max_batch,
+                              draft_model=self.speculative_draft_model)
+        except ValueError as exc:
+            raise ValueError(f"--{exc}") from None
 
     @property
     def torch_device(self) -> torch.device:
+        import torch  # here: the config itself is torch-free (the command line reads its defaults)
+
         return torch.device(self.device)
 
 

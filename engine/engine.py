@@ -17,11 +17,13 @@ import itertools
 import time
 from pathlib import Path
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
 from omnibus.engine.core.block_allocator import BlockAllocator, BlockCounts
 from omnibus.engine.config import EngineConfig, ModelConfig
+from omnibus.engine.request import EngineRequest, as_request
 from omnibus.engine.lora import (
     AdapterError, AdapterInventory, LoraConfig, LoraManager, LoraStats, UnknownAdapterError)
 from omnibus.engine.worker.model_runner import ModelRunner, Step, resolve_dtype
@@ -31,6 +33,8 @@ from omnibus.engine.worker.sampling import make_generator
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
 from omnibus.engine.core.study import StudyCounters
 from omnibus.engine.core.sequence import RequestOutput, Sequence
+from omnibus.engine.spec import SpecStats, Speculator
+from omnibus.engine.spec.proposer import NgramProposer
 
 _NO_STUDY = StudyCounters()  # what stats() reports without --study-counters (all zero)
 PREFIX_KEYS_INTERVAL_S = 0.05  # the cached-block keys of load reports are this fresh at most
@@ -64,6 +68,7 @@ class EngineStats:
     kv_tokens_reserved: int = 0
     prefix_generation: int = 0  # changes with prefix_block_keys
     prefix_block_keys: tuple[int, ...] = ()  # their keys (common/prefix.py), newest first, bounded
+    speculative: SpecStats | None = None  # the proposer's counters (engine/spec); None: no speculation
 
 
 class Engine:
@@ -85,12 +90,14 @@ class Engine:
                 self.adapters.prefetch(name)
         self.runner = ModelRunner(config, self.model_config, self.adapters)
         self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.speculator = self._speculator(config)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, config.waiting_order),
             self.allocator,
             make_policy(config.batching, config.max_batch_size, config.batch_window_ms),
             self.model_config.eos_token_ids,
             self.adapters,
+            self.speculator,
         )
         self._restart_study()
         self.num_steps = 0
@@ -103,37 +110,36 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, adapter: str | None = None, tenant: str = "",
-                    weight: float = 1.0, deadline: float | None = None) -> None:
-        """Queue a request (`tenant`, `weight`: fair share; `deadline`: monotonic seconds).
-        Raises ValueError (bad input, AdapterError included) or UnknownAdapterError. The
-        adapter's weights load in the background."""
-        self._validate(request_id, prompt_token_ids, params, priority)
-        if not (isinstance(weight, (int, float)) and 0 < weight < float("inf")):
-            raise ValueError(f"tenant weight must be > 0, got {weight!r}")
+    def add_request(self, request: EngineRequest | str, *fields: Any, **named: Any) -> None:
+        """Queue `request`, or the EngineRequest of its loose fields (`add_request("r1",
+        prompt_token_ids, params, adapter="a")`). Raises ValueError (bad input, AdapterError
+        included) or UnknownAdapterError. The adapter's weights load in the background."""
+        request = as_request(request, *fields, **named)
+        self._validate(request)
         salt = None
-        if adapter:
+        if request.adapter:
             if self.adapters is None:
-                raise UnknownAdapterError(f"adapter {adapter!r} not found: this engine serves no adapters")
-            salt = self.adapters.prefetch(adapter)
+                raise UnknownAdapterError(f"adapter {request.adapter!r} not found: this engine serves no adapters")
+            salt = self.adapters.prefetch(request.adapter)
+        params = request.params
         seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
             params=params,
-            priority=priority,
-            adapter=adapter or None,
+            priority=request.priority,
+            adapter=request.adapter or None,
             cache_salt=salt,
-            tenant=tenant,
-            weight=float(weight),
-            deadline=deadline,
+            tenant=request.tenant,
+            weight=float(request.weight),
+            deadline=request.deadline,
             generator=None if params.seed is None else make_generator(
                 params.seed, self.runner.device, params.output_offset),
         )
         self.scheduler.add(seq)
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int) -> None:
-        if not isinstance(request_id, str) or not request_id:
+    def _validate(self, request: EngineRequest) -> None:
+        prompt, params, priority, weight = request.prompt_token_ids, request.params, request.priority, request.weight
+        if not isinstance(request.request_id, str) or not request.request_id:
             raise ValueError("request_id must be a non-empty string")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -155,8 +161,10 @@ class Engine:
                 f"this request needs up to {blocks} KV blocks but the engine's pool has "
                 f"{self.allocator.num_usable_blocks}; {advice} or give the engine more KV memory"
             )
+        if not (isinstance(weight, (int, float)) and 0 < weight < float("inf")):
+            raise ValueError(f"tenant weight must be > 0, got {weight!r}")
 
-    def _check_tokens(self, ids: list[int], what: str) -> None:
+    def _check_tokens(self, ids: list[int] | tuple[int, ...], what: str) -> None:
         check_token_ids(ids, self.model_config.vocab_size, what)
 
     def abort(self, request_id: str) -> bool:
@@ -175,7 +183,9 @@ class Engine:
         picks were copying back while this one was planned and launched."""
         prev, self._in_flight = self._in_flight, None
         results: list[RequestOutput] = []
-        if prev is not None and prev.reads_history:  # penalties must see the pending tokens
+        # Penalties must see the pending tokens, and guesses follow the last token: both
+        # need the step in flight reported first (speculation runs at small batches only).
+        if prev is not None and (prev.reads_history or self._speculating()):
             results += self._report(prev)
             prev = None
         plan = self.scheduler.schedule()
@@ -186,14 +196,34 @@ class Engine:
         if prev is not None:
             results += self._report(prev)
         if step is not None:
-            if self.overlap:
+            if self.overlap and not any(item.guess for item in plan.scheduled):
                 self._in_flight = step
             else:
                 results += self._report(step)
         return self.scheduler.take_aborted() + results
 
     def _report(self, step: Step) -> list[RequestOutput]:
-        return self.scheduler.update(step.plan, step.result())
+        # A speculating request's seeded draws move on by the tokens it kept (its rows drew
+        # at fixed positions: worker/model_runner.py's _verify).
+        spec = [(item.seq, item.seq.num_tokens) for item in step.plan.scheduled
+                if item.guess and item.seq.generator is not None]
+        results = self.scheduler.update(step.plan, step.result())
+        for seq, before in spec:
+            seq.generator.position += seq.num_tokens - before
+        return results
+
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        spec = config.spec_config()
+        if spec.method is None:
+            return None
+        if spec.method == "draft":
+            from omnibus.engine.spec.draft import DraftProposer
+
+            return Speculator(spec, DraftProposer(config, self.model_config, self.runner.num_blocks))
+        return Speculator(spec, NgramProposer(spec.ngram_max, spec.ngram_min))
+
+    def _speculating(self) -> bool:
+        return self.speculator is not None and self.speculator.active(len(self.scheduler.running))
 
     def warmup(self) -> None:
         """One short request through the whole path (prefill, decode, sampling) before
@@ -225,7 +255,7 @@ class Engine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{next(self._generate_ids)}" for _ in prompts]
         for i, (rid, prompt) in enumerate(zip(ids, prompts)):
-            self.add_request(rid, prompt, params_list[i], priorities[i] if priorities else 0)
+            self.add_request(EngineRequest(rid, prompt, params_list[i], priorities[i] if priorities else 0))
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         self.scheduler.policy.close_arrivals()  # nothing else is coming: no batch waits for more
         try:
@@ -265,6 +295,8 @@ class Engine:
 
     def check_integrity(self) -> BlockCounts:
         """Prove the KV pool's bookkeeping against every running sequence's block table."""
+        if self.speculator is not None and hasattr(self.speculator.proposer, "check_integrity"):
+            self.speculator.proposer.check_integrity()  # the draft model's own KV pool
         return self.allocator.check_integrity(self.scheduler.block_tables())
 
     def stats(self) -> EngineStats:
@@ -294,6 +326,7 @@ class Engine:
             kv_tokens_reserved=c.kv_tokens_reserved,
             prefix_block_keys=self._prefix_keys(),
             prefix_generation=self._keys_generation,
+            speculative=None if self.speculator is None else self.speculator.stats.snapshot(),
         )
 
     def _prefix_keys(self) -> tuple[int, ...]:

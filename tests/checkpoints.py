@@ -62,9 +62,13 @@ def make_checkpoint(
     max_shard_size: str | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    echo: bool = False,
     **overrides,
 ) -> Path:
-    """Write a random-weight checkpoint of `arch` ("llama", "mistral", "qwen2") to `path`."""
+    """Write a random-weight checkpoint of `arch` ("llama", "mistral", "qwen2") to `path`.
+    `echo`: every layer adds nothing (o_proj, down_proj zero) and the embeddings are tied,
+    so the logits are the last token's embedding against all: greedy repeats the last
+    token (a model whose output n-gram speculation guesses right)."""
     import transformers
 
     config_cls, model_cls = {
@@ -77,9 +81,16 @@ def make_checkpoint(
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
         kwargs["sliding_window"] = None
     kwargs.update(overrides)
+    if echo:
+        kwargs["tie_word_embeddings"] = True
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype).eval()
+    if echo:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
     path.mkdir(parents=True, exist_ok=True)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **save_kwargs)

@@ -117,16 +117,28 @@ class BlockAllocator:
         """Release every block of `seq`. Cached blocks stay reusable; the sequence's
         tail goes to the front of the queue so it is evicted before its shared head."""
         for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if self.hashes[block] is None:
-                    self.free_queue[block] = None
-                    self.free_queue.move_to_end(block, last=False)
-                else:
-                    self.free_queue[block] = None
-                    self.num_cached_free += 1
+            self._release(block)
         seq.block_table = []
         seq.num_registered_blocks = 0
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_queue[block] = None
+            if self.hashes[block] is None:
+                self.free_queue.move_to_end(block, last=False)
+            else:
+                self.num_cached_free += 1
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free `seq`'s blocks past the ones holding its first `num_tokens` tokens (the
+        slots of speculated tokens the model rejected; never cached: only full blocks of
+        computed tokens are)."""
+        keep = -(-num_tokens // self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            self._release(block)
+        del seq.block_table[keep:]
+        seq.num_registered_blocks = min(seq.num_registered_blocks, keep)
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Register `seq`'s full, computed blocks in the prefix cache (a block whose last

@@ -31,6 +31,7 @@ from omnibus.engine.core.waiting import WaitingQueue
 
 if TYPE_CHECKING:
     from omnibus.engine.lora import LoraManager
+    from omnibus.engine.spec import Speculator
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class ScheduledSeq:
     start: int  # first token computed this step (the sequence's num_computed_tokens)
     num_tokens: int  # tokens computed this step
     samples: bool  # True when this chunk reaches the end, so the next token is sampled
+    # Speculated tokens after a decode's input (engine/spec): the step scores each, and the
+    # target's own picks decide how many are kept. Rows sampled: samples + len(guess).
+    guess: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -64,11 +68,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, policy: BatchingPolicy,
-                 eos_token_ids: tuple[int, ...] = (), adapters: "LoraManager | None" = None) -> None:
+                 eos_token_ids: tuple[int, ...] = (), adapters: "LoraManager | None" = None,
+                 speculator: "Speculator | None" = None) -> None:
         self.config = config
         self.allocator = allocator
         self.policy = policy
         self.adapters = adapters  # gates admission: an adapter must be loaded and get a slot
+        self.speculator = speculator  # guesses decodes' next tokens (engine/spec), or None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Sequence] = {}  # every unfinished request
         self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
@@ -118,6 +124,8 @@ class Scheduler:
         if seq.lora_slot is not None:
             self.adapters.release(seq.adapter)
             seq.lora_slot = None
+        if self.speculator is not None:
+            self.speculator.proposer.release(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._aborted)
@@ -163,7 +171,8 @@ class Scheduler:
                 (behind if self.order.key(s) > cut else ahead).append(s)
             prefills = ahead
         idle = not self.running
-        budget = self._plan_running(decodes + prefills, budget, out)
+        guesses = self._guesses(decodes)
+        budget = self._plan_running(decodes + prefills, budget, out, guesses)
         budget = self._admit(out, budget, self._now)
         self._plan_running(behind, budget, out)
         out.num_batched_tokens = sum(item.num_tokens for item in out.scheduled)
@@ -198,9 +207,11 @@ class Scheduler:
                   f"into its prefill ({seq.num_computed_tokens} of {seq.num_prompt_tokens} prompt "
                   "tokens computed)")
 
-    def _plan_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput) -> int:
-        """Plans the next chunk of each running sequence in `seqs` within `budget`;
-        returns the budget left."""
+    def _plan_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput,
+                      guesses: dict[Sequence, list[int]] | None = None) -> int:
+        """Plans the next chunk of each running sequence in `seqs` within `budget` (a
+        decode with guesses: its input and as many guesses as the budget and the free
+        blocks hold; guesses never preempt anyone); returns the budget left."""
         bs, running = self.allocator.block_size, SequenceStatus.RUNNING
         for seq in seqs:
             if budget == 0:
@@ -209,17 +220,39 @@ class Scheduler:
                 continue  # preempted earlier in this step, or preempted and seated again
             start = seq.num_computed_tokens
             n = min(seq.planned_len - start, budget)
+            guess = guesses.get(seq) if guesses else None
+            if guess:
+                guess = guess[:budget - 1]
+                if not self.allocator.allocate_slots(seq, start + 1 + len(guess)):
+                    guess = []
             # (a decode step's last block mostly has room: no call to the allocator)
             if start + n > len(seq.block_table) * bs and not self._reserve_running(seq, n, out):
                 continue
-            out.scheduled.append(self._plan(seq, n))
-            budget -= n
+            out.scheduled.append(self._plan(seq, n, guess or []))
+            budget -= n + len(guess or ())
         return budget
 
-    def _plan(self, seq: Sequence, n: int) -> ScheduledSeq:
+    def _guesses(self, decodes: list[Sequence]) -> dict[Sequence, list[int]] | None:
+        """The speculator's guesses for this step's decodes (lockstep ones only: a token
+        in flight is not known yet), while the batch is small enough for them to pay."""
+        spec = self.speculator
+        if spec is None or not decodes or not spec.active(len(self.running)):
+            return None
+        seqs = [s for s in decodes if not s.num_pending and not s.params.speculative_off]
+        if not seqs:
+            return None
+        # each kept guess is an output token: room for them and the target's own pick
+        room = [s.max_len - s.num_tokens - 1 for s in seqs]
+        return {s: g for s, g in zip(seqs, spec.guesses(seqs, room)) if g}
+
+    def _plan(self, seq: Sequence, n: int, guess: list[int] | None = None) -> ScheduledSeq:
         seq.scheduled_step = self._step
         start = seq.num_computed_tokens
-        return ScheduledSeq(seq, start, n, start + n == seq.planned_len)
+        item = ScheduledSeq(seq, start, n, start + n == seq.planned_len)
+        if guess:
+            item.guess = guess
+            item.num_tokens += len(guess)
+        return item
 
     def _reserve_running(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Blocks for `n` more tokens of a running sequence, preempting the lowest
@@ -416,28 +449,52 @@ class Scheduler:
         bs = self.allocator.block_size if self.allocator.enable_prefix_caching else 1 << 62
         for item in out.scheduled:
             seq = item.seq
-            row += item.samples
+            first = row
+            row += item.samples + len(item.guess)
             status = seq.status
             if status is done:
                 continue  # aborted, or ended by an earlier step's token while this one ran
             tokens = seq.token_ids
+            new: list[int] = []
             if item.samples:
                 seq.num_pending -= 1
-                tokens.append(sampled.token_ids[row - 1])
+                new = sampled.token_ids[first:row]
+                if item.guess:
+                    new = self._kept(item, new)
+                token = new[0]
+                tokens.append(token)
             if status is running and seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * bs:
                 self.allocator.cache_blocks(seq)  # blocks this step filled
             if not item.samples:
                 continue
-            token = tokens[-1]
-            lp = sampled.logprobs[row - 1]
             reason = "stop" if token in seq.stop_ids else "length" if len(tokens) >= seq.max_len else None
+            emitted = 1
+            while reason is None and emitted < len(new):  # kept guesses, then the target's pick
+                token = new[emitted]
+                tokens.append(token)
+                emitted += 1
+                reason = "stop" if token in seq.stop_ids else "length" if len(tokens) >= seq.max_len else None
+            if item.guess:
+                self.speculator.stats.emitted += emitted
             if reason is not None:
                 finished |= status is running
                 self._finish(seq, reason)
-            results.append(self._output(seq, [token], [lp] if lp is not None else []))
+            lps = [lp for lp in sampled.logprobs[first:first + emitted] if lp is not None]
+            results.append(self._output(seq, tokens[len(tokens) - emitted:], lps))
         if finished:
             self.running = [s for s in self.running if s.status is running]
         return results
+
+    def _kept(self, item: ScheduledSeq, picks: list[int]) -> list[int]:
+        """The tokens a speculating decode emits: the guesses the target's picks confirm,
+        then the target's pick after them. The KV of the rest was computed for guesses
+        that were wrong: it is dropped (and its blocks freed) at once."""
+        seq = item.seq
+        kept = self.speculator.verified(item.guess, picks)
+        if seq.status is SequenceStatus.RUNNING:
+            seq.num_computed_tokens -= len(item.guess) - kept
+            self.allocator.trim(seq, seq.num_computed_tokens)
+        return picks[:kept + 1]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.status is SequenceStatus.RUNNING:

@@ -55,10 +55,12 @@ WANTED_S = 2.0
 
 @dataclass(frozen=True)
 class LoraConfig:
+    """The adapter settings of an EngineConfig, which holds their defaults and checks."""
+
     adapter_dir: Path
-    max_loras: int = 4  # device slots
-    max_cpu_loras: int = 16  # host LRU tier
-    max_lora_rank: int = 16
+    max_loras: int  # device slots
+    max_cpu_loras: int  # host LRU tier
+    max_lora_rank: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,8 @@ from omnibus.engine.engine import Engine, EngineStats
 from omnibus.engine.lora import AdapterInventory, AdapterStateError, UnknownAdapterError
 from omnibus.engine.serving.batcher import BatcherConfig, DynamicBatcher
 from omnibus.engine.serving.core import ProcessCore, ThreadCore
-from omnibus.engine.serving.step_loop import Abort, Add, AdapterLoaded, Call, Delivery, Refused
-from omnibus.engine.worker.sampling import SamplingParams
+from omnibus.engine.request import EngineRequest, as_request
+from omnibus.engine.serving.step_loop import Abort, AdapterLoaded, Call, Delivery, Refused
 
 __all__ = [
     "AdapterLoaded", "AdapterStateError", "AsyncEngine", "Delivery", "Destination", "Refused",
@@ -105,28 +105,28 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self.core.send(Abort(request_id))
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, dest: Destination,
-            priority: int = 0, adapter: str | None = None, tenant: str = "", weight: float = 1.0,
-            deadline: float | None = None) -> None:
-        """Queues a request whose outputs (or Refused) go to `dest` step by step
-        (`deadline`: time.monotonic() seconds). Raises RuntimeError if the step loop is
-        not running."""
+    def add(self, request: EngineRequest | str, *fields: Any, dest: Destination, **named: Any) -> None:
+        """Queues `request` (or the EngineRequest of its loose fields), whose outputs (or
+        Refused) go to `dest` step by step. Raises RuntimeError if the step loop is not
+        running."""
         self._check_running()
+        request = as_request(request, *fields, **named)
+        request_id = request.request_id
         self._dests[request_id] = dest
-        self.core.send(Add(request_id, list(prompt_token_ids), params, priority, adapter, tenant,
-                           weight, deadline))
+        self.core.send(request)
         if self.error is not None and self._dests.pop(request_id, None) is not None:
             # the loop died after the check and before `crashed` saw this destination
             raise StepLoopDown("the engine step loop is not running")
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, adapter: str | None = None, tenant: str = "",
-                       weight: float = 1.0, deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs step by step (`deadline`: time.monotonic() seconds).
-        Raises ValueError / UnknownAdapterError if the engine refuses it. Leaving the loop
-        early (break, cancel) aborts it."""
+    async def generate(self, request: EngineRequest | str, *fields: Any,
+                       **named: Any) -> AsyncIterator[RequestOutput]:
+        """Yield the outputs of `request` (or of the EngineRequest of its loose fields)
+        step by step. Raises ValueError / UnknownAdapterError if the engine refuses it.
+        Leaving the loop early (break, cancel) aborts it."""
+        request = as_request(request, *fields, **named)
+        request_id = request.request_id
         sink = _Sink(asyncio.get_running_loop())
-        self.add(request_id, prompt_token_ids, params, sink, priority, adapter, tenant, weight, deadline)
+        self.add(request, dest=sink)
         finished = False
         try:
             while not finished:

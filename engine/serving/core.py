@@ -178,7 +178,7 @@ class ProcessCore:
         ctx = multiprocessing.get_context("spawn")
         self.config = config
         self._conn, child = ctx.Pipe()
-        shared = ctx.RawArray("d", 3)
+        shared = ctx.RawArray("d", Heartbeat.SLOTS)
         self.heartbeat = Heartbeat(shared)
         self._process = ctx.Process(target=_core_main,
                                     args=(config, child, shared, log_level, os.getpid()),

@@ -23,10 +23,10 @@ import structlog
 from omnibus.common.threads import name_this_thread
 from omnibus.engine.core.sequence import RequestOutput
 from omnibus.engine.engine import Engine, EngineStats
+from omnibus.engine.request import EngineRequest
 from omnibus.engine.lora import AdapterInventory, AdapterLoadError, AdapterStateError, UnknownAdapterError
-from omnibus.engine.serving.watchdog import Heartbeat
+from omnibus.engine.serving.watchdog import Heartbeat, StallStacks
 from omnibus.engine.worker.model_runner import bind_device
-from omnibus.engine.worker.sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -48,18 +48,6 @@ class Refused:
 
 
 Delivery = RequestOutput | Refused
-
-
-@dataclass
-class Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    adapter: str | None = None
-    tenant: str = ""
-    weight: float = 1.0
-    deadline: float | None = None  # time.monotonic() seconds (one clock for all processes)
 
 
 @dataclass
@@ -87,7 +75,7 @@ class AdapterLoaded:
     was_loaded: bool  # it was in host memory already: no disk read
 
 
-Command = Add | Abort | Call | None  # None: stop
+Command = EngineRequest | Abort | Call | None  # an EngineRequest: add it; None: stop
 
 
 class Inbox(Protocol):
@@ -129,6 +117,8 @@ class StepLoop:
         engine = self.engine
         name_this_thread(STEP_THREAD_NAME)
         bind_device(engine.runner.device)  # the current CUDA device is per thread
+        stacks = StallStacks(self.heartbeat)  # logs where this thread is when a step stalls
+        stacks.start()
         try:
             checked = -1  # the step count at the last integrity check
             while True:
@@ -157,6 +147,8 @@ class StepLoop:
             self.heartbeat.end()  # crashed, not stalled: requests get INTERNAL
             log.exception("engine_step_loop_crashed")
             self.outlet.crashed(exc)
+        finally:
+            stacks.stop()
 
     def _drain(self, timeout: float | None) -> bool:
         """Applies the queued commands, waiting up to `timeout` s for the first (0: not at
@@ -190,23 +182,22 @@ class StepLoop:
             raise _Stop
         if isinstance(cmd, Abort):
             self.engine.abort(cmd.request_id)
-        elif isinstance(cmd, Add):
+        elif isinstance(cmd, EngineRequest):
             self._add(cmd)
         elif cmd.op == "embed":
             self._embeds.append(cmd)
         else:
             self._adapter_call(cmd)
 
-    def _add(self, cmd: Add) -> None:
+    def _add(self, request: EngineRequest) -> None:
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority,
-                                    cmd.adapter, cmd.tenant, cmd.weight, cmd.deadline)
+            self.engine.add_request(request)
         except (ValueError, LookupError) as exc:
-            self._refused.append(Refused(cmd.request_id, exc))
+            self._refused.append(Refused(request.request_id, exc))
         except Exception as exc:  # e.g. an adapter file vanishing mid-read: refuse this request only
-            log.exception("add_request_failed", request_id=cmd.request_id)
+            log.exception("add_request_failed", request_id=request.request_id)
             error = RuntimeError(f"the engine could not admit the request: {exc!r}")
-            self._refused.append(Refused(cmd.request_id, error))
+            self._refused.append(Refused(request.request_id, error))
 
     def _run_embed(self, cmd: Call) -> None:
         try:

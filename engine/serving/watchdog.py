@@ -7,14 +7,19 @@ the server's loop reads it. Past `stall_seconds` the server turns health NOT_SER
 ends load reports UNAVAILABLE (routers stop sending); a step that ends puts it back;
 `exit_seconds` more of the same stall and the process exits with one clear log line.
 The first step after start gets `first_step_seconds`: it may compile kernels or capture
-CUDA graphs. Torch-free: it only reads clocks.
+CUDA graphs. At each stall the watchdog flags it on the heartbeat, and `StallStacks`, a
+thread in the step loop's own process, logs where the step is (`step_loop_stack`).
+Torch-free: it only reads clocks and frames.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, MutableSequence
 from dataclasses import dataclass
 
@@ -53,12 +58,15 @@ class WatchdogConfig:
 
 class Heartbeat:
     """Written by the step loop only: when the running step began (NaN between steps) and
-    how many steps have ended. The three doubles live in `shared` when the step loop runs
-    in another process (a `multiprocessing.RawArray("d", 3)`); a sequence number, odd
-    while a write is under way, gives readers a consistent pair."""
+    how many steps have ended; and, written by the watchdog only, how many stalls it has
+    seen. The doubles live in `shared` when the step loop runs in another process (a
+    `multiprocessing.RawArray("d", Heartbeat.SLOTS)`); a sequence number, odd while a
+    write is under way, gives readers a consistent pair."""
+
+    SLOTS = 4  # seq, began, done, stalls
 
     def __init__(self, shared: MutableSequence[float] | None = None) -> None:
-        self._s = shared if shared is not None else [0.0, math.nan, 0.0]  # seq, began, done
+        self._s = shared if shared is not None else [0.0, math.nan, 0.0, 0.0]
         self._s[1] = math.nan
 
     def _write(self, began: float, done: float) -> None:
@@ -80,6 +88,59 @@ class Heartbeat:
             seq, began, done = s[0], s[1], s[2]
             if seq % 2 == 0 and s[0] == seq:
                 return (0.0 if math.isnan(began) else now - began), int(done)
+
+    def flag_stall(self) -> None:
+        """The watchdog saw the running step pass its limit (StallStacks logs where it is)."""
+        self._s[3] += 1
+
+    @property
+    def stalls(self) -> int:
+        """How many stalls the watchdog has flagged."""
+        return int(self._s[3])
+
+
+STACK_POLL_S = 0.1  # how often StallStacks looks for a new stall
+
+
+class StallStacks:
+    """A daemon thread in the step loop's process (the watchdog may be in another) that,
+    once per stall the watchdog flags on `heartbeat`, logs `step_loop_stack`: every frame
+    of the thread running the step (`thread_id`, default the caller's), outermost first,
+    as "file:line in function". It reads the frames while the stuck step has let go of
+    the GIL (a wait on the device, a lock, a sleep); a step spinning in C code that holds
+    the GIL holds this thread up too, and the watchdog's own line still says it stalled."""
+
+    def __init__(self, heartbeat: Heartbeat, thread_id: int | None = None,
+                 poll: float = STACK_POLL_S) -> None:
+        self._heartbeat = heartbeat
+        self._thread_id = threading.get_ident() if thread_id is None else thread_id
+        self._poll = poll
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-stall-stacks", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(1.0)
+
+    def _run(self) -> None:
+        seen = self._heartbeat.stalls
+        while not self._stop.wait(self._poll):
+            stalls = self._heartbeat.stalls
+            if stalls != seen:
+                seen = stalls
+                self.log_stack()
+
+    def log_stack(self) -> None:
+        """Logs the step thread's stack now, if a step is running."""
+        age, done = self._heartbeat.running_for(time.monotonic())
+        frame = sys._current_frames().get(self._thread_id)
+        if not age or frame is None:  # the step ended meanwhile, or the loop did
+            return
+        frames = [f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack(frame)]
+        log.error("step_loop_stack", step_seconds=round(age, 3), steps_done=done, frames=frames)
 
 
 class Watchdog:
@@ -115,6 +176,7 @@ class Watchdog:
                 if stalled:
                     log.error("engine_step_stalled", step_seconds=round(age, 3), limit_seconds=limit,
                               steps_done=done)
+                    self._heartbeat.flag_stall()  # the step loop's process logs its stack
                 else:
                     log.warning("engine_step_recovered", steps_done=done)
                     exited = False

@@ -16,7 +16,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 from omnibus.common.sampling import SamplingParams
-from omnibus.engine.config import DTYPES, EngineConfig, ModelConfig
+from omnibus.engine.config import DTYPE_NAMES, EngineConfig, ModelConfig
 from omnibus.engine.core.scheduler import SchedulerOutput
 from omnibus.engine.core.sequence import Sequence
 from omnibus.engine.lora import LoraManager
@@ -32,6 +32,7 @@ from omnibus.engine.worker.transfer import to_device
 log = structlog.get_logger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 512 << 20
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the dtypes EngineConfig names
 
 
 def bind_device(device: torch.device) -> None:
@@ -218,7 +219,14 @@ class ModelRunner:
             seq, start, n = item.seq, item.start, item.num_tokens
             end = start + n
             table, tokens = seq.block_table, seq.token_ids
-            if n == 1:  # a decode (or a one-token chunk)
+            if item.guess:  # a decode and its speculated tokens, each scored
+                input_ids.append(tokens[start])
+                input_ids += item.guess
+                positions += range(start, end)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+                longest = max(longest, n)
+                logits_indices += range(total, total + n - 1)  # the last one's below
+            elif n == 1:  # a decode (or a one-token chunk)
                 if start < len(tokens):
                     input_ids.append(tokens[start])
                 else:  # its input is prev's pick for this sequence
@@ -306,14 +314,17 @@ class ModelRunner:
         penalties = False
         if rows:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab)
-            params = [s.params for s in rows]
-            penalties = any(p.has_penalties for p in params)
-            if penalties:  # token histories for the rows they read
-                prompts = [s.prompt_token_ids if s.params.has_penalties else () for s in rows]
-                outputs = [s.output_token_ids if s.params.has_penalties else () for s in rows]
+            if len(rows) < len(batch.logits_indices):  # speculated rows
+                sampled = self._verify(plan, logits)
             else:
-                prompts = outputs = [()] * len(rows)
-            sampled = self.sampler.sample(logits, params, prompts, outputs, [s.generator for s in rows])
+                params = [s.params for s in rows]
+                penalties = any(p.has_penalties for p in params)
+                if penalties:  # token histories for the rows they read
+                    prompts = [s.prompt_token_ids if s.params.has_penalties else () for s in rows]
+                    outputs = [s.output_token_ids if s.params.has_penalties else () for s in rows]
+                else:
+                    prompts = outputs = [()] * len(rows)
+                sampled = self.sampler.sample(logits, params, prompts, outputs, [s.generator for s in rows])
         else:
             sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
         if self.idle_meter is not None:
@@ -323,6 +334,29 @@ class ModelRunner:
             step.ready_at = self._device_free_at = (
                 max(time.monotonic(), self._device_free_at) + self.null_step_s)
         return step
+
+    def _verify(self, plan: SchedulerOutput, logits: torch.Tensor) -> SampledBatch:
+        """Samples every row of a step with speculated tokens: a speculating sequence's
+        row j is the target's pick after its input and its first j guesses, drawn as the
+        non-speculative step at that position would (its penalties over the output plus
+        those guesses; a seeded request's noise of that output position). The scheduler
+        keeps the guesses these picks confirm (engine/spec)."""
+        params: list[SamplingParams] = []
+        prompts: list = []
+        outputs: list = []
+        generators: list = []
+        for item in plan.scheduled:
+            if not item.samples:
+                continue
+            seq = item.seq
+            history = seq.params.has_penalties
+            gen = seq.generator
+            for j in range(len(item.guess) + 1):
+                params.append(seq.params)
+                prompts.append(seq.prompt_token_ids if history else ())
+                outputs.append(seq.output_token_ids + item.guess[:j] if history else ())
+                generators.append(None if gen is None else gen.at(gen.position + j))
+        return self.sampler.sample(logits, params, prompts, outputs, generators)
 
     def execute(self, plan: SchedulerOutput) -> SamplerOutput:
         """Run one step to completion: launch it and wait for its picks."""

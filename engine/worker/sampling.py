@@ -118,9 +118,32 @@ class SeededDraws:
 
     def draw(self, vocab: int) -> torch.Tensor:
         """(V,) Exp(1) noise for output position `position`, then moves to the next one."""
-        self._gen.manual_seed(_splitmix64(self._seed_hash ^ self.position))
+        noise = self.noise(vocab, self.position)
         self.position += 1
+        return noise
+
+    def noise(self, vocab: int, position: int) -> torch.Tensor:
+        """(V,) Exp(1) noise for output `position`, leaving `position` as it is."""
+        self._gen.manual_seed(_splitmix64(self._seed_hash ^ position))
         return torch.empty(vocab, device=self.device).exponential_(generator=self._gen)
+
+    def at(self, position: int) -> "_DrawAt":
+        """The noise of one output position, for a speculated row (engine/spec): drawing it
+        moves nothing; the engine sets `position` once it knows how many tokens were kept."""
+        return _DrawAt(self, position)
+
+
+@dataclass(frozen=True)
+class _DrawAt:
+    draws: SeededDraws
+    position: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.draws.device
+
+    def draw(self, vocab: int) -> torch.Tensor:
+        return self.draws.noise(vocab, self.position)
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu", position: int = 0) -> SeededDraws:

@@ -665,7 +665,7 @@ def test_engine_cli_adapter_flags():
 
 def test_copying_an_adapter_dir_is_picked_up_by_the_catalog(setup, tmp_path):
     """New adapter directories appear in load reports without a restart."""
-    from omnibus.engine.serving.server import AdapterCatalog
+    from omnibus.engine.serving.catalog import AdapterCatalog
 
     root = tmp_path / "adapters"
     shutil.copytree(setup.adapters / "a-r2", root / "a-r2")

@@ -14,7 +14,8 @@ from omnibus.common.prefix import leading_block_keys
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import AdapterError, Engine, UnknownAdapterError
 from omnibus.engine.serving.async_engine import AsyncEngine
-from omnibus.engine.serving.server import EngineMetrics, EngineService
+from omnibus.engine.serving.metrics import EngineMetrics
+from omnibus.engine.serving.service import EngineService
 from omnibus.engine.worker.sampling import SamplingParams
 from omnibus.router.config import RouterConfig
 from omnibus.router.dispatch.dispatcher import Ticket

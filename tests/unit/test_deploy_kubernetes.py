@@ -25,7 +25,7 @@ from omnibus.common.metrics import exposition
 from omnibus.engine.engine import EngineStats
 from omnibus.engine.serving.cli import build_parser as engine_parser
 from omnibus.engine.serving.cli import configs_from_args
-from omnibus.engine.serving.server import EngineMetrics
+from omnibus.engine.serving.metrics import EngineMetrics
 from omnibus.router.admission.store import RedisLimits
 from omnibus.router.cli import build_parser as router_parser
 from omnibus.router.cli import config_from_args

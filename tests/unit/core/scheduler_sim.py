@@ -36,6 +36,8 @@ from omnibus.engine.core.block_allocator import BlockAllocator
 from omnibus.engine.core.policies import make_policy
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from omnibus.engine.core.sequence import RequestOutput, SamplerOutput, Sequence, SequenceStatus
+from omnibus.engine.spec import SpecConfig, Speculator
+from omnibus.engine.spec.proposer import NgramProposer
 
 EOS = 2
 VOCAB = 40
@@ -115,10 +117,13 @@ class FakeAdapters:
 
 
 def model_token(context: list[int], salt: str | None, eos_ok: bool) -> int:
-    """The fake model's greedy pick: a function of the whole context and the adapter."""
+    """The fake model's greedy pick: a function of the whole context and the adapter that
+    often repeats what came 4 tokens before (so n-gram guesses are sometimes right)."""
     h = zlib.crc32(repr((salt, context)).encode())
     if eos_ok and h % 11 == 0:
         return EOS
+    if len(context) >= 4 and h % 3:
+        return context[-4]
     return 3 + h % (VOCAB - 3)
 
 
@@ -156,6 +161,7 @@ class SimConfig:
     num_requests: int = 40
     arrival_steps: int = 60  # arrivals spread over these steps (a flood at step 0 too)
     step_seconds: float = 0.01  # simulated time of one step
+    speculative: bool = False  # n-gram speculation (engine/spec)
 
     @staticmethod
     def random(seed: int) -> "SimConfig":
@@ -179,6 +185,7 @@ class SimConfig:
             adapter_load_steps=r.randint(0, 3),
             num_requests=r.randint(10, 60),
             arrival_steps=r.randint(1, 80),
+            speculative=r.random() < 0.35,
         )
 
 
@@ -244,9 +251,11 @@ class Simulator:
         failing = frozenset({"a2"}) if cfg.adapters >= 3 else frozenset()
         self.adapters = FakeAdapters(cfg.adapter_slots, cfg.adapter_load_steps, failing) if cfg.adapters else None
         policy = make_policy(cfg.policy, max_batch_size=cfg.max_num_seqs, window_ms=30.0)
+        speculator = Speculator(SpecConfig("ngram", num_tokens=3, max_batch=4), NgramProposer(3, 1)) \
+            if cfg.speculative else None
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.budget, cfg.max_model_len, cfg.waiting_order),
-            self.allocator, policy, (EOS,), self.adapters)  # type: ignore[arg-type]
+            self.allocator, policy, (EOS,), self.adapters, speculator)  # type: ignore[arg-type]
         self.arrivals = make_workload(cfg, self.rng)
         self._watch_displacements()
         self.kv: dict[tuple[int, int], tuple[str | None, int]] = {}  # (block, offset) -> (salt, token)
@@ -290,7 +299,9 @@ class Simulator:
             plan = self._schedule()
             if in_flight is not None:
                 self._report(in_flight)
-            if self.cfg.overlap and not plan.is_empty:
+            # overlapped: the plan runs while the next is made, unless it speculates (the
+            # next plan needs to know how many guesses were kept), as Engine.step does
+            if self.cfg.overlap and not plan.is_empty and not any(item.guess for item in plan.scheduled):
                 in_flight = plan
             else:
                 in_flight = None
@@ -343,7 +354,8 @@ class Simulator:
             if not item.samples:
                 continue
             seq = item.seq
-            rows.append(model_token(seq.token_ids, seq.cache_salt, not seq.params.ignore_eos))
+            for j in range(len(item.guess) + 1):  # a speculating decode: a pick after each guess
+                rows.append(model_token(seq.token_ids + item.guess[:j], seq.cache_salt, not seq.params.ignore_eos))
         self._check_kv(plan)
         for out in self.scheduler.update(plan, SamplerOutput(rows, [None] * len(rows))):
             self._record(out)
@@ -430,16 +442,17 @@ class Simulator:
         bs = self.cfg.block_size
         for item, table in zip(plan.scheduled, self.tables.pop(id(plan))):
             seq = item.seq
+            inputs = seq.token_ids + item.guess if item.guess else seq.token_ids
             for p in range(item.start, item.start + item.num_tokens):  # (-1: a token that never came)
-                self.kv[(table[p // bs], p % bs)] = (seq.cache_salt, seq.token_ids[p] if p < seq.num_tokens else -1)
+                self.kv[(table[p // bs], p % bs)] = (seq.cache_salt, inputs[p] if p < len(inputs) else -1)
             if seq.status is SequenceStatus.FINISHED and seq.finish_reason == "abort":
                 continue  # aborted after launch: the step still ran, but nothing reads it
             for p in range(item.start + item.num_tokens):
                 got = self.kv.get((table[p // bs], p % bs))
-                if got != (seq.cache_salt, seq.token_ids[p]):
+                if got != (seq.cache_salt, inputs[p]):
                     raise InvariantViolation(
                         f"KV: {seq.request_id} position {p} reads {got}, expected "
-                        f"{(seq.cache_salt, seq.token_ids[p])}, step {self.step} ({self.cfg})")
+                        f"{(seq.cache_salt, inputs[p])}, step {self.step} ({self.cfg})")
 
     def _check_after_step(self) -> None:
         s = self.scheduler

@@ -16,10 +16,10 @@ async def test_a_request_that_fails_to_admit_does_not_kill_the_loop(tmp_path, mo
     try:
         real = engine.add_request
 
-        def flaky(request_id, *args, **kwargs):
-            if request_id == "bad":
+        def flaky(request):
+            if request.request_id == "bad":
                 raise OSError("adapter file vanished mid-read")
-            return real(request_id, *args, **kwargs)
+            return real(request)
 
         monkeypatch.setattr(engine, "add_request", flaky)
         params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)

@@ -7,7 +7,8 @@ import asyncio
 from types import SimpleNamespace
 
 from omnibus.engine.core.sequence import RequestOutput
-from omnibus.engine.serving.server import _Live, _Session
+from omnibus.engine.serving.registry import Live
+from omnibus.engine.serving.session import SessionStream
 from omnibus.v1 import inference_pb2
 
 
@@ -19,12 +20,14 @@ def out(rid: str, token: int, n: int, finished: bool = False) -> RequestOutput:
 
 def test_unsent_steps_merge_into_one_entry_per_request():
     ended = []
-    service = SimpleNamespace(_live={}, _end=lambda live, outcome: ended.append((live.request_id, outcome)))
+    live_requests = {}
+    service = SimpleNamespace(requests=SimpleNamespace(
+        get=live_requests.get, end=lambda live, outcome: ended.append((live.request_id, outcome))))
     loop = asyncio.new_event_loop()
     loop.close()  # deliver only sets an asyncio.Event: no loop runs here
-    session = _Session(service, loop)
-    a, b = _Live("a", "", 0.0, session, handle=7), _Live("b", "", 0.0, session, handle=9)
-    service._live.update(a=a, b=b)
+    session = SessionStream(service, loop)
+    a, b = Live("a", "", 0.0, session, handle=7), Live("b", "", 0.0, session, handle=9)
+    live_requests.update(a=a, b=b)
     session.deliver([out("a", 11, 1), out("b", 21, 1)])
     session.deliver([out("a", 12, 2)])
     session.deliver([out("a", 13, 3, finished=True), out("b", 22, 2)])
@@ -38,13 +41,15 @@ def test_unsent_steps_merge_into_one_entry_per_request():
 
 def test_packed_sessions_send_started_requests_plain_tokens_as_pairs():
     ended = []
-    service = SimpleNamespace(_live={}, _end=lambda live, outcome: ended.append((live.request_id, outcome)))
+    live_requests = {}
+    service = SimpleNamespace(requests=SimpleNamespace(
+        get=live_requests.get, end=lambda live, outcome: ended.append((live.request_id, outcome))))
     loop = asyncio.new_event_loop()
     loop.close()
-    session = _Session(service, loop)
+    session = SessionStream(service, loop)
     session.packed = True
-    a, b = _Live("a", "", 0.0, session, handle=7), _Live("b", "", 0.0, session, handle=9)
-    service._live.update(a=a, b=b)
+    a, b = Live("a", "", 0.0, session, handle=7), Live("b", "", 0.0, session, handle=9)
+    live_requests.update(a=a, b=b)
     session.deliver([out("a", 11, 1)])  # a's first token: an entry, with the counts
     update = session.take()
     assert [(o.handle, list(o.token_ids), o.num_prompt_tokens) for o in update.outputs] == [(7, [11], 4)]
