@@ -1,4 +1,7 @@
-"""GPU roofline benchmark: `make bench-gpu` (python -m omnibus.bench.gpu --out docs/benchmarks/gpu.md).
+"""GPU roofline benchmark: `make bench-gpu` (python -m omnibus.bench.gpu --out build/bench-gpu/gpu.md).
+
+On a lent GPU, scripts/gpu_check.sh runs its sections within the loan's time and
+`make gpu-report` (omnibus.bench.gpu_report) writes docs/benchmarks/gpu.md from the results.
 
 A Llama-3-8B-shaped bf16 model with random weights made on the device (no download).
 It reports, in sections that can run as separate commands (`--sections roofline,decode`,
@@ -21,10 +24,13 @@ is how the test suite keeps this script runnable.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import random
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -86,9 +92,11 @@ def weight_bytes(engine) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
 
 
-def decode_roofline(engine, batch_sizes: list[int], prompt_len: int, bw: float) -> list[dict]:
+def decode_roofline(engine, batch_sizes: list[int], prompt_len: int, bw: float,
+                    on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Decode step time per batch size, with and without overlapped scheduling, against
-    the bandwidth floor, plus the share of each step the GPU waited on Python."""
+    the bandwidth floor, plus the share of each step the GPU waited on Python. `on_row`
+    gets the rows so far after each batch size (a time limit then keeps what ran)."""
     from omnibus.engine.worker.sampling import SamplingParams
 
     mc = engine.model_config
@@ -131,6 +139,8 @@ def decode_roofline(engine, batch_sizes: list[int], prompt_len: int, bw: float) 
         row["roofline_ms"] = 1e3 * floor
         row["of_roofline"] = row["roofline_ms"] / row["overlap_ms"]
         rows.append(row)
+        if on_row:
+            on_row(rows)
     return rows
 
 
@@ -200,6 +210,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true", help="tiny shape, CPU allowed (keeps the script tested)")
     ap.add_argument("--requests", type=int, default=None, help="offline workload size (default 256; smoke 8)")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers peers (the hf section)")
+    ap.add_argument("--hf-static-requests", type=int, default=None,
+                    help="time transformers' static `generate` on the first K requests only (batches of 16 "
+                         "run one after another, so its tokens/s does not depend on how many; default all)")
+    ap.add_argument("--batches", default=None,
+                    help="decode batch sizes, comma-separated (default 1,8,32,64,128,256; smoke 1,2,4)")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="KV pool per engine in GiB (default: 80%% of the GPU's memory in all; smoke 64 MiB); "
+                         "a fixed pool leaves room for the transformers peers in the same process")
     args = ap.parse_args(argv)
     sections = [x for x in args.sections.split(",") if x]
     unknown = sorted(set(sections) - set(SECTIONS))
@@ -217,20 +235,41 @@ def main(argv: list[str] | None = None) -> dict:
     n = args.requests or (8 if args.smoke else 256)
     json_path = args.json or (args.out.with_suffix(".json") if args.out else None)
     result: dict = json.loads(json_path.read_text()) if json_path and json_path.exists() else {}
-    result.update({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                   "shape": "tiny" if args.smoke else "llama-3-8b", "dtype": dtype, "requests": n})
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    if result and result.get("smoke", args.smoke) != args.smoke:
+        raise SystemExit(f"{json_path} holds a {'smoke' if result.get('smoke') else 'full'} run: "
+                         "smoke and full results never mix")
+    if result.get("device", device_name) != device_name:
+        raise SystemExit(f"{json_path} holds results from {result['device']}, not {device_name}: they never mix")
+    result.update({"device": device_name, "torch": torch.__version__,
+                   "shape": "tiny" if args.smoke else "llama-3-8b", "dtype": dtype, "requests": n,
+                   "smoke": args.smoke, "cuda": cuda})
+    seconds = result.setdefault("section_seconds", {})
+    this_run: dict[str, float] = {}
     tmp = tempfile.TemporaryDirectory()
     path = write_config(Path(tmp.name) / "model", shape)
-    util = {"gpu_memory_utilization": 0.8} if cuda else {"kv_cache_memory": 64 << 20}
+    if args.kv_cache_gib is not None:
+        util = {"kv_cache_memory": int(args.kv_cache_gib * (1 << 30))}
+    else:
+        util = {"gpu_memory_utilization": 0.8} if cuda else {"kv_cache_memory": 64 << 20}
     prompts, lengths = workload(n, shape["vocab_size"], 0.1 if args.smoke else 1.0)
     engine = None
+    started = time.perf_counter()
 
     def done(section: str) -> None:
-        """Partial results on disk after every section."""
+        """Partial results on disk after every section (atomically: a run cut by a time
+        limit leaves the previous complete file, never half of one)."""
+        nonlocal started
+        now = time.perf_counter()
+        this_run[section] = this_run.get(section, 0.0) + now - started  # a rerun replaces, never adds
+        seconds[section] = this_run[section]
+        started = now
         print(f"section {section} done", flush=True)
         if json_path:
             json_path.parent.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps(result, indent=2))
+            tmp_json = json_path.with_name(json_path.name + ".tmp")
+            tmp_json.write_text(json.dumps(result, indent=2))
+            os.replace(tmp_json, json_path)
         if args.out:
             write_markdown(args.out, result)
 
@@ -241,19 +280,28 @@ def main(argv: list[str] | None = None) -> dict:
         if "roofline_copy_bandwidth_gb_s" not in result:
             raise SystemExit("the decode section needs the roofline section's bandwidth (run it first)")
         engine = make_engine(path, device.type, dtype, **util)
-        batches = [1, 2, 4] if args.smoke else [1, 8, 32, 64, 128, 256]
-        result["decode"] = decode_roofline(engine, batches, 64 if args.smoke else 512,
-                                           result["roofline_copy_bandwidth_gb_s"] * 1e9)
-        done("decode")
+        if args.batches:
+            batches = [int(b) for b in args.batches.split(",") if b]
+        else:
+            batches = [1, 2, 4] if args.smoke else [1, 8, 32, 64, 128, 256]
+        result["decode_prompt_len"] = 64 if args.smoke else 512
+
+        def decode_row(rows: list[dict]) -> None:
+            result["decode"] = rows
+            done("decode")
+        decode_roofline(engine, batches, result["decode_prompt_len"], result["roofline_copy_bandwidth_gb_s"] * 1e9,
+                        on_row=decode_row)
     if "offline" in sections:
         engine = engine or make_engine(path, device.type, dtype, **util)
         meter = engine.runner.idle_meter
         if meter is not None:
             meter.reset()
+        result["offline_requests"] = n
         result["offline_omnibus_tok_s"] = omnibus_tok_s(engine, prompts, lengths)
         result["offline_gpu_idle_share"] = meter.idle_share if meter is not None else None
         done("offline")
     del engine
+    gc.collect()  # the engine's cycles too, before transformers needs the memory
     if cuda:
         torch.cuda.empty_cache()
     if "hf" in sections:
@@ -262,22 +310,33 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = transformers.LlamaConfig(**shape, tie_word_embeddings=False)
         with torch.device(device):
             hf = transformers.LlamaForCausalLM._from_config(cfg, dtype=getattr(torch, dtype)).eval()
-        result["hf_static_tok_s"] = hf_static_tok_s(hf, prompts, lengths)
-        done("hf")
+        if args.smoke:
+            _small_continuous_batching(hf)
+        # Continuous batching first: the stronger peer, and the quicker one, is the one a
+        # time limit should not cut.
+        result["hf_requests"] = n
         result["hf_continuous_tok_s"] = hf_continuous_tok_s(hf, prompts, lengths)
         done("hf")
+        k = min(args.hf_static_requests or n, n)
+        result["hf_static_requests"] = k
+        result["hf_static_tok_s"] = hf_static_tok_s(hf, prompts[:k], lengths[:k])
+        done("hf")
         del hf
+        gc.collect()
         if cuda:
             torch.cuda.empty_cache()
     if "lora" in sections:
-        adapters = make_adapters(Path(tmp.name) / "adapters", shape, 32, rank=8 if args.smoke else 16)
+        result["lora_rank"] = 8 if args.smoke else 16
+        adapters = make_adapters(Path(tmp.name) / "adapters", shape, 32, rank=result["lora_rank"])
         lora_engine = make_engine(path, device.type, dtype, adapter_dir=str(Path(tmp.name) / "adapters"),
                                   max_loras=32, max_cpu_loras=32, max_lora_rank=16, **util)
+        result["lora_requests"] = n
         lora = result["lora"] = {"base_tok_s": omnibus_tok_s(lora_engine, prompts, lengths)}
+        done("lora")
         for k in (8, 32):
             lora[f"{k}_adapters_tok_s"] = omnibus_tok_s(lora_engine, prompts, lengths, adapters[:k])
             lora[f"{k}_vs_base"] = lora[f"{k}_adapters_tok_s"] / lora["base_tok_s"]
-        done("lora")
+            done("lora")
     return result
 
 
@@ -319,23 +378,38 @@ GPU had nothing queued (CUDA events around each step's launches).
                 rows.append(f"| {label} | {r[key]:.0f} | {ratio} |")
         idle = (f"\nGPU idle share over the whole offline run (waiting on Python): "
                 f"{pct(r['offline_gpu_idle_share'])}.\n" if "offline_gpu_idle_share" in r else "")
-        parts.append(f"""## Offline throughput ({r['requests']} ShareGPT-shaped requests)
+        parts.append(f"""## Offline throughput ({r.get('offline_requests', r['requests'])} ShareGPT-shaped requests)
 
 | system | output tokens/s | Omnibus ÷ system |
 |---|---:|---:|
 """ + "\n".join(rows) + "\n" + idle)
     if "lora" in r:
         lora = r["lora"]
+        rows = "\n".join(f"| {k} | {lora[f'{k}_adapters_tok_s']:.0f} | {lora[f'{k}_vs_base']:.2f} |"
+                         for k in (8, 32) if f"{k}_adapters_tok_s" in lora)  # a cut run has fewer
         parts.append(f"""## Multi-LoRA
 
 | adapters | output tokens/s | vs base |
 |---:|---:|---:|
 | base | {lora['base_tok_s']:.0f} | 1.00 |
-| 8 | {lora['8_adapters_tok_s']:.0f} | {lora['8_vs_base']:.2f} |
-| 32 | {lora['32_adapters_tok_s']:.0f} | {lora['32_vs_base']:.2f} |
+{rows}
 """)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(parts))
+
+
+def _small_continuous_batching(model) -> None:
+    """Smoke runs only: transformers sizes its continuous-batching buffers from the memory
+    it finds (on the CPU, ~10 s of zeroing for a tiny model); a few blocks do here."""
+    import functools
+
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:  # older transformers: its own sizing
+        return
+    model.init_continuous_batching = functools.partial(
+        model.init_continuous_batching,
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256))
 
 
 def _sync(device: torch.device) -> None:
