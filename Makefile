@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
 
 .PHONY: setup system-deps proto test test-gpu gpu-env gpu-wheels run bench-offline bench-host bench-strategies \
-	bench-lora bench-gpu test-kernels-triton36 bench-fairness check-install clean fuzz fuzz-scheduler soak
+	bench-lora bench-gpu gpu-check-smoke gpu-report test-kernels-triton36 bench-fairness check-install clean fuzz fuzz-scheduler soak bench-spec
 
 setup: $(STAMP)
 
@@ -25,6 +25,12 @@ $(STAMP): requirements.txt pyproject.toml
 proto: setup
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos \
 	  --grpc_python_out=protos protos/omnibus/v1/*.proto
+
+# docs/configuration.md, every console script's flags, from their argparse parsers
+# (tests/unit/test_config_reference.py fails while it is stale).
+.PHONY: docs
+docs: setup
+	$(PY) scripts/gen_config_reference.py --out docs/configuration.md
 
 # Tools the end-to-end tests run beside Python: iproute2 (`ip netns`, the partition test).
 system-deps:
@@ -113,9 +119,29 @@ bench-strategies: setup
 # On a CUDA host: Llama-3-8B-shaped roofline, throughput vs transformers, multi-LoRA.
 # One section per command keeps each under 10 minutes (results accumulate beside --out):
 #   make bench-gpu GPU_SECTIONS=roofline,decode; make bench-gpu GPU_SECTIONS=offline; ...
+# Its markdown stays in build/: docs/benchmarks/gpu.md comes from `make gpu-report` alone.
 GPU_SECTIONS ?= roofline,decode,offline,hf,lora
 bench-gpu: gpu-env
-	$(GPU_VENV)/bin/python -m omnibus.bench.gpu --out docs/benchmarks/gpu.md --sections $(GPU_SECTIONS)
+	$(GPU_VENV)/bin/python -m omnibus.bench.gpu --out build/bench-gpu/gpu.md --sections $(GPU_SECTIONS)
+
+# On a lent GPU the whole GPU path is one command, scripts/gpu_check.sh (its head gives the
+# device-tool call: command, carry, timeout_s). Here, its CPU dry run at tiny shapes
+# (tests/bench/test_gpu_check_smoke.py runs it in `make test`):
+gpu-check-smoke: setup
+	OUT=build/gpu-check-smoke GPU_CHECK_PY=$(PY) bash scripts/gpu_check.sh --smoke
+
+# docs/benchmarks/gpu.md from the folders gpu_check.sh returned (a rerun's folder after the
+# first run's): make gpu-report IN="DIR [RERUN_DIR]". A smoke or CPU-only run is refused
+# unless GPU_REPORT_FLAGS=--allow-smoke (and then labelled so on every number).
+GPU_REPORT_OUT ?= docs/benchmarks/gpu.md
+gpu-report: setup
+	@test -n "$(IN)" || { echo 'usage: make gpu-report IN="DIR [RERUN_DIR]"' >&2; exit 2; }
+	$(PY) -m omnibus.bench.gpu_report $(foreach d,$(IN),--in $(d)) --out $(GPU_REPORT_OUT) $(GPU_REPORT_FLAGS)
+
+# Speculative decoding: n-gram vs off at batch 1/4/64 on repetitive, plain and echo-ceiling
+# workloads, in one process (~5 min on 2 cores).
+bench-spec: setup
+	$(PY) -m omnibus.bench.speculative --out docs/benchmarks/speculative.md
 
 # Fair share (FIFO vs VTC), deadlines (EDF vs FIFO) and prefix-aware routing (2 and 4
 # engines), real processes on this machine (~12 min on 2 cores).
