@@ -49,7 +49,8 @@ class ContinuousPolicy(BatchingPolicy):
 
     name = "continuous"
 
-    def admission_limit(self, now, num_running, num_waiting, oldest_arrival) -> int:
+    def admission_limit(self, now: float, num_running: int, num_waiting: int,
+                        oldest_arrival: Callable[[], float | None]) -> int:
         return UNLIMITED
 
 
@@ -67,7 +68,8 @@ class FormedBatchPolicy(BatchingPolicy):
     owed: int = 0
     arrivals_closed: bool = False
 
-    def admission_limit(self, now, num_running, num_waiting, oldest_arrival) -> int:
+    def admission_limit(self, now: float, num_running: int, num_waiting: int,
+                        oldest_arrival: Callable[[], float | None]) -> int:
         if num_running or not num_waiting:
             return 0
         if self.owed:  # the rest of the last batch, before (and not topped up by) later ones

@@ -17,7 +17,7 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omnibus.engine.core.order import SchedulingOrder
 from omnibus.engine.core.sequence import Sequence, SequenceStatus
@@ -31,7 +31,8 @@ _stamps = itertools.count(1)
 @dataclass
 class _TenantQueue:
     by_arrival: list[tuple[tuple[int, int], int, Sequence]] = field(default_factory=list)
-    by_deadline: list[tuple[tuple[int, float, int], int, Sequence]] = field(default_factory=list)  # near ones
+    # near ones (each has a deadline, which its type does not say)
+    by_deadline: list[tuple[tuple[int, float | None, int], int, Sequence]] = field(default_factory=list)
     nearing: list[tuple[float, int, int, Sequence]] = field(default_factory=list)  # (urgent_at, ...)
 
     def head(self, now: float) -> Sequence | None:
@@ -50,7 +51,7 @@ def _live(stamp: int, seq: Sequence) -> bool:
     return seq.queue_stamp == stamp and seq.status is SequenceStatus.WAITING
 
 
-def _live_head(heap: list) -> Sequence | None:
+def _live_head(heap: list[tuple[Any, int, Sequence]]) -> Sequence | None:
     while heap:
         if _live(heap[0][-2], heap[0][-1]):
             return heap[0][-1]

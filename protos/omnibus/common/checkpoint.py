@@ -8,6 +8,8 @@ ValueError saying what is wrong.
 
 from __future__ import annotations
 
+from typing import Any, TypeVar, overload
+
 __all__ = ["SUPPORTED_ARCHITECTURES", "architecture", "context_length", "field", "max_positions",
            "sliding_window"]
 
@@ -18,9 +20,20 @@ _DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config: layers from this index on slide
 
 
 _MISSING = object()
+_Kind = TypeVar("_Kind", int, float, bool)
+_Default = TypeVar("_Default")
 
 
-def field(raw: dict, key: str, kind: type, default: object = _MISSING) -> object:
+@overload
+def field(raw: dict[str, Any], key: str, kind: type[_Kind]) -> _Kind: ...
+
+
+@overload
+def field(raw: dict[str, Any], key: str, kind: type[_Kind], default: _Default
+          ) -> _Kind | _Default: ...
+
+
+def field(raw: dict[str, Any], key: str, kind: type, default: object = _MISSING) -> object:
     """config.json's `key` as `kind` (int, float or bool), refused when JSON holds another
     type (as transformers' typed configs refuse it) rather than coerced: bool("false") is
     True and int(2.7) is 2. An integral float counts as an int. A missing key or null
@@ -44,9 +57,9 @@ def field(raw: dict, key: str, kind: type, default: object = _MISSING) -> object
     return kind(value)
 
 
-def architecture(raw: dict) -> str:
+def architecture(raw: dict[str, Any]) -> str:
     """config.json's model_type, if Omnibus serves it."""
-    kind = raw.get("model_type")
+    kind: str | None = raw.get("model_type")
     supported = ", ".join(SUPPORTED_ARCHITECTURES)
     if not kind:
         raise ValueError(f"config.json has no model_type; supported: {supported}")
@@ -55,12 +68,12 @@ def architecture(raw: dict) -> str:
     return kind
 
 
-def max_positions(raw: dict) -> int:
+def max_positions(raw: dict[str, Any]) -> int:
     """max_position_embeddings, or the architecture's default when config.json has none."""
     return field(raw, "max_position_embeddings", int, _DEFAULT_MAX_POSITIONS[architecture(raw)])
 
 
-def sliding_window(raw: dict) -> int | None:
+def sliding_window(raw: dict[str, Any]) -> int | None:
     """The attention window of the layers that slide; None when every layer attends to
     the whole context. Llama has none. Mistral applies `sliding_window` (default 4096;
     null: none) to every layer and has no `use_sliding_window` switch. Qwen2 slides only
@@ -88,7 +101,7 @@ def sliding_window(raw: dict) -> int | None:
     return window
 
 
-def context_length(raw: dict) -> int:
+def context_length(raw: dict[str, Any]) -> int:
     """Most tokens (prompt + output) one sequence may hold. Sliding-window attention is
     not implemented, so the window caps the context: within it, sliding-window and full
     attention are the same computation."""

@@ -9,12 +9,15 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable
+from typing import TypeVar
 
 import structlog
 
 log = structlog.get_logger("omnibus.fatal")
 
 EXIT_CODE = 70  # EX_SOFTWARE: the orchestrator restarts the process
+
+_T = TypeVar("_T")
 
 
 def exit_process(message: str) -> None:
@@ -24,12 +27,13 @@ def exit_process(message: str) -> None:
     os._exit(EXIT_CODE)
 
 
-def exit_if_it_fails(task: asyncio.Task, exit: Callable[[str], None] | None = None) -> asyncio.Task:
+def exit_if_it_fails(task: asyncio.Task[_T], exit: Callable[[str], None] | None = None
+                     ) -> asyncio.Task[_T]:
     """`task`, a background task the process cannot work without: if it ever ends with an
     exception (a bug), the process logs it and exits (`exit`, by default `exit_process`).
     Cancelling it is not a failure."""
 
-    def done(t: asyncio.Task) -> None:
+    def done(t: asyncio.Task[_T]) -> None:
         if t.cancelled() or t.exception() is None:
             return
         exc = t.exception()

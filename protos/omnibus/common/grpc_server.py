@@ -9,7 +9,7 @@ import inspect
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -22,6 +22,12 @@ HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # A health "service" that is SERVING while the process runs, whatever the overall status
 # says (a router is NOT_SERVING without engines): what a liveness probe asks.
 LIVENESS = "liveness"
+
+if TYPE_CHECKING:
+    # Generic in gRPC's stubs only. A handler is a namedtuple at run time (its `_replace`
+    # below), which the stubs do not say.
+    _Handler = grpc.RpcMethodHandler[Any, Any]
+    _Context = grpc.aio.ServicerContext[Any, Any]
 
 
 @dataclass(frozen=True)
@@ -80,9 +86,9 @@ class _DecodeErrorsAreInvalid(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> _Handler | None:
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None or handler.request_streaming:
             return handler
@@ -92,13 +98,13 @@ class _DecodeErrorsAreInvalid(grpc.aio.ServerInterceptor):
         type_name = getattr(getattr(parse, "__self__", None), "DESCRIPTOR", None)
         expected = type_name.full_name if type_name is not None else "request"
 
-        def decode(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        def decode(raw: bytes, context: _Context) -> Any:
             try:
                 return parse(raw)
             except DecodeError:
                 return _UNDECODABLE
 
-        async def refuse(context: grpc.aio.ServicerContext) -> None:
+        async def refuse(context: _Context) -> None:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"the request is not a valid {expected} message (protobuf wire format)",
@@ -106,31 +112,34 @@ class _DecodeErrorsAreInvalid(grpc.aio.ServerInterceptor):
 
         if handler.response_streaming and inspect.isasyncgenfunction(behavior):
 
-            async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            async def unary_stream(raw: bytes, context: _Context) -> Any:
                 request = decode(raw, context)
                 if request is _UNDECODABLE:
                     await refuse(context)
                 async for item in behavior(request, context):
                     yield item
 
-            return handler._replace(request_deserializer=None, unary_stream=unary_stream)
+            return handler._replace(  # type: ignore[attr-defined, no-any-return]
+                request_deserializer=None, unary_stream=unary_stream)
         if handler.response_streaming:  # a coroutine that writes with context.write
 
-            async def unary_stream_writer(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+            async def unary_stream_writer(raw: bytes, context: _Context) -> None:
                 request = decode(raw, context)
                 if request is _UNDECODABLE:
                     await refuse(context)
                 await behavior(request, context)
 
-            return handler._replace(request_deserializer=None, unary_stream=unary_stream_writer)
+            return handler._replace(  # type: ignore[attr-defined, no-any-return]
+                request_deserializer=None, unary_stream=unary_stream_writer)
 
-        async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async def unary_unary(raw: bytes, context: _Context) -> Any:
             request = decode(raw, context)
             if request is _UNDECODABLE:
                 await refuse(context)
             return await behavior(request, context)
 
-        return handler._replace(request_deserializer=None, unary_unary=unary_unary)
+        return handler._replace(  # type: ignore[attr-defined, no-any-return]
+            request_deserializer=None, unary_unary=unary_unary)
 
 
 _UNDECODABLE = object()

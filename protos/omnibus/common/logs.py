@@ -42,7 +42,7 @@ def configure_logging(level: str = "info") -> None:
             structlog.processors.JSONRenderer(),
         ],
     ))
-    handler.omnibus = True  # type: ignore[attr-defined]  (ours: replaced when called again)
+    handler.omnibus = True  # type: ignore[attr-defined]  # ours: replaced when called again
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if not getattr(h, "omnibus", False)] + [handler]
     root.setLevel(numeric)

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -32,6 +32,9 @@ TOKEN_HEADER = "authorization"  # value: "Bearer <token>"
 # Methods a caller may use without the token: probes (liveness, readiness) must not
 # need a secret. Everything else, reflection included, needs it.
 UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.Health/",)
+
+if TYPE_CHECKING:
+    _Handler = grpc.RpcMethodHandler[Any, Any]  # generic in gRPC's stubs only
 
 
 def read_secret(path: str | None, what: str) -> bytes | None:
@@ -238,23 +241,23 @@ class RequireToken(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> _Handler | None:
         method = details.method or ""
         if method.startswith(UNAUTHENTICATED_PREFIXES) or self.allows(details.invocation_metadata):
             return await continuation(details)
         return _refusing(await continuation(details))
 
 
-async def _unauthenticated(request: Any, context: grpc.aio.ServicerContext) -> None:
+async def _unauthenticated(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
     await context.abort(
         grpc.StatusCode.UNAUTHENTICATED,
         "missing or wrong engine token (send 'authorization: Bearer <token>')",
     )
 
 
-def _refusing(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+def _refusing(handler: _Handler | None) -> _Handler:
     """A handler of `handler`'s kind that refuses, reading no request bytes. An unknown
     method is refused too: who may not call learns nothing of what exists."""
     if handler is None or not (handler.request_streaming or handler.response_streaming):
@@ -288,19 +291,20 @@ class _AddMetadata:
 
 
 class _AddUnaryUnary(_AddMetadata, grpc.aio.UnaryUnaryClientInterceptor):
-    intercept_unary_unary = _AddMetadata._call
+    # one body for the four kinds, whose parameters the stubs name apart
+    intercept_unary_unary = _AddMetadata._call  # type: ignore[assignment]
 
 
 class _AddUnaryStream(_AddMetadata, grpc.aio.UnaryStreamClientInterceptor):
-    intercept_unary_stream = _AddMetadata._call
+    intercept_unary_stream = _AddMetadata._call  # type: ignore[assignment]
 
 
 class _AddStreamUnary(_AddMetadata, grpc.aio.StreamUnaryClientInterceptor):
-    intercept_stream_unary = _AddMetadata._call
+    intercept_stream_unary = _AddMetadata._call  # type: ignore[assignment]
 
 
 class _AddStreamStream(_AddMetadata, grpc.aio.StreamStreamClientInterceptor):
-    intercept_stream_stream = _AddMetadata._call
+    intercept_stream_stream = _AddMetadata._call  # type: ignore[assignment]
 
 
 def _token_interceptors(extra: tuple[tuple[str, str], ...]) -> list[grpc.aio.ClientInterceptor]:

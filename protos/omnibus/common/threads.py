@@ -6,12 +6,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+from collections.abc import Callable
 
 _PR_SET_NAME = 15  # prctl(2)
 
 
 @functools.cache
-def _prctl():
+def _prctl() -> Callable[..., int]:
     """libc's prctl, from the symbols already loaded into this process (no library
     search, which would run a subprocess)."""
     return ctypes.CDLL(None, use_errno=True).prctl
