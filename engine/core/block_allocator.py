@@ -68,18 +68,21 @@ class BlockAllocator:
 
     # ---- allocation ----------------------------------------------------------
 
-    def allocate_prefix(self, seq: Sequence) -> int:
+    def allocate_prefix(self, seq: Sequence, limit: int | None = None) -> int:
         """Attach cached blocks for `seq`'s leading full blocks; return tokens covered.
 
         Only for a sequence holding no blocks. At least one token is left to compute,
-        because the next token's logits come from the last position's forward.
+        because the next token's logits come from the last position's forward; `limit`
+        caps the tokens read from the cache further (a request that needs the logits of
+        its prompt positions reads none past those it has scored).
         """
         if seq.block_table:
             raise RuntimeError(f"allocate_prefix on {seq.request_id}, which already holds blocks")
         if not self.enable_prefix_caching:
             return 0
         self._hash_full_blocks(seq, seq.num_tokens - 1)
-        for h in seq.block_hashes[: (seq.num_tokens - 1) // self.block_size]:
+        most = seq.num_tokens - 1 if limit is None else min(seq.num_tokens - 1, limit)
+        for h in seq.block_hashes[: most // self.block_size]:
             block = self.cached.get(h)
             if block is None:
                 break

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 from omnibus.engine.core.block_allocator import BlockAllocator
 from omnibus.engine.core.order import SchedulingOrder
 from omnibus.engine.core.policies import BatchingPolicy
-from omnibus.engine.core.sequence import RequestOutput, SamplerOutput, Sequence, SequenceStatus
+from omnibus.engine.core.sequence import (
+    RequestOutput, SamplerOutput, Sequence, SequenceStatus, TokenLogprobs)
 from omnibus.engine.core.study import StepObserver
 from omnibus.engine.core.waiting import WaitingQueue
 
@@ -53,6 +54,9 @@ class ScheduledSeq:
     # Speculated tokens after a decode's input (engine/spec): the step scores each, and the
     # target's own picks decide how many are kept. Rows sampled: samples + len(guess).
     guess: list[int] = field(default_factory=list)
+    # Positions of this chunk whose logits score the next prompt token (the request asked
+    # for prompt logprobs and has not scored it yet); None: none.
+    prompt_rows: range | None = None
 
 
 @dataclass
@@ -249,6 +253,11 @@ class Scheduler:
         seq.scheduled_step = self._step
         start = seq.num_computed_tokens
         item = ScheduledSeq(seq, start, n, start + n == seq.planned_len)
+        if seq.prompt_logprobs is not None:
+            # from the first position not scored yet (a chunk recomputed after a
+            # preemption may start before it) up to the one before the last prompt token
+            rows = range(max(start, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt_tokens - 1))
+            item.prompt_rows = rows or None
         if guess:
             item.guess = guess
             item.num_tokens += len(guess)
@@ -343,7 +352,10 @@ class Scheduler:
             if refund is None:
                 return None
             refunds, freed = refund, 1
-        cached = self.allocator.allocate_prefix(seq)
+        # A request scoring its prompt reads no cached blocks past the positions it has
+        # scored: the logits of the rest are needed.
+        limit = None if seq.prompt_logprobs is None else len(seq.prompt_logprobs)
+        cached = self.allocator.allocate_prefix(seq, limit)
         n = min(seq.num_tokens - cached, budget + refunds)
         reserve = max(cached + n, self.policy.reserve_tokens(seq))
         while not self.allocator.allocate_slots(seq, reserve):  # each pass evicts one request
@@ -447,6 +459,8 @@ class Scheduler:
         running, done = SequenceStatus.RUNNING, SequenceStatus.FINISHED
         # A block fills up once every block_size tokens: only then is it worth a call.
         bs = self.allocator.block_size if self.allocator.enable_prefix_caching else 1 << 62
+        if sampled is not None and sampled.prompt_logprobs:
+            self._score_prompts(sampled.prompt_logprobs)
         for item in out.scheduled:
             seq = item.seq
             first = row
@@ -480,10 +494,28 @@ class Scheduler:
                 finished |= status is running
                 self._finish(seq, reason)
             lps = [lp for lp in sampled.logprobs[first:first + emitted] if lp is not None]
-            results.append(self._output(seq, tokens[len(tokens) - emitted:], lps))
+            result = self._output(seq, tokens[len(tokens) - emitted:], lps)
+            if seq.prompt_logprobs is not None:  # its first token: the prompt is scored
+                result.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
+            results.append(result)
         if finished:
             self.running = [s for s in self.running if s.status is running]
         return results
+
+    @staticmethod
+    def _score_prompts(computed: dict[Sequence, tuple[int, list[TokenLogprobs]]]) -> None:
+        """Appends each sequence's newly scored prompt tokens. Steps report in launch
+        order and a sequence reads no cached KV past what it has scored, so a chunk starts
+        at or before the first position missing (before it: recomputed after a preemption
+        while the earlier chunk was in flight, already scored)."""
+        for seq, (first, logprobs) in computed.items():
+            have = seq.prompt_logprobs
+            if have is None:  # reported already (not reached: its first token comes last)
+                continue
+            if first > len(have):
+                raise RuntimeError(f"prompt logprobs of {seq.request_id}: position {first} scored "
+                                   f"before position {len(have)}")
+            have += logprobs[len(have) - first:]
 
     def _kept(self, item: ScheduledSeq, picks: list[int]) -> list[int]:
         """The tokens a speculating decode emits: the guesses the target's picks confirm,

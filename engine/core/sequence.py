@@ -33,6 +33,9 @@ class SamplerOutput:
 
     token_ids: list[int]  # one per row
     logprobs: list[TokenLogprobs | None]  # None for rows that asked for none
+    # The step's prompt logprobs: per sequence with prompt rows in it, (the position of
+    # its first row, the logprobs of prompt tokens position + 1, ...); None: no such rows.
+    prompt_logprobs: dict[Sequence, tuple[int, list[TokenLogprobs]]] | None = None
 
 
 @dataclass(eq=False)
@@ -82,12 +85,16 @@ class Sequence:
     # params here; the scheduler adds the model's EOS ids and the context limit.
     stop_ids: frozenset[int] = field(init=False)
     max_len: int = field(init=False)
+    # params.prompt_logprobs > 0: the logprobs of prompt tokens 1, 2, ... computed so far,
+    # in order; None when it asked for none, and once they went out with its first token.
+    prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.stop_ids = frozenset(self.params.stop_token_ids)
         self.max_len = self.num_prompt_tokens + self.params.max_tokens
+        self.prompt_logprobs = [] if self.params.prompt_logprobs else None
 
     @property
     def num_tokens(self) -> int:
@@ -128,3 +135,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None  # why an "abort" happened, when the engine ended it itself
+    # With the first token of a request that asked for them: the logprobs of its prompt
+    # tokens after the first (entry i: token i + 1 given tokens 0..i).
+    prompt_logprobs: list[TokenLogprobs] | None = None

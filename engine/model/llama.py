@@ -41,6 +41,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # (S,) int64: tokens whose next-token logits are needed
     lora: object | None = None  # adapter segments (multi-LoRA), None when no adapter is used
     attn_plan: AttentionPlan | None = None  # the CPU attention's per-step work (kernels.plan_attention)
+    # rows whose logits score prompt tokens (worker.sampling.PromptRows); None: none
+    prompt_logprobs: object | None = None
 
 
 class RMSNorm(nn.Module):

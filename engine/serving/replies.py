@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 from omnibus.v1 import engine_pb2, inference_pb2
 
-from omnibus.engine.core.sequence import RequestOutput
+from omnibus.engine.core.sequence import RequestOutput, TokenLogprobs
 from omnibus.engine.lora import AdapterStateError, UnknownAdapterError
 from omnibus.engine.serving.async_engine import StepLoopDown
 from omnibus.engine.serving.batcher import QueueFullError, QueueTimeoutError
@@ -43,15 +43,21 @@ def fill(msg: engine_pb2.EngineGenerateResponse, out: RequestOutput) -> engine_p
     msg.num_cached_tokens = out.num_cached_tokens
     msg.num_output_tokens = out.num_output_tokens
     if out.new_logprobs:
-        msg.logprobs.extend(
-            inference_pb2.TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-            )
-            for lp in out.new_logprobs
-        )
+        msg.logprobs.extend(_logprobs(out.new_logprobs))
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(_logprobs(out.prompt_logprobs))
     return msg
+
+
+def _logprobs(logprobs: list[TokenLogprobs]) -> list[inference_pb2.TokenLogprob]:
+    return [
+        inference_pb2.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[inference_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+        )
+        for lp in logprobs
+    ]
 
 
 def output_error(out: RequestOutput) -> Exception | None:

@@ -26,7 +26,8 @@ from omnibus.engine.model.loader import load_model, random_model
 from omnibus.engine.model.null import NullModel
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
 from omnibus.engine.worker.memory import MemoryUse, kv_cache_budget, lora_stack_bytes
-from omnibus.engine.worker.sampling import SampledBatch, Sampler, SamplerOutput
+from omnibus.engine.worker.sampling import (
+    PromptRows, SampledBatch, Sampler, SamplerOutput, prompt_logprobs)
 from omnibus.engine.worker.transfer import to_device
 
 log = structlog.get_logger(__name__)
@@ -213,6 +214,11 @@ class ModelRunner:
         logits_indices: list[int] = []
         pending_dst: list[int] = []  # rows of input_ids filled from prev's picks
         pending_src: list[int] = []
+        # rows whose logits score prompt tokens (prompt logprobs): the row, the token it
+        # scores, and per sequence (seq, its first row's position, rows, top-n)
+        score_rows: list[int] = []
+        score_targets: list[int] = []
+        score_spans: list[tuple[Sequence, int, int, int]] = []
         total = 0  # input tokens so far
         longest = 1  # the longest chunk
         for item in scheduled:
@@ -252,6 +258,11 @@ class ModelRunner:
             tables += pad[len(table):]
             if item.samples:
                 logits_indices.append(total - 1)
+            if item.prompt_rows is not None:
+                rows, zero = item.prompt_rows, total - end  # zero: the step's row of position 0
+                score_rows += range(zero + rows.start, zero + rows.stop)
+                score_targets += tokens[rows.start + 1:rows.stop + 1]
+                score_spans.append((seq, rows.start, len(rows), seq.params.prompt_logprobs))
         lora = None if self.adapters is None else self.adapters.batch_for(scheduled)
         dev = self.device
         ids = to_device(input_ids, torch.long, dev)
@@ -268,6 +279,9 @@ class ModelRunner:
             max_query_len=longest,
             logits_indices=to_device(logits_indices, torch.long, dev),
             lora=lora,
+            prompt_logprobs=None if not score_spans else PromptRows(
+                to_device(score_rows, torch.long, dev), to_device(score_targets, torch.long, dev),
+                score_spans),
         )
 
     @torch.inference_mode()
@@ -327,6 +341,10 @@ class ModelRunner:
                 sampled = self.sampler.sample(logits, params, prompts, outputs, [s.generator for s in rows])
         else:
             sampled = SampledBatch(torch.empty(0, dtype=torch.long, device=self.device))
+        if batch.prompt_logprobs is not None:
+            # at most max_num_seqs rows of logits at once: what the warm-up's sampling held
+            sampled.prompt = prompt_logprobs(self.model.compute_logits, hidden, batch.prompt_logprobs,
+                                             self.config.max_num_seqs)
         if self.idle_meter is not None:
             self.idle_meter.step_ended()
         step = Step(plan, sampled, rows, penalties)

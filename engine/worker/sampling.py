@@ -24,8 +24,9 @@ uninterrupted run would have. Unseeded rows share the Sampler's generator.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,6 +40,9 @@ __all__ = [
     "TokenLogprobs",
     "SamplerOutput",
     "SampledBatch",
+    "PromptRows",
+    "PromptLogprobBatch",
+    "prompt_logprobs",
     "Sampler",
     "SeededDraws",
     "allowed_tokens",
@@ -63,6 +67,7 @@ class SampledBatch:
     top_ids: torch.Tensor | None = None  # (n, w) int64, highest first
     top_vals: torch.Tensor | None = None  # (n, w) float32
     ready: torch.cuda.Event | None = None  # recorded after the copies, on CUDA
+    prompt: PromptLogprobBatch | None = None  # the step's prompt logprobs, when it scored any
 
     def to_host(self) -> SampledBatch:
         if not self.tokens.is_cuda:
@@ -74,6 +79,10 @@ class SampledBatch:
             return host.copy_(t, non_blocking=True)
         out = SampledBatch(pinned(self.tokens), self.logprob_rows, self.widths, pinned(self.chosen),
                            pinned(self.top_ids), pinned(self.top_vals), torch.cuda.Event())
+        if self.prompt is not None:
+            p = self.prompt
+            out.prompt = PromptLogprobBatch(pinned(p.chosen), pinned(p.top_ids), pinned(p.top_vals),
+                                            p.spans)
         out.ready.record()
         return out
 
@@ -87,7 +96,63 @@ class SampledBatch:
             for j, (i, val) in enumerate(zip(self.logprob_rows, self.chosen.tolist())):
                 n = self.widths[j]
                 logprobs[i] = TokenLogprobs(tokens[i], val, tuple(zip(top_ids[j][:n], top_vals[j][:n])))
-        return SamplerOutput(tokens, logprobs)
+        out = SamplerOutput(tokens, logprobs)
+        if self.prompt is not None:
+            out.prompt_logprobs = self.prompt.output()
+        return out
+
+
+@dataclass
+class PromptRows:
+    """The rows of a step whose logits score prompt tokens (prompt logprobs), as the
+    model runner's prepare() lays them out."""
+
+    index: torch.Tensor  # (R,) int64: rows of the step's hidden states, in span order
+    targets: torch.Tensor  # (R,) int64: the prompt token each row scores (the next one)
+    # (sequence, position of its first row, its rows, top-n it asked for), one per sequence
+    spans: list[tuple[Any, int, int, int]]
+
+
+@dataclass
+class PromptLogprobBatch:
+    """The logprobs of a step's scored prompt tokens, still where they were computed."""
+
+    chosen: torch.Tensor  # (R,) float32: each prompt token's logprob
+    top_ids: torch.Tensor  # (R, w) int64, most likely first
+    top_vals: torch.Tensor  # (R, w) float32
+    spans: list[tuple[Any, int, int, int]]  # PromptRows.spans
+
+    def output(self) -> dict[Any, tuple[int, list[TokenLogprobs]]]:
+        """sequence -> (position of its first row, TokenLogprobs per row); reads the host copy."""
+        chosen, ids, vals = self.chosen.tolist(), self.top_ids.tolist(), self.top_vals.tolist()
+        out: dict[Any, tuple[int, list[TokenLogprobs]]] = {}
+        row = 0  # the row at position p scores prompt token p + 1
+        for seq, first, count, width in self.spans:
+            tokens = seq.prompt_token_ids
+            out[seq] = (first, [
+                TokenLogprobs(tokens[first + 1 + j], chosen[row + j],
+                              tuple(zip(ids[row + j][:width], vals[row + j][:width])))
+                for j in range(count)])
+            row += count
+        return out
+
+
+def prompt_logprobs(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                    rows: PromptRows, chunk: int) -> PromptLogprobBatch:
+    """Log-softmax of the raw logits (no penalties, temperature or truncation, as vLLM's
+    prompt logprobs) at `rows` of `hidden` (T, H): each row's prompt token and the top
+    n. `logits_of` maps (c, H) hidden states to (c, V) float32 logits; rows go through
+    it `chunk` at a time, so a long prompt never holds (R, V) logits at once."""
+    width = max(span[3] for span in rows.spans)
+    total = sum(span[2] for span in rows.spans)
+    chosen, top_ids, top_vals = [], [], []
+    for a in range(0, total, chunk):
+        lp = logits_of(hidden.index_select(0, rows.index[a:a + chunk])).log_softmax(dim=-1)  # (c, V)
+        chosen.append(lp.gather(1, rows.targets[a:a + chunk, None])[:, 0])
+        top = lp.topk(min(width, lp.shape[1]), dim=-1)
+        top_ids.append(top.indices)
+        top_vals.append(top.values)
+    return PromptLogprobBatch(torch.cat(chosen), torch.cat(top_ids), torch.cat(top_vals), rows.spans)
 
 
 _MASK64 = (1 << 64) - 1

@@ -215,6 +215,7 @@ class Validator:
                 stop_token_ids=tuple(p.stop_token_ids),
                 ignore_eos=p.ignore_eos,
                 logprobs=p.logprobs,
+                prompt_logprobs=p.prompt_logprobs,
                 speculative_off=p.speculative == inference_pb2.SPECULATIVE_OFF,
                 **optional,
             )

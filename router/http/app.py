@@ -427,20 +427,31 @@ class OpenAIFront:
         # The cap on the inputs of one embeddings request caps a batch's prompts too.
         prompts = oa.completion_prompts(body.prompt, self._config.max_embed_inputs)
         logprobs = None if body.logprobs is None else oa.check_logprobs(body.logprobs, "logprobs")
-        sampling = oa.sampling(body, body.max_tokens, logprobs)
-        detokenizers = []
+        sampling = oa.sampling(body, 1 if body.prompt_only else body.max_tokens, logprobs)
+        if body.echo and logprobs is not None:  # the prompt's tokens scored too (vLLM's prompt_logprobs)
+            sampling.prompt_logprobs = sampling.logprobs
+        detokenizers, echoes = [], []
         tokenizer = self._pipeline.tokenizer
         for prompt in prompts:
             prompt.sampling.CopyFrom(sampling)
+            is_text = prompt.WhichOneof("prompt") == "text"
+            ids = [] if is_text else list(prompt.token_ids.ids)
             if logprobs is not None:  # text offsets: detokenized as the text is, after the prompt
-                if prompt.WhichOneof("prompt") == "text":
+                if is_text:
                     ids = (await asyncio.to_thread(tokenizer.encode, prompt.text)).ids
-                else:
-                    ids = list(prompt.token_ids.ids)
                 detokenizers.append(functools.partial(self._pipeline.detokenizer, ids))
+            if body.echo:
+                text = prompt.text if is_text else await asyncio.to_thread(self._decoded, ids)
+                echoes.append(oa.Echo(text, ids if logprobs is not None else []))
         shape = oa.CompletionShape(logprobs, body.return_token_ids, self._token_bytes,
-                                   detokenizers or self._pipeline.detokenizer)
+                                   detokenizers or self._pipeline.detokenizer,
+                                   echoes if body.echo else None, self._pipeline.detokenizer)
         return prompts, shape
+
+    def _decoded(self, ids: list[int]) -> str:
+        """A token-id prompt's text, as a completion's text is made (special tokens skipped)."""
+        detokenizer = self._pipeline.detokenizer()
+        return detokenizer.push(ids) + detokenizer.flush()
 
     async def _chat_request(self, body: oa.ChatBody) -> Prepared:
         ids = await self._chat_prompt(body)
@@ -489,6 +500,8 @@ class OpenAIFront:
         head = {"id": shape.id_prefix + request_id, "created": int(time.time()), "model": body.model}
         prompt_tokens: list[int] = []  # each choice's, once admitted
         merged = self._pipeline.generate_choices(requests, caller, body.n, prompt_tokens.extend)
+        if getattr(body, "prompt_only", False):
+            merged = _prompt_only(merged)
         async with aclosing(merged):
             if not body.stream:
                 try:
@@ -525,6 +538,20 @@ def _as_sent(err: RequestError, body: Any, prompts: int) -> RequestError:
         if err.param == "n" and body.n == 1:
             err.param = "prompt"
     return err
+
+
+async def _prompt_only(
+    merged: AsyncGenerator[tuple[int, pb.GenerateResponse], None],
+) -> AsyncGenerator[tuple[int, pb.GenerateResponse], None]:
+    """echo with max_tokens 0: the one token the engine was asked for (the prompt's
+    logprobs come with it) is left out of the text, the logprobs and the usage."""
+    async with aclosing(merged):
+        async for index, response in merged:
+            del response.token_ids[:], response.logprobs[:]
+            response.text = ""
+            if response.HasField("usage"):
+                response.usage.completion_tokens = 0
+            yield index, response
 
 
 async def _first_of_each(

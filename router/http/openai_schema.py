@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from omnibus.v1 import inference_pb2 as pb
@@ -94,13 +95,20 @@ class CompletionBody(_Body):
     best_of: int | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported; the prompt is not repeated in the completion"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", ("max_tokens must be at least 1, or 0 with echo: true (the prompt "
+                                  "alone, with its logprobs)")
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported"
         if self.best_of not in (None, 1):
             return "best_of", "best_of is not supported; use n for several completions"
         return super().unsupported()
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0 (vLLM's): the prompt (and its logprobs) and no completion.
+        The engine is asked for one token, which is left out."""
+        return self.echo and self.max_tokens == 0
 
 
 class ChatMessage(BaseModel):
@@ -470,6 +478,7 @@ class Choice:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[pb.TokenLogprob] = []
+        self.prompt_logprobs: list[pb.TokenLogprob] = []  # prompt tokens 1.. (echo with logprobs)
         self.finish: str | None = None
         self.usage: pb.Usage | None = None
         self.offset = 0  # characters of text the tokens so far gave (completions' text_offset)
@@ -479,6 +488,8 @@ class Choice:
         self.text.append(response.text)
         self.token_ids.extend(response.token_ids)
         self.logprobs.extend(response.logprobs)
+        if response.prompt_logprobs:
+            self.prompt_logprobs.extend(response.prompt_logprobs)
         if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self.finish = FINISH_REASONS[response.finish_reason]
             self.usage = response.usage
@@ -520,32 +531,59 @@ class _Shape:
         self._tokens = tokens
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A prompt that `echo` repeats before its completion: its text (the prompt as sent,
+    or its token ids' text) and, when logprobs name its tokens, its token ids."""
+
+    text: str
+    ids: list[int]
+
+
 class CompletionShape(_Shape):
     """/v1/completions: `text_completion` objects and chunks. `detokenizer` makes a
     stream's detokenizer, as the text's (for text_offset): one for every prompt, or a
-    list of one per prompt of a batch."""
+    list of one per prompt of a batch. With `echoes` (one per prompt) each choice's text
+    starts with its prompt and, with logprobs, its logprobs with the prompt's tokens
+    (the first with null logprobs), whose text offsets `fresh` (a detokenizer with no
+    context) gives."""
 
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
     def __init__(self, logprobs: int | None, token_ids: bool, tokens: TokenBytes,
                  detokenizer: Callable[[], IncrementalDetokenizer]
-                 | list[Callable[[], IncrementalDetokenizer]]) -> None:
+                 | list[Callable[[], IncrementalDetokenizer]],
+                 echoes: list[Echo] | None = None,
+                 fresh: Callable[[], IncrementalDetokenizer] | None = None) -> None:
         super().__init__(logprobs, token_ids, tokens)
         self._detokenizers = detokenizer if isinstance(detokenizer, list) else [detokenizer]
+        self._echoes = echoes
+        self._fresh = fresh
 
     def choice(self, c: Choice) -> dict[str, Any]:
-        return self._choice(c.index, "".join(c.text), c.token_ids, c.logprobs, c.finish, c)
+        echo = self._echo(c)
+        text = "".join(c.text) if echo is None else echo.text + "".join(c.text)
+        return self._choice(c.index, text, c.token_ids, c.logprobs, c.finish, c, echo)
 
     def chunk_choices(self, c: Choice, r: pb.GenerateResponse, first: bool) -> list[dict[str, Any]]:
-        if not (r.text or r.logprobs or c.finish or self._token_ids and r.token_ids):
+        echo = self._echo(c) if first else None  # the prompt comes with the first chunk
+        if not (echo or r.text or r.logprobs or c.finish or self._token_ids and r.token_ids):
             return []  # text held back (a partial character or stop string): nothing new
-        return [self._choice(c.index, r.text, r.token_ids, r.logprobs, c.finish, c)]
+        text = r.text if echo is None else echo.text + r.text
+        return [self._choice(c.index, text, r.token_ids, r.logprobs, c.finish, c, echo)]
 
-    def _choice(self, index, text, ids, logprobs, finish, c: Choice) -> dict[str, Any]:
+    def _echo(self, c: Choice) -> Echo | None:
+        return None if self._echoes is None else self._echoes[c.prompt]
+
+    def _choice(self, index, text, ids, logprobs, finish, c: Choice,
+                echo: Echo | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
         if self._logprobs is not None:
             out["logprobs"] = self._format(logprobs, c)
+            if echo is not None:  # the prompt's tokens first
+                prompt = self._prompt(echo, c.prompt_logprobs)
+                out["logprobs"] = {key: prompt[key] + out["logprobs"][key] for key in prompt}
         if self._token_ids:
             out["token_ids"] = list(ids)
         return out
@@ -555,30 +593,56 @@ class CompletionShape(_Shape):
         text is: the text so far ends with the token's own text, unless it is held back (a
         run of byte tokens that later ones complete or close) or shorter (SentencePiece's
         stripped first space, a skipped special token). A token holding part of a
-        character starts where that character does."""
+        character starts where that character does. An echoed prompt's text comes first."""
         if c.text_so_far is None:
             c.text_so_far = self._detokenizers[c.prompt if len(self._detokenizers) > 1 else 0]()
+            echo = self._echo(c)
+            c.offset = 0 if echo is None else len(echo.text)
         offsets = []
         for lp in logprobs:
-            before = c.offset
-            c.offset += len(c.text_so_far.push([lp.token_id]))
-            try:
-                own = len(self._tokens.of(lp.token_id).decode())
-            except UnicodeDecodeError:  # part of a character
-                own = c.offset - before
-            offsets.append(max(before, c.offset - own))
+            start, c.offset = self._offset(c.text_so_far, lp.token_id, c.offset)
+            offsets.append(start)
         return {
             "tokens": [self._tokens.text(lp.token_id) for lp in logprobs],
             "token_logprobs": [json_logprob(lp.logprob) for lp in logprobs],
-            # The sampled token's logprob is always there, as in the OpenAI API (so up to
-            # logprobs + 1 entries).
-            "top_logprobs": [
-                {self._tokens.text(t.token_id): json_logprob(t.logprob) for t in lp.top[: self._logprobs]}
-                | {self._tokens.text(lp.token_id): json_logprob(lp.logprob)}
-                for lp in logprobs
-            ],
+            "top_logprobs": [self._top(lp) for lp in logprobs],
             "text_offset": offsets,
         }
+
+    def _prompt(self, echo: Echo, scored: list[pb.TokenLogprob]) -> dict[str, list]:
+        """The echoed prompt's tokens in `_format`'s shape: entry i > 0 from scored[i - 1]
+        (the engine's prompt logprobs), the first null (nothing precedes it). Offsets are
+        into the prompt as its tokens decode, which is the prompt as sent wherever the
+        tokenizer gives its text back."""
+        detok, at, offsets = self._fresh(), 0, []
+        for token in echo.ids:
+            start, at = self._offset(detok, token, at)
+            offsets.append(start)
+        known = [None] + list(scored[:len(echo.ids) - 1])
+        known += [None] * (len(echo.ids) - len(known))
+        return {
+            "tokens": [self._tokens.text(t) for t in echo.ids],
+            "token_logprobs": [None if lp is None else json_logprob(lp.logprob) for lp in known],
+            "top_logprobs": [None if lp is None else self._top(lp) for lp in known],
+            "text_offset": offsets,
+        }
+
+    def _top(self, lp: pb.TokenLogprob) -> dict[str, float]:
+        # The token's own logprob is always there, as in the OpenAI API (so up to
+        # logprobs + 1 entries).
+        name = self._tokens.text
+        return ({name(t.token_id): json_logprob(t.logprob) for t in lp.top[: self._logprobs]}
+                | {name(lp.token_id): json_logprob(lp.logprob)})
+
+    def _offset(self, detok: IncrementalDetokenizer, token_id: int, at: int) -> tuple[int, int]:
+        """Where `token_id` starts in a text `at` characters long so far, and the text's
+        length after it (see `_format`)."""
+        end = at + len(detok.push([token_id]))
+        try:
+            own = len(self._tokens.of(token_id).decode())
+        except UnicodeDecodeError:  # part of a character
+            own = end - at
+        return max(at, end - own), end
 
 
 def json_logprob(logprob: float) -> float:

@@ -701,6 +701,7 @@ class Pipeline:
         sampling.CopyFrom(request.sampling)
         sampling.max_tokens -= len(sent)
         sampling.output_offset = len(sent)
+        sampling.prompt_logprobs = 0  # sent with the first token already
         return [*request.prompt_ids, *sent], sampling
 
     async def _wait_for_engine(self, job: _Job) -> EngineClient:
@@ -849,6 +850,8 @@ class Pipeline:
         )
         if out.logprobs:  # copying an empty repeated message field costs ~1 µs a message
             response.logprobs.extend(out.logprobs[:len(ids)])
+        if out.prompt_logprobs:  # the first message of a request that asked
+            response.prompt_logprobs.extend(out.prompt_logprobs)
         if finish != UNSPECIFIED:
             response.usage.CopyFrom(self._usage(job))
             response.timing.CopyFrom(self._timing(job))

@@ -321,6 +321,42 @@ def test_completion_logprobs_equal_grpc(cluster):
     assert logprobs.text_offset == offsets
 
 
+def test_echo_logprobs_score_the_prompt_as_transformers(cluster):
+    """lm-evaluation-harness's loglikelihood request (a prompt list with --batch_size): each
+    prompt echoed with its tokens' logprobs (the first null) and the one greedy token after
+    them, to 1e-4 of transformers' log-softmax."""
+    import torch
+
+    from tests.checkpoints import load_hf
+
+    tokenizer = Tokenizer.from_file(str(cluster.model / "tokenizer.json"))
+    prompts = [PROMPT_IDS * 4, PROMPT]  # 24 tokens: three KV blocks, cached by earlier requests
+    reply = httpx.post(cluster.url() + "/completions", headers={"Authorization": "Bearer key-initech"},
+                       json={"model": MODEL, "prompt": prompts, "max_tokens": 1, "logprobs": 1,
+                             "echo": True, "temperature": 0}, timeout=60).json()
+    hf = load_hf(cluster.model)
+    name = lambda t: openai_name(token_bytes(tokenizer, t))  # noqa: E731
+    for choice, ids in zip(reply["choices"], [PROMPT_IDS * 4, tokenizer.encode(PROMPT).ids], strict=True):
+        with torch.no_grad():
+            lp = hf(torch.tensor([ids])).logits[0].log_softmax(-1)  # row i scores token i + 1
+        picked = int(lp[-1].argmax())
+        scored = [*ids[1:], picked]
+        logprobs = choice["logprobs"]
+        assert logprobs["tokens"] == [name(t) for t in [*ids, picked]]
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:] == pytest.approx(
+            [lp[i, t].item() for i, t in enumerate(scored)], abs=1e-4)
+        for i, (top, t) in enumerate(zip(logprobs["top_logprobs"][1:], scored, strict=True)):
+            best = int(lp[i].argmax())
+            assert top == pytest.approx({name(best): lp[i, best].item(), name(t): lp[i, t].item()}, abs=1e-4)
+        text = choice["text"]
+        assert text.startswith(tokenizer.decode(ids)) and text.endswith(tokenizer.decode([picked]))
+        ends = [len(tokenizer.decode(ids[:i])) for i in range(len(ids) + 1)]
+        assert logprobs["text_offset"] == ends  # ASCII text: each token where the ones before end
+    assert reply["choices"][1]["text"].startswith(PROMPT)
+    assert reply["usage"]["completion_tokens"] == 2
+
+
 def test_chat_logprobs_carry_each_tokens_real_bytes(cluster):
     reply = cluster.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,

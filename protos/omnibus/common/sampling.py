@@ -99,6 +99,8 @@ class SamplingParams:
     # earlier output (penalties count them as output; seeded draws start at this position)
     output_offset: int = 0
     speculative_off: bool = False  # True: the engine never speculates for this request
+    # in [0, 20]; top-n logprobs per prompt token after the first (raw logits); 0: none
+    prompt_logprobs: int = 0
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -123,6 +125,8 @@ class SamplingParams:
             put(name, _float_field(name, getattr(self, name), "in [-2, 2]", lambda v: -2 <= v <= 2))
         lp_range = f"in [0, {MAX_LOGPROBS}]"
         put("logprobs", _int_field("logprobs", self.logprobs, lp_range, 0, MAX_LOGPROBS))
+        put("prompt_logprobs",
+            _int_field("prompt_logprobs", self.prompt_logprobs, lp_range, 0, MAX_LOGPROBS))
         put("output_offset", _int_field("output_offset", self.output_offset, ">= 0", lo=0))
         if not isinstance(self.speculative_off, bool):
             raise FieldError("speculative_off", f"speculative_off must be a bool, got {self.speculative_off!r}")
@@ -159,7 +163,7 @@ class SamplingParams:
 # Every field, as EngineSamplingParams names it too (stop_token_ids aside: a repeated field).
 _FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
-           "output_offset", "speculative_off")
+           "output_offset", "speculative_off", "prompt_logprobs")
 
 
 def _stop_ids(value: object) -> tuple[int, ...]:

@@ -36,7 +36,8 @@ def word_tokenizer() -> Tokenizer:
 
 class ScriptedEngine(EngineClient):
     """Each request gets `tokens` tokens (at most its max_tokens) and then the finish,
-    or raises `error`."""
+    or raises `error`. Logprobs, when asked for, are scripted too (`scripted_logprob`):
+    a generated token's, and with prompt_logprobs its prompt's on the first message."""
 
     def __init__(self, config: RouterConfig, on_change, max_num_seqs: int = 4,
                  address: str = "", adapters: tuple[str, ...] = ()) -> None:
@@ -60,9 +61,25 @@ class ScriptedEngine(EngineClient):
         count = min(self.tokens, request.sampling.max_tokens)
         for i in range(1, count + 1):
             finish = inference_pb2.LENGTH if i == count else inference_pb2.FINISH_REASON_UNSPECIFIED
-            yield engine_pb2.EngineGenerateResponse(
+            out = engine_pb2.EngineGenerateResponse(
                 token_ids=[5], num_output_tokens=i, finish_reason=finish,
                 num_prompt_tokens=len(request.prompt_token_ids))
+            sampling = request.sampling
+            if sampling.logprobs:
+                out.logprobs.append(scripted_logprob(5, 0, sampling.logprobs))
+            if i == 1 and sampling.prompt_logprobs:
+                prompt = request.prompt_token_ids
+                out.prompt_logprobs.extend(scripted_logprob(prompt[p], p, sampling.prompt_logprobs)
+                                           for p in range(1, len(prompt)))
+            yield out
+
+
+def scripted_logprob(token: int, position: int, top: int) -> inference_pb2.TokenLogprob:
+    """A scripted engine's logprob of `token` at prompt `position` (0: a generated token):
+    -position / 10 - 0.5, its top alternatives w60, w61, ... at -0.1, -0.2, ..."""
+    return inference_pb2.TokenLogprob(
+        token_id=token, logprob=-position / 10 - 0.5,
+        top=[inference_pb2.TopLogprob(token_id=60 + j, logprob=-(j + 1) / 10) for j in range(top)])
 
 
 def refusal(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

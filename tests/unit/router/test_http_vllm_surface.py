@@ -2,7 +2,7 @@
 OpenAI endpoints, in process (tests/unit/router/inprocess.py: scripted engines, a
 one-token-per-word tokenizer): /health, /version, /metrics, /tokenize, /detokenize,
 /tokenizer_info, stream_options.continuous_usage_stats, batched completion prompts,
-and the seeds of n choices."""
+the seeds of n choices, and echo with prompt logprobs."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ import json
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from omnibus.v1 import inference_pb2
 
 from omnibus.router.http import openai_schema as oa
 from omnibus.router.http.app import OpenAIFront
 from omnibus.router.http.chat_template import ChatTemplate
+from omnibus.router.service.errors import RequestError
+from omnibus.router.service.pipeline import Caller
 from tests.unit.router.inprocess import Router
 
 TENANTS = {"t": {"keys": ["sk-t"]}, "tight": {"keys": ["sk-tight"], "tokens_per_minute": 60},
@@ -284,3 +287,88 @@ async def test_n_choices_get_seeds_derived_from_the_request_seed(setup):
         by_prompt.setdefault(tuple(r.prompt_token_ids), set()).add(r.sampling.seed)
     expected = {7, oa.choice_seed(7, 1), oa.choice_seed(7, 2)}
     assert by_prompt == {(1,): expected, (2,): expected}  # each prompt as a request of its own
+
+
+# ---- echo and prompt logprobs (lm-evaluation-harness's loglikelihood requests) ----------
+
+# The scripted engine's logprobs (inprocess.scripted_logprob): prompt token at position p
+# -p/10 - 0.5, a generated token -0.5; alternatives w60, w61... at -0.1, -0.2...
+def lp(p: int) -> float:
+    return pytest.approx(-p / 10 - 0.5)
+
+
+async def test_echo_with_logprobs_is_openais_shape_for_each_prompt_of_a_batch(setup):
+    """What lm-eval sends for loglikelihood with --batch_size: the prompts echoed, their
+    tokens scored (null first), the one generated token after them."""
+    router, _, client = setup
+    status, reply = await complete(client, {"prompt": ["w1 w2 w3", [4, 7]], "max_tokens": 1,
+                                            "logprobs": 1, "echo": True, "temperature": 0})
+    assert status == 200, reply
+    first, second = reply["choices"]
+    assert (first["index"], first["text"], second["text"]) == (0, "w1 w2 w3 w5", "w4 w7 w5")
+    assert first["logprobs"]["tokens"] == ["w1", "w2", "w3", "w5"]
+    assert first["logprobs"]["token_logprobs"] == [None, lp(1), lp(2), lp(0)]
+    assert first["logprobs"]["top_logprobs"] == [
+        None, {"w60": pytest.approx(-0.1), "w2": lp(1)}, {"w60": pytest.approx(-0.1), "w3": lp(2)},
+        {"w60": pytest.approx(-0.1), "w5": lp(0)}]
+    assert first["logprobs"]["text_offset"] == [0, 3, 6, 9]  # into the echoed text
+    assert second["logprobs"]["tokens"] == ["w4", "w7", "w5"]
+    assert second["logprobs"]["token_logprobs"] == [None, lp(1), lp(0)]
+    assert second["logprobs"]["text_offset"] == [0, 3, 6]
+    assert reply["usage"]["prompt_tokens"] == 5 and reply["usage"]["completion_tokens"] == 2
+    assert [(r.sampling.logprobs, r.sampling.prompt_logprobs) for r in router.engine.requests] == [(1, 1)] * 2
+
+
+async def test_echo_with_max_tokens_0_is_the_prompt_alone(setup):
+    router, _, client = setup
+    status, reply = await complete(client, {"prompt": "w1 w2 w3", "max_tokens": 0, "logprobs": 0, "echo": True})
+    assert status == 200, reply
+    (choice,) = reply["choices"]
+    assert (choice["text"], choice["finish_reason"]) == ("w1 w2 w3", "length")
+    assert choice["logprobs"] == {"tokens": ["w1", "w2", "w3"], "token_logprobs": [None, lp(1), lp(2)],
+                                  "top_logprobs": [None, {"w2": lp(1)}, {"w3": lp(2)}],  # logprobs 0: no alternatives
+                                  "text_offset": [0, 3, 6]}
+    assert reply["usage"] | {"prompt_tokens_details": None} == {
+        "prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3, "prompt_tokens_details": None}
+    # the engine ran one token (the prompt's logprobs come with it), which nobody gets
+    assert router.engine.requests[-1].sampling.max_tokens == 1
+    chunks = await stream(client, {"prompt": "w1 w2", "max_tokens": 0, "echo": True,
+                                   "stream_options": {"include_usage": True}})
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "w1 w2"
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    # max_tokens 0 is for echo only
+    status, reply = await complete(client, {"prompt": "w1", "max_tokens": 0})
+    assert (status, reply["error"]["param"]) == (400, "max_tokens")
+    assert reply["error"]["message"].startswith("max_tokens must be at least 1, or 0 with echo: true")
+
+
+async def test_echo_without_logprobs_repeats_the_prompt_and_scores_nothing(setup):
+    router, _, client = setup
+    router.engine.tokens = 2
+    status, reply = await complete(client, {"prompt": ["w1 w2", [3]], "max_tokens": 2, "echo": True})
+    assert status == 200, reply
+    assert [(c["text"], c["logprobs"]) for c in reply["choices"]] == [("w1 w2 w5 w5", None), ("w3 w5 w5", None)]
+    assert [r.sampling.prompt_logprobs for r in router.engine.requests] == [0, 0]
+    # streamed: the prompt with the first chunk, with its logprobs when asked
+    chunks = await stream(client, {"prompt": "w1 w2", "max_tokens": 2, "echo": True, "logprobs": 1})
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert texts[0].startswith("w1 w2") and "".join(texts) == "w1 w2 w5 w5"
+    head = chunks[0]["choices"][0]["logprobs"]
+    assert head["tokens"][:2] == ["w1", "w2"] and head["token_logprobs"][:2] == [None, lp(1)]
+    assert chunks[-1]["choices"][0]["logprobs"]["text_offset"] == [9]
+
+
+async def test_grpc_prompt_logprobs_come_on_the_first_message_within_the_logprobs_range(setup):
+    router, _, _ = setup
+    tenant = router.pipeline.authenticate([("authorization", "Bearer sk-t")])
+    request = inference_pb2.GenerateRequest(
+        token_ids=inference_pb2.TokenIds(ids=[1, 2, 3]),
+        sampling=inference_pb2.SamplingParams(max_tokens=2, prompt_logprobs=2))
+    responses = [r async for r in router.pipeline.generate(request, Caller(tenant))]
+    assert [len(r.prompt_logprobs) for r in responses] == [2, 0]  # the first message only
+    assert [(p.token_id, [t.token_id for t in p.top]) for p in responses[0].prompt_logprobs] == [
+        (2, [60, 61]), (3, [60, 61])]
+    request.sampling.prompt_logprobs = 21
+    with pytest.raises(RequestError) as err:
+        [r async for r in router.pipeline.generate(request, Caller(tenant))]
+    assert (err.value.param, err.value.message) == ("prompt_logprobs", "prompt_logprobs must be in [0, 20], got 21")

@@ -48,7 +48,8 @@ def test_a_surrogate_pair_and_an_escaped_backslash_are_text():
     (b'{"model": "m", "prompt": "x", "stream": "yes"}', "stream: Input should be a valid boolean", "stream"),
     (b'{"model": "m", "prompt": [["a"]]}', "prompt must be a non-empty string or a non-empty list of token ids",
      "prompt"),
-    (b'{"model": "m", "prompt": "x", "echo": true}', "echo is not supported", "echo"),
+    (b'{"model": "m", "prompt": "x", "max_tokens": 0}', "max_tokens must be at least 1, or 0 with echo: true",
+     "max_tokens"),
     (b'{"model": null, "prompt": "x"}', "model is required", "model"),
 ])  # fmt: skip
 def test_completion_bodies_are_typed_strictly(raw, message, param):
