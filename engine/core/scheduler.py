@@ -125,8 +125,8 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.order.unseat(seq)
         self.allocator.free(seq)
-        if seq.lora_slot is not None:
-            self.adapters.release(seq.adapter)
+        if seq.lora_slot is not None and seq.adapter is not None:
+            self._lora().release(seq.adapter)
             seq.lora_slot = None
         if self.speculator is not None:
             self.speculator.proposer.release(seq)
@@ -153,24 +153,25 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
-        expired: list[Sequence] = []
+        expired: list[tuple[Sequence, float]] = []  # and the deadline that passed
         for seq in self.running:
             if seq.num_pending and seq.planned_len >= seq.max_len:
                 continue  # its pending token is its last: nothing to compute until it reports
             if (seq.deadline is not None and self._now >= seq.deadline
                     and not seq.num_pending and not seq.num_output_tokens):
-                expired.append(seq)  # still prefilling: no further chunk
+                expired.append((seq, seq.deadline))  # still prefilling: no further chunk
                 continue
             left = len(seq.token_ids) + seq.num_pending - seq.num_computed_tokens
             (decodes if left == 1 else prefills).append(seq)
-        for seq in expired:
-            self._end_prefilling(seq)
+        for seq, deadline in expired:
+            self._end_prefilling(seq, deadline)
         # Prefill chunks of running requests that the order ranks after the head of the
         # queue (another tenant's, a near deadline) get the budget it leaves.
         head = self._waiting.peek() if prefills else None
         behind: list[Sequence] = []
         if head is not None:
-            cut, ahead = self.order.key(head), []
+            cut = self.order.key(head)
+            ahead: list[Sequence] = []
             for s in prefills:
                 (behind if self.order.key(s) > cut else ahead).append(s)
             prefills = ahead
@@ -202,12 +203,12 @@ class Scheduler:
         if self._last_busy is not None and self._now > self._last_busy:
             self.order.step_seconds += 0.1 * (self._now - self._last_busy - self.order.step_seconds)
 
-    def _end_prefilling(self, seq: Sequence) -> None:
+    def _end_prefilling(self, seq: Sequence, deadline: float) -> None:
         """End a running request whose deadline passed before its first token (mid-prefill,
         between chunks), as `_admit` ends a waiting one: its KV blocks are freed."""
         self.running.remove(seq)
         self._leave_running(seq)
-        self._end(seq, "deadline", f"the request's deadline passed {self._now - seq.deadline:.3f} s "
+        self._end(seq, "deadline", f"the request's deadline passed {self._now - deadline:.3f} s "
                   f"into its prefill ({seq.num_computed_tokens} of {seq.num_prompt_tokens} prompt "
                   "tokens computed)")
 
@@ -404,7 +405,7 @@ class Scheduler:
         every slot pinned by running sequences) or "failed" (the request is finished)."""
         if seq.adapter is None or seq.lora_slot is not None:  # base model, or pinned already
             return "ok"
-        gate = self.adapters.gate(seq.adapter)
+        gate = self._lora().gate(seq.adapter)
         if gate.error is not None:
             del self.requests[seq.request_id]
             self.num_waiting -= 1
@@ -461,6 +462,8 @@ class Scheduler:
         bs = self.allocator.block_size if self.allocator.enable_prefix_caching else 1 << 62
         if sampled is not None and sampled.prompt_logprobs:
             self._score_prompts(sampled.prompt_logprobs)
+        picks = sampled.token_ids if sampled is not None else []  # None: no row sampled
+        picked_logprobs = sampled.logprobs if sampled is not None else []
         for item in out.scheduled:
             seq = item.seq
             first = row
@@ -472,7 +475,7 @@ class Scheduler:
             new: list[int] = []
             if item.samples:
                 seq.num_pending -= 1
-                new = sampled.token_ids[first:row]
+                new = picks[first:row]
                 if item.guess:
                     new = self._kept(item, new)
                 token = new[0]
@@ -489,11 +492,11 @@ class Scheduler:
                 emitted += 1
                 reason = "stop" if token in seq.stop_ids else "length" if len(tokens) >= seq.max_len else None
             if item.guess:
-                self.speculator.stats.emitted += emitted
+                self._spec().stats.emitted += emitted
             if reason is not None:
                 finished |= status is running
                 self._finish(seq, reason)
-            lps = [lp for lp in sampled.logprobs[first:first + emitted] if lp is not None]
+            lps = [lp for lp in picked_logprobs[first:first + emitted] if lp is not None]
             result = self._output(seq, tokens[len(tokens) - emitted:], lps)
             if seq.prompt_logprobs is not None:  # its first token: the prompt is scored
                 result.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
@@ -517,12 +520,25 @@ class Scheduler:
                                    f"before position {len(have)}")
             have += logprobs[len(have) - first:]
 
+    def _lora(self) -> LoraManager:
+        """The adapter manager: only requests for an adapter reach it, and the engine
+        refuses those when it serves no adapters."""
+        if self.adapters is None:
+            raise RuntimeError("a request for an adapter reached a scheduler without adapters")
+        return self.adapters
+
+    def _spec(self) -> Speculator:
+        """The speculator: only its own guesses reach it."""
+        if self.speculator is None:
+            raise RuntimeError("a guessed token reached a scheduler without a speculator")
+        return self.speculator
+
     def _kept(self, item: ScheduledSeq, picks: list[int]) -> list[int]:
         """The tokens a speculating decode emits: the guesses the target's picks confirm,
         then the target's pick after them. The KV of the rest was computed for guesses
         that were wrong: it is dropped (and its blocks freed) at once."""
         seq = item.seq
-        kept = self.speculator.verified(item.guess, picks)
+        kept = self._spec().verified(item.guess, picks)
         if seq.status is SequenceStatus.RUNNING:
             seq.num_computed_tokens -= len(item.guess) - kept
             self.allocator.trim(seq, seq.num_computed_tokens)
@@ -537,7 +553,7 @@ class Scheduler:
         del self.requests[seq.request_id]
 
     @staticmethod
-    def _output(seq: Sequence, tokens: list[int], logprobs: list) -> RequestOutput:
+    def _output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
         # positional, in RequestOutput's field order: this runs for every token of a step
         return RequestOutput(seq.request_id, tokens, logprobs, seq.status is SequenceStatus.FINISHED,
                              seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
