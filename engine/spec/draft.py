@@ -45,6 +45,7 @@ class DraftProposer:
             decode_graphs=False, overlap_scheduling=False, speculative=None, speculative_draft_model=None,
             load_format="safetensors" if target.load_format == "null" else target.load_format)
         self.runner = ModelRunner(config, self.model_config)
+        self.budget = target.max_num_batched_tokens  # tokens per draft forward at most
         self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size, enable_prefix_caching=False)
         self._shadows: dict[str, tuple[Sequence, Sequence]] = {}  # request id -> (its sequence, shadow)
         log.info("draft_model_loaded", model=str(draft_dir), kv_blocks=self.runner.num_blocks)
@@ -55,22 +56,26 @@ class DraftProposer:
         for r in range(max((n for _, _, n in shadows), default=0)):
             plan = SchedulerOutput()
             rows = []
+            budget = self.budget
             for i, shadow, n in shadows:
-                if r >= n or (r and len(guesses[i]) < r):
-                    continue  # done, or out of blocks earlier
+                if r >= n or (r and len(guesses[i]) < r) or budget == 0:
+                    continue  # done, out of blocks or behind (catching up) earlier, or no budget
                 start = shadow.num_computed_tokens
-                count = shadow.num_tokens - start
+                count = min(shadow.num_tokens - start, budget)  # a long catch-up goes in chunks
                 if not self.allocator.allocate_slots(shadow, start + count):
                     continue  # the draft's pool is full: fewer guesses for this one
-                plan.scheduled.append(ScheduledSeq(shadow, start, count, True))
+                plan.scheduled.append(ScheduledSeq(shadow, start, count, start + count == shadow.num_tokens))
                 rows.append(i)
+                budget -= count
             if not plan.scheduled:
                 break
-            picks = self.runner.launch(plan).result().token_ids
-            for item, i, token in zip(plan.scheduled, rows, picks):
+            picks = iter(self.runner.launch(plan).result().token_ids)
+            for item, i in zip(plan.scheduled, rows):
                 item.seq.num_computed_tokens += item.num_tokens
-                item.seq.token_ids.append(token)
-                guesses[i].append(token)
+                if item.samples:  # caught up: its next guess
+                    token = next(picks)
+                    item.seq.token_ids.append(token)
+                    guesses[i].append(token)
         return guesses
 
     def _shadow(self, seq: Sequence) -> Sequence:
