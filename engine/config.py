@@ -275,6 +275,10 @@ class EngineConfig:
     # above this many running sequences speculation turns itself off (the step is compute-bound)
     speculative_max_batch: int = _SPEC["max_batch"]
     speculative_draft_model: str | None = None  # "draft": the draft checkpoint (the same tokenizer)
+    # Structured output: whitespace characters a JSON output may hold between two elements
+    # at most (room to pretty-print a few levels deep; a bound on a model that would pad
+    # with whitespace until max_tokens)
+    structured_max_whitespace: int = 16
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two from 1 to 128", self.block_size)
@@ -289,6 +293,8 @@ class EngineConfig:
                ">= 2 (a prompt token and an output token)", self.max_model_len)
         _check(self.waiting_order in WAITING_ORDERS, "waiting_order", " or ".join(WAITING_ORDERS), self.waiting_order)
         _check(self.report_prefix_blocks >= 0, "report_prefix_blocks", ">= 0", self.report_prefix_blocks)
+        _check(self.structured_max_whitespace >= 1, "structured_max_whitespace", ">= 1",
+               self.structured_max_whitespace)
         _check(self.batching in BATCHING_POLICIES, "batching", " | ".join(BATCHING_POLICIES), self.batching)
         if self.max_batch_size is None:
             object.__setattr__(self, "max_batch_size", min(DEFAULT_MAX_BATCH_SIZE, self.max_num_seqs))

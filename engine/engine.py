@@ -116,12 +116,16 @@ class Engine:
         included) or UnknownAdapterError. The adapter's weights load in the background."""
         request = as_request(request, *fields, **named)
         self._validate(request)
+        params = request.params
+        grammar = None
+        if params.structured_output is not None:  # compiled (or found in the cache) now
+            offset, prompt = params.output_offset, request.prompt_token_ids
+            grammar = self.runner.grammar(params.structured_output, prompt[len(prompt) - offset:] if offset else ())
         salt = None
         if request.adapter:
             if self.adapters is None:
                 raise UnknownAdapterError(f"adapter {request.adapter!r} not found: this engine serves no adapters")
             salt = self.adapters.prefetch(request.adapter)
-        params = request.params
         seq = Sequence(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -134,6 +138,7 @@ class Engine:
             deadline=request.deadline,
             generator=None if params.seed is None else make_generator(
                 params.seed, self.runner.device, params.output_offset),
+            grammar=grammar,
         )
         self.scheduler.add(seq)
 

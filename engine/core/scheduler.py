@@ -485,6 +485,9 @@ class Scheduler:
             if not item.samples:
                 continue
             reason = "stop" if token in seq.stop_ids else "length" if len(tokens) >= seq.max_len else None
+            # A structured-output request's grammar follows what it emits; complete: "stop".
+            if reason is None and seq.grammar is not None and seq.grammar.advance(token):
+                reason = "stop"
             emitted = 1
             while reason is None and emitted < len(new):  # kept guesses, then the target's pick
                 token = new[emitted]

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from omnibus.common.sampling import SamplingParams
 
@@ -25,6 +26,16 @@ class TokenLogprobs:
     token_id: int
     logprob: float  # of the sampled token
     top: tuple[tuple[int, float], ...]  # top-n (token_id, logprob), highest first
+
+
+class TokenGrammar(Protocol):
+    """A structured-output request's grammar state (worker/grammar.py's GrammarMatcher),
+    as the scheduler sees it: it follows the request's emitted tokens."""
+
+    def advance(self, token: int) -> bool:
+        """Take one emitted token; True when the request must end with it (the grammar
+        is complete, or it could not take the token)."""
+        ...
 
 
 @dataclass
@@ -62,6 +73,9 @@ class Sequence:
     # The request's noise source when params.seed is set (worker.sampling.SeededDraws;
     # typed loosely: core never imports the worker layer).
     generator: object | None = None
+    # A structured-output request's grammar, advanced by every token it emits (so a
+    # preemption, which recomputes tokens but emits none, leaves it as it is); None: free text.
+    grammar: TokenGrammar | None = None
 
     token_ids: list[int] = field(init=False)  # prompt + outputs
     num_prompt_tokens: int = field(init=False)

@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
         "compute-bound and guesses stop paying",
     )
     p.add_argument(
+        "--structured-max-whitespace", type=int, default=_ENGINE["structured_max_whitespace"],
+        help="structured output: whitespace characters a JSON output holds between two elements "
+        "at most (room to pretty-print; a bound on a model that would pad until max_tokens)",
+    )
+    p.add_argument(
         "--decode-graphs", action=argparse.BooleanOptionalAction, default=_ENGINE["decode_graphs"],
         help="replay decode steps from CUDA graphs captured at bucketed batch sizes (default: on for CUDA)",
     )

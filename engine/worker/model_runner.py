@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 import torch.nn.functional as F
-from omnibus.common.sampling import SamplingParams
+from omnibus.common.sampling import SamplingParams, StructuredOutput
 from omnibus.engine.config import DTYPE_NAMES, EngineConfig, ModelConfig
 from omnibus.engine.core.scheduler import SchedulerOutput
 from omnibus.engine.core.sequence import Sequence
@@ -25,6 +25,7 @@ from omnibus.engine.model.llama import ForwardBatch
 from omnibus.engine.model.loader import load_model, random_model
 from omnibus.engine.model.null import NullModel
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
+from omnibus.engine.worker.grammar import GrammarMask, GrammarMatcher, Grammars
 from omnibus.engine.worker.memory import MemoryUse, kv_cache_budget, lora_stack_bytes
 from omnibus.engine.worker.sampling import (
     PromptRows, SampledBatch, Sampler, SamplerOutput, prompt_logprobs)
@@ -63,6 +64,7 @@ class ModelRunner:
         bind_device(self.device)
         self.adapters = adapters  # None when the engine serves no adapters
         self.sampler = Sampler(seed=config.seed)  # before sizing: the warm-up samples
+        self.grammars: Grammars | None = None  # structured output: made by the first such request
         if config.load_format == "null":
             self.model = NullModel(model_config, self.device)
         elif config.load_format == "dummy":
@@ -196,6 +198,30 @@ class ModelRunner:
                                 frequency_penalty=0.5, logprobs=5)
         return self.sampler.sample(logits, [params] * rows, [[1]] * rows, [[2]] * rows, [None] * rows)
 
+    def grammar(self, fmt: StructuredOutput, emitted: list[int] | tuple[int, ...] = ()) -> GrammarMatcher:
+        """A matcher for a structured-output request (past `emitted`, a continuation's
+        output so far). The first one reads the tokenizer's vocabulary. ValueError when
+        the format does not compile."""
+        if self.grammars is None:
+            mc = self.model_config
+            self.grammars = Grammars(self.config.model, mc.vocab_size, mc.eos_token_ids,
+                                     self.config.structured_max_whitespace)
+        return self.grammars.matcher(fmt, emitted)
+
+    def _grammar_masks(self, plan: SchedulerOutput) -> GrammarMask | None:
+        """The step's grammar masks, when a sampled row has a grammar (None otherwise, and
+        at once while no structured request ever came)."""
+        if self.grammars is None:
+            return None
+        rows: list[tuple[int, GrammarMatcher]] = []
+        row = 0
+        for item in plan.scheduled:
+            if item.samples:
+                if item.seq.grammar is not None:  # never speculated: one row
+                    rows.append((row, item.seq.grammar))
+                row += 1 + len(item.guess)
+        return self.grammars.fill(row, rows) if rows else None
+
     # ---- one step ------------------------------------------------------------
 
     def prepare(self, plan: SchedulerOutput, prev: Step | None = None) -> ForwardBatch:
@@ -326,8 +352,11 @@ class ModelRunner:
             hidden = self.model(batch, self.kv_caches)  # (T, hidden)
         rows = [item.seq for item in plan.scheduled if item.samples]
         penalties = False
+        masks = self._grammar_masks(plan) if rows else None  # host work while the forward runs
         if rows:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab)
+            if masks is not None:
+                masks.apply(logits)
             if len(rows) < len(batch.logits_indices):  # speculated rows
                 sampled = self._verify(plan, logits)
             else:
@@ -347,7 +376,9 @@ class ModelRunner:
                                              self.config.max_num_seqs)
         if self.idle_meter is not None:
             self.idle_meter.step_ended()
-        step = Step(plan, sampled, rows, penalties)
+        # Penalties read the tokens so far, and a grammar's next mask needs this step's pick:
+        # either way the next step waits for this one's report.
+        step = Step(plan, sampled, rows, penalties or masks is not None)
         if self.null_step_s:
             step.ready_at = self._device_free_at = (
                 max(time.monotonic(), self._device_free_at) + self.null_step_s)
@@ -388,8 +419,8 @@ class Step:
     plan: SchedulerOutput
     sampled: SampledBatch  # on the device; the next step's prepare() may read it
     samplers: list[Sequence]  # the sequences that sample, row by row
-    # A sequence of this step samples with penalties, which read its tokens: its next
-    # step must wait for this one's report.
+    # A sequence of this step samples with penalties, which read its tokens, or with a
+    # grammar, whose next mask follows its pick: its next step must wait for this one's report.
     reads_history: bool = False
     host: SampledBatch | None = None
     ready_at: float = 0.0  # the null model's simulated device: monotonic time its picks are ready

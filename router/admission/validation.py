@@ -17,7 +17,8 @@ import structlog
 from tokenizers import Tokenizer
 
 from omnibus.common.checkpoint import context_length
-from omnibus.common.sampling import FieldError, SamplingParams, check_context, check_token_ids
+from omnibus.common.sampling import (
+    FieldError, SamplingParams, StructuredOutput, check_context, check_token_ids)
 from omnibus.router.config import RouterConfig
 from omnibus.router.service.errors import TOO_LARGE, RequestError, invalid
 
@@ -206,6 +207,8 @@ class Validator:
             raise invalid(f"speculative must be SPECULATIVE_AUTO (0) or SPECULATIVE_OFF (1), got {p.speculative}",
                           "speculative")
         try:
+            structured = (StructuredOutput.from_proto(p.structured_output)
+                          if p.HasField("structured_output") else None)
             params = SamplingParams(
                 max_tokens=max_tokens,
                 top_k=p.top_k,
@@ -217,6 +220,7 @@ class Validator:
                 logprobs=p.logprobs,
                 prompt_logprobs=p.prompt_logprobs,
                 speculative_off=p.speculative == inference_pb2.SPECULATIVE_OFF,
+                structured_output=structured,
                 **optional,
             )
             if params.stop_token_ids:

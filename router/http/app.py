@@ -527,11 +527,18 @@ class OpenAIFront:
 def _as_sent(err: RequestError, body: Any, prompts: int) -> RequestError:
     """A refusal that blames max_tokens (its range, the context, the engines' KV pools),
     named as the request sent it: a chat request's `max_completion_tokens` (the router's
-    checks call the field max_tokens). One that blames the number of choices (`n` to the
-    tenant limits), in a batch of `prompts` prompts, says that every prompt counts."""
+    checks call the field max_tokens); one that blames structured_output (the schema), as
+    the field that set it (`response_format`, `structured_outputs`, `guided_json`). One
+    that blames the number of choices (`n` to the tenant limits), in a batch of `prompts`
+    prompts, says that every prompt counts."""
     if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         err.param = "max_completion_tokens"
         err.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", err.message)
+    if err.param == "structured_output":  # the schema, as the Validator or an engine refused it
+        fmt = oa.structured_output(body)
+        if fmt is not None:
+            err.param = fmt[1]
+            err.message = re.sub(r"^structured_output\b", fmt[1], err.message)
     if prompts > 1 and (err.param == "n" or "lower n" in err.message):
         err.message += (f" (the {prompts} prompts of n={body.n} choices each run "
                         f"{prompts * body.n} choices: send fewer prompts per request)")

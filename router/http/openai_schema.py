@@ -77,6 +77,11 @@ class _Body(_Strict):
     return_token_ids: bool = False  # each choice (and chunk) also carries its token ids
     # Omnibus's: "off" never speculates for this request; "auto" leaves it to the engine.
     speculative: Literal["auto", "off"] = "auto"
+    # Structured output: OpenAI's response_format, or vLLM's structured_outputs / guided_json
+    # (structured_output() reads them).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field set to something this server cannot do, and a message."""
@@ -134,7 +139,6 @@ class ChatBody(_Body):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     # Accepted and ignored, as they change nothing a client gets back: nothing is stored
     # or billed per tier here, and prefixes are cached by content whatever the key.
     store: bool = False
@@ -146,8 +150,6 @@ class ChatBody(_Body):
     def unsupported(self) -> tuple[str, str] | None:
         if self.tools or self.tool_choice not in (None, "none"):
             return "tools", "tools and tool_choice are not supported"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format", "response_format is not supported; only {\"type\": \"text\"}"
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 return "max_completion_tokens", "max_tokens and max_completion_tokens differ; set one of them"
@@ -352,6 +354,93 @@ def _content(content: object, index: int) -> str:
                   f"messages.{index}.content")
 
 
+def structured_output(body: _Body) -> tuple[pb.StructuredOutput, str] | None:
+    """The format the body holds the output to, and the field that set it: OpenAI's
+    `response_format` (`json_object`, or `json_schema` with `name`, `schema`, `strict`,
+    `description`; `text` is none), vLLM's `structured_outputs` (`json`: a schema object
+    or its text; `json_object`: true) or `guided_json` (a schema). At most one of them.
+    The schema itself is checked by the Validator (as JSON) and compiled by the engine."""
+    sources = [(name, value) for name, value in (
+        ("response_format", body.response_format), ("structured_outputs", body.structured_outputs),
+        ("guided_json", body.guided_json)) if value is not None]
+    if len(sources) > 1:
+        raise invalid(f"{sources[0][0]} and {sources[1][0]} both set the output's format; set one",
+                      sources[1][0])
+    if not sources:
+        return None
+    name, value = sources[0]
+    if name == "response_format":
+        fmt = _response_format(value)
+    elif name == "structured_outputs":
+        fmt = _structured_outputs(value)
+    else:
+        fmt = pb.StructuredOutput(json_schema=_schema_text(value, name))
+    return None if fmt is None else (fmt, name)
+
+
+def _response_format(value: dict[str, Any]) -> pb.StructuredOutput | None:
+    kind = value.get("type")
+    if kind == "text":
+        _only_keys(value, {"type"}, "response_format")
+        return None
+    if kind == "json_object":
+        _only_keys(value, {"type"}, "response_format")
+        return pb.StructuredOutput(json_object=True)
+    if kind != "json_schema":
+        raise invalid(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                      "response_format.type")
+    _only_keys(value, {"type", "json_schema"}, "response_format")
+    spec = value.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise invalid(f"{where} must be an object with name and schema", where)
+    _only_keys(spec, {"name", "schema", "strict", "description"}, where)
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise invalid(f"{where}.name must be a non-empty string", f"{where}.name")
+    for key, kind_ in (("strict", bool), ("description", str)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind_):
+            raise invalid(f"{where}.{key} must be a {kind_.__name__}", f"{where}.{key}")
+    if "schema" not in spec:
+        raise invalid(f"{where}.schema is required: the JSON Schema the output must follow",
+                      f"{where}.schema")
+    # strict or not, the schema is enforced (properties it does not name are not generated)
+    return pb.StructuredOutput(json_schema=_schema_text(spec["schema"], f"{where}.schema"))
+
+
+def _structured_outputs(value: dict[str, Any]) -> pb.StructuredOutput | None:
+    """vLLM's structured_outputs: `json` or `json_object`; regex, choice, grammar and
+    structural tags are not served."""
+    for key in value:
+        if key not in ("json", "json_object"):
+            raise invalid(f"structured_outputs.{key} is not supported; use json or json_object",
+                          f"structured_outputs.{key}")
+    json_object = value.get("json_object")
+    if json_object is not None and not isinstance(json_object, bool):
+        raise invalid("structured_outputs.json_object must be a boolean", "structured_outputs.json_object")
+    schema = value.get("json")
+    if schema is not None and json_object:
+        raise invalid("structured_outputs sets both json and json_object; set one", "structured_outputs")
+    if schema is not None:
+        return pb.StructuredOutput(json_schema=_schema_text(schema, "structured_outputs.json"))
+    return pb.StructuredOutput(json_object=True) if json_object else None
+
+
+def _schema_text(schema: object, where: str) -> str:
+    """A JSON Schema given as an object (sent on as JSON text, its key order kept: the
+    order properties are generated in) or as JSON text (vLLM's string form)."""
+    if isinstance(schema, str):
+        return schema  # the Validator checks that it is JSON
+    if isinstance(schema, dict) or schema is True:
+        return json.dumps(schema, ensure_ascii=False)
+    raise invalid(f"{where} must be a JSON Schema object, got {type(schema).__name__}", where)
+
+
+def _only_keys(value: dict[str, Any], allowed: set[str], where: str) -> None:
+    extra = next((k for k in value if k not in allowed), None)
+    if extra is not None:
+        raise invalid(f"unknown field '{where}.{extra}'", f"{where}.{extra}")
+
+
 def sampling(body: _Body, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
     """The body's sampling parameters as omnibus.v1's; unset stays unset (the
     Validator's defaults). `logprobs` 0 asks for the chosen token only: the engine is
@@ -375,6 +464,9 @@ def sampling(body: _Body, max_tokens: int | None, logprobs: int | None) -> pb.Sa
     ):
         if value is not None:
             setattr(params, name, value)
+    fmt = structured_output(body)
+    if fmt is not None:
+        params.structured_output.CopyFrom(fmt[0])
     return params
 
 

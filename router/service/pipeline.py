@@ -878,7 +878,9 @@ class Pipeline:
                 return self._lost(job, engine, "engine_refused",
                                   f"engine {engine.address} refused to continue it "
                                   f"({code.name}: {details})")
-            refusal = RequestError(code, details, f"engine_{code.name.lower()}")  # when none does
+            # A format the engine's grammar engine refused names the field, as the router's checks do.
+            param = "structured_output" if details.startswith("structured_output") else None
+            refusal = RequestError(code, details, f"engine_{code.name.lower()}", param=param)  # when none does
             return _EngineLost(refusal, "engine_refused",
                                f"engine {engine.address} refused it ({code.name}: {details})")
         return RequestError(code, f"engine {engine.address} failed: {details}", "engine_error")

@@ -209,6 +209,39 @@ def test_chat_uses_the_models_template_and_equals_grpc(cluster):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                                    "n": {"type": "integer", "maximum": 9}},
+                     "required": ["name", "n"]}
+
+
+def test_structured_output_equals_grpc_and_a_bad_schema_is_400(cluster):
+    """response_format through the official client is gRPC's structured_output (token-exact
+    on one pipeline); a schema the engine's grammar compiler refuses is 400 naming it."""
+    schema_text = json.dumps(STRUCTURED_SCHEMA)
+    client = cluster.client()
+    for fmt, response_format in (
+        (pb.StructuredOutput(json_schema=schema_text),
+         {"type": "json_schema", "json_schema": {"name": "thing", "schema": STRUCTURED_SCHEMA, "strict": True}}),
+        (pb.StructuredOutput(json_object=True), {"type": "json_object"}),
+    ):
+        expected = grpc_result(cluster.grpc(greedy_grpc(PROMPT_IDS, 40, structured_output=fmt)))
+        reply = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=40, temperature=0,
+                                          extra_body={"return_token_ids": True, "response_format": response_format})
+        (choice,) = reply.choices
+        assert (choice.text, choice.token_ids, choice.finish_reason) == expected
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.text), dict)
+    reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                           response_format={"type": "json_object"})
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}})
+    assert err.value.body["param"] == "response_format"
+    assert err.value.body["message"].startswith("response_format: the JSON schema does not compile")
+
+
 def test_raw_sse_is_what_the_openai_api_sends(cluster):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip

@@ -2,11 +2,12 @@
 and its mapping to the router→engine message."""
 
 import dataclasses
+import re
 
 import pytest
 from omnibus.v1 import engine_pb2
 
-from omnibus.common.sampling import SamplingParams
+from omnibus.common.sampling import FieldError, SamplingParams, StructuredOutput
 
 CASES = [
     SamplingParams(),
@@ -15,6 +16,8 @@ CASES = [
     SamplingParams(temperature=0.75, top_p=0.875, top_k=40, min_p=0.0625, seed=2**64 - 1,
                    ignore_eos=True, repetition_penalty=1.25, presence_penalty=-2.0,
                    frequency_penalty=2.0),  # fmt: skip
+    SamplingParams(structured_output=StructuredOutput("json_schema", '{"type": "object"}')),
+    SamplingParams(structured_output=StructuredOutput("json_object")),
 ]
 
 
@@ -37,3 +40,24 @@ def test_out_of_range_messages_are_refused_as_the_router_would():
     bad = engine_pb2.EngineSamplingParams(max_tokens=4, top_p=0.0, temperature=1.0)
     with pytest.raises(ValueError, match=r"top_p must be a finite number in \(0, 1\], got 0.0"):
         SamplingParams.from_proto(bad)
+
+
+def test_structured_output_turns_speculation_off():
+    fmt = StructuredOutput("json_schema", '{"type": "integer"}')
+    assert SamplingParams(structured_output=fmt).speculative_off
+    assert SamplingParams(structured_output=fmt).to_proto().structured_output.json_schema == '{"type": "integer"}'
+    assert not SamplingParams().to_proto().HasField("structured_output")
+
+
+@pytest.mark.parametrize(("kind", "schema", "message"), [
+    ("regex", "a+", "structured_output must be one of json_schema, json_object, got 'regex'"),
+    ("json_object", "{}", "json_object takes no schema"),
+    ("json_schema", "{nope", "structured_output: the JSON schema is not valid JSON"),
+    ("json_schema", "[1]", "structured_output: a JSON schema must be a JSON object (or true), got list"),
+    ("json_schema", "false", "structured_output: a JSON schema must be a JSON object (or true), got bool"),
+    ("json_schema", "[" * 100000, "structured_output: the JSON schema is not valid JSON"),
+])  # fmt: skip
+def test_bad_formats_are_refused_naming_structured_output(kind, schema, message):
+    with pytest.raises(FieldError, match=re.escape(message)) as err:
+        StructuredOutput(kind, schema)
+    assert err.value.field == "structured_output"

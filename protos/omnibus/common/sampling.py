@@ -8,15 +8,17 @@ INVALID_ARGUMENT and the engine's in-process API raises as is.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import numbers
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from omnibus.v1 import engine_pb2
+from omnibus.v1 import engine_pb2, inference_pb2
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "check_context", "check_seed", "check_token_ids"]
+__all__ = ["MAX_LOGPROBS", "SamplingParams", "StructuredOutput", "check_context", "check_seed",
+           "check_token_ids"]
 
 MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32
@@ -76,6 +78,54 @@ def _shown(v: float) -> str:
 
 
 @dataclass(frozen=True)
+class StructuredOutput:
+    """A format the output must follow (structured output). Validated at construction:
+    what can be checked without the grammar engine (the kind, the schema being JSON); the
+    engine compiles it and refuses what its grammar engine cannot."""
+
+    kind: str  # "json_schema" | "json_object"
+    schema: str = ""  # json_schema: the JSON Schema as JSON text (an object or true); else ""
+
+    KINDS = ("json_schema", "json_object")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise FieldError("structured_output",
+                             f"structured_output must be one of {', '.join(self.KINDS)}, got {self.kind!r}")
+        if not isinstance(self.schema, str):
+            raise FieldError("structured_output",
+                             f"structured_output's schema must be JSON text, got {type(self.schema).__name__}")
+        if self.kind == "json_object":
+            if self.schema:
+                raise FieldError("structured_output", "json_object takes no schema")
+            return
+        try:
+            schema = json.loads(self.schema)
+        except (ValueError, RecursionError) as exc:
+            raise FieldError("structured_output",
+                             f"structured_output: the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict) and schema is not True:
+            raise FieldError("structured_output",
+                             "structured_output: a JSON schema must be a JSON object (or true), "
+                             f"got {type(schema).__name__}")
+
+    @classmethod
+    def from_proto(cls, p: inference_pb2.StructuredOutput) -> StructuredOutput | None:
+        """The format of a StructuredOutput message; None when it asks for none."""
+        which = p.WhichOneof("format")
+        if which == "json_schema":
+            return cls("json_schema", p.json_schema)
+        if which == "json_object" and p.json_object:
+            return cls("json_object")
+        return None
+
+    def to_proto(self) -> inference_pb2.StructuredOutput:
+        if self.kind == "json_object":
+            return inference_pb2.StructuredOutput(json_object=True)
+        return inference_pb2.StructuredOutput(json_schema=self.schema)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick the tokens of one request. Validated at construction.
 
@@ -101,6 +151,9 @@ class SamplingParams:
     speculative_off: bool = False  # True: the engine never speculates for this request
     # in [0, 20]; top-n logprobs per prompt token after the first (raw logits); 0: none
     prompt_logprobs: int = 0
+    # The format the output must follow (structured output); None: free text. Sets
+    # speculative_off: guesses are not masked by the grammar.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -130,6 +183,11 @@ class SamplingParams:
         put("output_offset", _int_field("output_offset", self.output_offset, ">= 0", lo=0))
         if not isinstance(self.speculative_off, bool):
             raise FieldError("speculative_off", f"speculative_off must be a bool, got {self.speculative_off!r}")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise FieldError("structured_output", "structured_output must be a StructuredOutput, "
+                                 f"got {type(self.structured_output).__name__}")
+            put("speculative_off", True)
 
     @classmethod
     def from_proto(cls, p: engine_pb2.EngineSamplingParams) -> SamplingParams:
@@ -137,12 +195,17 @@ class SamplingParams:
         kwargs = {name: getattr(p, name) for name in _FIELDS}
         kwargs["seed"] = p.seed if p.HasField("seed") else None
         kwargs["stop_token_ids"] = tuple(p.stop_token_ids)
+        if p.HasField("structured_output"):
+            kwargs["structured_output"] = StructuredOutput.from_proto(p.structured_output)
         return cls(**kwargs)
 
     def to_proto(self) -> engine_pb2.EngineSamplingParams:
         """The message the router sends the engine for these parameters."""
         fields = {name: getattr(self, name) for name in _FIELDS}
-        return engine_pb2.EngineSamplingParams(**fields, stop_token_ids=list(self.stop_token_ids))
+        out = engine_pb2.EngineSamplingParams(**fields, stop_token_ids=list(self.stop_token_ids))
+        if self.structured_output is not None:
+            out.structured_output.CopyFrom(self.structured_output.to_proto())
+        return out
 
     # Cached: the engine asks both for every sampled row of every step.
     @functools.cached_property
@@ -160,7 +223,8 @@ class SamplingParams:
         )
 
 
-# Every field, as EngineSamplingParams names it too (stop_token_ids aside: a repeated field).
+# Every field, as EngineSamplingParams names it too (stop_token_ids aside: a repeated field;
+# structured_output: a message).
 _FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
            "output_offset", "speculative_off", "prompt_logprobs")
