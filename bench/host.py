@@ -21,6 +21,15 @@ server in its own process (uvloop, as the engine and router run) answering (d) o
 message on a long-lived bidi stream (the engine hop's floor) and (e) a unary-stream call
 with one small message (the public Generate's floor); b − a − d and c − b − e are what
 Omnibus adds above gRPC itself on each hop.
+
+Per-request cost (`--only requests` runs it alone and rewrites only its section of
+`--out`): requests of one output token (max_tokens 1, 32-token prompts), 256 kept in
+flight by this client (a closed loop: each ending request starts the next), through the
+router to the null-model engine: requests/s and each process's CPU per request (ms).
+Taking turns with it, run by run, the 256-stream run of the stream levels on the same
+processes, so the router's CPU per request stands beside its CPU per token; and the
+transport floor's bare server answering as many unary-stream calls with one message each
+(the public Generate's shape), as many in flight: its CPU per call.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import itertools
 import json
 import os
 import random
+import statistics
 import subprocess
 import tempfile
 import time
@@ -68,6 +78,11 @@ TTFT_MAX_TOKENS = 4
 TTFT_GAP_S = 0.03
 FLOOR_SERVICE = "omnibus.bench.Floor"  # the transport floor's bare server (serve_floor)
 TTFT_MARKER = "<!-- bench.host: unloaded TTFT; `--only ttft` rewrites from here to the notes -->"
+REQUESTS_MARKER = ("<!-- bench.host: per-request cost; `--only requests` rewrites from here to "
+                   "the notes -->")
+REQUESTS_CLIENTS = 256  # requests kept in flight
+REQUESTS_PER_RUN = 4096
+REQUESTS_MAX_TOKENS = 1
 PACED_MARKER = "<!-- bench.host: GPU-paced; `--only paced` rewrites from here to the TTFT part -->"
 NOTES_MARKER = "<!-- written by hand below: kept whenever bench.host rewrites this file -->"
 PACED_STREAMS = 256
@@ -154,9 +169,9 @@ def step_loop_pid(engine_pid: int) -> int | None:
     return None
 
 
-def requests(n: int, vocab: int, seed: int) -> list[BenchRequest]:
+def requests(n: int, vocab: int, seed: int, max_tokens: int = OUTPUT_LEN) -> list[BenchRequest]:
     rng = random.Random(seed)
-    return [BenchRequest(tuple(rng.randrange(3, vocab) for _ in range(PROMPT_LEN)), OUTPUT_LEN)
+    return [BenchRequest(tuple(rng.randrange(3, vocab) for _ in range(PROMPT_LEN)), max_tokens)
             for _ in range(n)]
 
 
@@ -171,15 +186,18 @@ def engine_steps(address: str) -> int:
 
 
 def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int,
-              engine_address: str | None = None) -> dict:
-    """One run of `n` concurrent streams; what the client saw, each process's CPU and,
-    given the engine's address, the tokens its steps carried on average."""
+              engine_address: str | None = None, max_tokens: int = OUTPUT_LEN,
+              concurrency: int | None = None) -> dict:
+    """One run of `n` requests of `max_tokens` output tokens, all sent at once (`n`
+    concurrent streams) or `concurrency` kept in flight; what the client saw, each
+    process's CPU and, given the engine's address, the tokens its steps carried on average."""
     steps = engine_steps(engine_address) if engine_address else 0
     engine_pids = [pid for name, pid in pids.items() if name in ("engine", "engine_core")]
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     step_loop_before = step_loop_seconds(engine_pids)
-    config = RunConfig(target=target, progress=False, timeout_s=600, request_id_prefix=f"host{seed}")
-    out = asyncio.run(run_workload(requests(n, vocab, seed), config))
+    config = RunConfig(target=target, progress=False, timeout_s=600, concurrency=concurrency,
+                       request_id_prefix=f"host{seed}-{max_tokens}")
+    out = asyncio.run(run_workload(requests(n, vocab, seed, max_tokens), config))
     cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
     step_loop = step_loop_seconds(engine_pids) - step_loop_before
     steps = engine_steps(engine_address) - steps if engine_address else 0
@@ -194,23 +212,28 @@ def run_level(target: str, pids: dict[str, int], n: int, vocab: int, seed: int,
         if not r.ok:
             errors[r.code] = errors.get(r.code, 0) + 1
     return {
-        "streams": n, "ok": len(ok), "errors": errors, "tokens": tokens, "duration_s": out.duration,
+        "streams": n, "concurrency": concurrency, "max_tokens": max_tokens, "ok": len(ok),
+        "errors": errors, "tokens": tokens, "duration_s": out.duration,
         "tokens_per_s": tokens / out.duration,
         "ttft_p50_ms": percentile(ttfts, 50) * 1e3, "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
         "itl_p50_ms": percentile(itls, 50) * 1e3, "itl_p99_ms": percentile(itls, 99) * 1e3,
         "tokens_per_message": tokens / max(1, sum(len(r.token_counts) for r in ok)),
         "tokens_per_step": tokens / steps if steps else None,
         "ms_per_step": out.duration * 1e3 / steps if steps else None,
+        "requests_per_s": len(ok) / out.duration,
         "cpu_us_per_token": {name: s / tokens * 1e6 for name, s in cpu.items()},
+        "cpu_ms_per_request": {name: s / max(1, len(ok)) * 1e3 for name, s in cpu.items()},
         # the part of the engine's that its step-loop thread spent
         "step_loop_us_per_token": step_loop / tokens * 1e6 if engine_pids else None,
     }
 
 
 def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
-            ttft_requests: int = 0, step_loop: str = "auto", stream_interval: int = 1) -> dict:
-    """The stream levels (none when `streams` is empty) and, when `ttft_requests`, the
-    unloaded TTFT of the three paths, measured first on the freshly started processes.
+            ttft_requests: int = 0, step_loop: str = "auto", stream_interval: int = 1,
+            requests_per_run: int = 0, requests_clients: int = REQUESTS_CLIENTS) -> dict:
+    """The stream levels (none when `streams` is empty); when `ttft_requests`, the
+    unloaded TTFT of the three paths, measured first on the freshly started processes;
+    when `requests_per_run`, the per-request cost (measure_requests) after it.
     The in-process engines run on one torch thread, as `omnibus-engine` runs the null
     model on a CPU (engine/serving/cli.py)."""
     with torch_threads(1), tempfile.TemporaryDirectory() as tmp:
@@ -226,11 +249,16 @@ def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
                 with floor_process(tmp_path) as floor:
                     result["ttft"] = unloaded_ttft(model, flags, engine.address, router.address,
                                                    floor.address, vocab, ttft_requests)
+            pids = {"router": router.proc.pid, "engine": engine.proc.pid, "client": os.getpid()}
+            core = step_loop_pid(engine.proc.pid)
+            if core is not None:
+                pids["engine_core"] = core
+            if requests_per_run:
+                with floor_process(tmp_path) as floor:
+                    result["requests"] = measure_requests(
+                        router.address, engine.address, pids, vocab, repeats, requests_per_run,
+                        requests_clients, floor)
             if streams:
-                pids = {"router": router.proc.pid, "engine": engine.proc.pid, "client": os.getpid()}
-                core = step_loop_pid(engine.proc.pid)
-                if core is not None:
-                    pids["engine_core"] = core
                 run_level(router.address, pids, 16, vocab, seed=999)  # warm-up: connections, caches
                 result["runs"] = [run_level(router.address, pids, n, vocab, seed=r,
                                             engine_address=engine.address)
@@ -238,6 +266,30 @@ def measure(repeats: int, streams: tuple[int, ...], engine_seats: int,
         if streams:
             result["in_process"] = in_process_rate(model, vocab, engine_seats)
         return result
+
+
+def measure_requests(router_address: str, engine_address: str, pids: dict[str, int], vocab: int,
+                     repeats: int, n: int, clients: int = REQUESTS_CLIENTS,
+                     floor: ServerProcess | None = None) -> dict:
+    """`repeats` rounds of: `n` requests of REQUESTS_MAX_TOKENS output tokens with `clients`
+    in flight, then `clients` streams of OUTPUT_LEN tokens sent at once (the stream level
+    of that size), on the same router and engine; given the floor's server, then `n` calls
+    to its First with `clients` in flight (floor_calls)."""
+    run_level(router_address, pids, min(n, clients), vocab, seed=998,  # warm-up
+              max_tokens=REQUESTS_MAX_TOKENS, concurrency=clients)
+    runs: list[dict] = []
+    stream_runs: list[dict] = []
+    floors: list[dict] = []
+    for r in range(repeats):
+        runs.append(run_level(router_address, pids, n, vocab, seed=10_000 + r,
+                              engine_address=engine_address, max_tokens=REQUESTS_MAX_TOKENS,
+                              concurrency=clients))
+        stream_runs.append(run_level(router_address, pids, clients, vocab, seed=20_000 + r,
+                                     engine_address=engine_address))
+        if floor is not None:
+            floors.append(asyncio.run(floor_calls(floor.address, floor.proc.pid, n, clients)))
+    return {"requests": n, "clients": clients, "max_tokens": REQUESTS_MAX_TOKENS,
+            "prompt_len": PROMPT_LEN, "runs": runs, "stream_runs": stream_runs, "floor": floors}
 
 
 def in_process_rate(model: Path, vocab: int, seats: int, n: int = 256) -> dict:
@@ -278,6 +330,31 @@ async def floor_stream(address: str, pid: int, n: int, count: int, step_ms: floa
         wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - c0
     return {"streams": n, "step_ms": step_ms, "messages": messages,
             "messages_per_s": messages / wall, "cpu_us_per_message": cpu / messages * 1e6}
+
+
+async def floor_calls(address: str, pid: int, n: int, clients: int) -> dict:
+    """`n` calls to the floor's First (a unary-stream call answered with one message),
+    `clients` kept in flight: calls/s and the floor process's CPU µs per call."""
+    import grpc
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.unary_stream(f"/{FLOOR_SERVICE}/First")
+
+        async def worker(calls: int) -> None:
+            for _ in range(calls):
+                async for _ in call(b""):
+                    pass
+
+        async def run(calls: int) -> None:
+            await asyncio.gather(*(worker(calls // clients + (i < calls % clients))
+                                   for i in range(clients)))
+
+        await run(min(n, clients))  # warm-up
+        c0, t0 = cpu_seconds(pid), time.perf_counter()
+        await run(n)
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - c0
+    return {"calls": n, "clients": clients, "calls_per_s": n / wall,
+            "cpu_us_per_call": cpu / n * 1e6}
 
 
 def measure_paced(repeats: int, step_ms: float, intervals: tuple[int, ...],
@@ -644,6 +721,65 @@ def ttft_section(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def requests_section(result: dict) -> str:
+    q = result["requests"]
+    lines = [
+        REQUESTS_MARKER, "", f"## Per-request cost: {result['label']}", "",
+        (f"`python -m omnibus.bench.host --only requests`. {q['requests']:,} requests per run "
+         f"of {q['max_tokens']} output token each ({q['prompt_len']}-token prompts, greedy, "
+         f"fresh ids: no prefix-cache hits), {q['clients']} kept in flight by this benchmark's "
+         "client (a closed loop: each request that ends starts the next), through the router "
+         "to the null-model engine. Taking turns with each run, on the same two processes: "
+         f"{q['clients']} streams of {OUTPUT_LEN} tokens sent at once (the stream level of that "
+         "size), so the per-token cost stands beside the per-request one. CPU as above "
+         "(utime + stime from /proc over the run), divided by the requests that ended and by "
+         "the tokens they streamed. tokens/step: the tokens streamed over the engine's steps in "
+         "the run (ramp-up and tail included); with one token each, the requests per step. "
+         "router-core req/s: 1e3 / router ms per request. "
+         f"Values: median (min–max) over {len(q['runs'])} runs."),
+        "",
+        "| workload | requests/s | output tok/s | TTFT p50 ms | TTFT p99 ms | tokens/step | "
+        "router ms/request | router µs/token | engine ms/request | engine µs/token | "
+        "client ms/request | router-core req/s | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, runs in ((f"{q['max_tokens']}-token requests, {q['clients']} in flight",
+                        q["runs"]),
+                       (f"{q['clients']} streams of {OUTPUT_LEN} tokens", q["stream_runs"])):
+        per_req = {k: [r["cpu_ms_per_request"][k] for r in runs]
+                   for k in ("router", "engine", "client")}
+        per_tok = {k: [r["cpu_us_per_token"][k] for r in runs] for k in ("router", "engine")}
+        per_step = [r["tokens_per_step"] for r in runs if r.get("tokens_per_step")]
+        cols = [
+            spread([r["requests_per_s"] for r in runs]), spread([r["tokens_per_s"] for r in runs]),
+            spread([r["ttft_p50_ms"] for r in runs], "{:,.1f}"),
+            spread([r["ttft_p99_ms"] for r in runs], "{:,.1f}"),
+            spread(per_step, "{:,.1f}") if per_step else "–",
+            spread(per_req["router"], "{:.3f}"), spread(per_tok["router"], "{:.1f}"),
+            spread(per_req["engine"], "{:.3f}"), spread(per_tok["engine"], "{:.1f}"),
+            spread(per_req["client"], "{:.3f}"),
+            spread([1e3 / x for x in per_req["router"]]),
+            f"{sum(r['streams'] - r['ok'] for r in runs)} of {sum(r['streams'] for r in runs)}",
+        ]
+        lines.append(f"| {name} | " + " | ".join(cols) + " |")
+    req_ms = statistics.median(r["cpu_ms_per_request"]["router"] for r in q["runs"])
+    tok_us = statistics.median(r["cpu_us_per_token"]["router"] for r in q["stream_runs"])
+    lines += ["", (f"One request of {q['max_tokens']} token costs the router {req_ms:.3f} ms of "
+                   f"CPU (medians), as much as {req_ms * 1e3 / tok_us:,.0f} tokens streamed at "
+                   f"{tok_us:.1f} µs each.")]
+    if q.get("floor"):
+        f = q["floor"]
+        lines[-1] += (
+            " Floor, taking turns with the runs: the bare grpc.aio server of the TTFT part "
+            f"answering {f[0]['calls']:,} unary-stream calls with one small message each, "
+            f"{f[0]['clients']} in flight from this client, spent "
+            f"{spread([x['cpu_us_per_call'] / 1e3 for x in f], '{:.3f}')} CPU ms per call "
+            f"({spread([x['calls_per_s'] for x in f])} calls/s): the public call's share of "
+            "the router's cost that gRPC alone takes; the router also sends and receives one "
+            "message or more per request on its engine's session stream.")
+    return "\n".join(lines) + "\n"
+
+
 # ---- the report ----------------------------------------------------------------------------
 
 
@@ -679,23 +815,28 @@ def write_markdown(out: Path, result: dict, baseline: dict | None) -> None:
     unloaded TTFT); the parts it did not measure are kept from the existing report, and
     so is everything after NOTES_MARKER."""
     old = out.read_text() if out.exists() else ""
-    markers = [m for m in (PACED_MARKER, TTFT_MARKER, NOTES_MARKER) if m in old]
+    markers = [m for m in _MARKERS if m in old]
     cut = min((old.index(m) for m in markers), default=len(old))
     head = stream_report(result, baseline) if "runs" in result else old[:cut]
-    paced = paced_section(result) if "paced" in result else _part(old, PACED_MARKER, TTFT_MARKER)
-    ttft = ttft_section(result) if "ttft" in result else _part(old, TTFT_MARKER, NOTES_MARKER)
-    notes = _part(old, NOTES_MARKER, None)
-    parts = [x.strip("\n") for x in (head, paced, ttft, notes) if x.strip()]
+    paced = paced_section(result) if "paced" in result else _part(old, PACED_MARKER)
+    ttft = ttft_section(result) if "ttft" in result else _part(old, TTFT_MARKER)
+    reqs = requests_section(result) if "requests" in result else _part(old, REQUESTS_MARKER)
+    notes = _part(old, NOTES_MARKER)
+    parts = [x.strip("\n") for x in (head, paced, ttft, reqs, notes) if x.strip()]
     out.write_text("\n\n".join(parts) + "\n")
 
 
-def _part(text: str, start: str, end: str | None) -> str:
-    """`text` from the marker `start` up to the next of `end` and NOTES_MARKER (to the end
-    without them); "" without `start`."""
+# The generated parts' markers, in the report's order; the hand-written notes come last.
+_MARKERS = (PACED_MARKER, TTFT_MARKER, REQUESTS_MARKER, NOTES_MARKER)
+
+
+def _part(text: str, start: str) -> str:
+    """`text` from the marker `start` up to the next of the other markers after it (to
+    the end without one); "" without `start`."""
     begin = text.find(start)
     if begin < 0:
         return ""
-    stops = [i for m in {end, NOTES_MARKER} - {None, start} if (i := text.find(m, begin)) >= 0]
+    stops = [i for m in _MARKERS if m != start and (i := text.find(m, begin)) >= 0]
     return text[begin:min(stops, default=len(text))]
 
 
@@ -747,7 +888,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--streams", default=",".join(map(str, STREAMS)))
     ap.add_argument("--engine-seats", type=int, default=1024, help="engine --max-num-seqs")
-    ap.add_argument("--only", choices=["streams", "paced", "ttft"], default=None,
+    ap.add_argument("--only", choices=["streams", "paced", "ttft", "requests"], default=None,
                     help="one part alone (default: all); --out then rewrites only its part")
     ap.add_argument("--paced-step-ms", type=float, default=PACED_STEP_MS,
                     help="the paced part's --null-step-ms (default: the step time at which "
@@ -757,6 +898,10 @@ def main() -> None:
     ap.add_argument("--paced-scheduling", default="lockstep,overlapped",
                     help="the paced part's engines: lockstep, overlapped or both")
     ap.add_argument("--ttft-requests", type=int, default=TTFT_REQUESTS, help="per path")
+    ap.add_argument("--requests-per-run", type=int, default=REQUESTS_PER_RUN,
+                    help=f"the per-request part's {REQUESTS_MAX_TOKENS}-token requests per run")
+    ap.add_argument("--requests-clients", type=int, default=REQUESTS_CLIENTS,
+                    help="the per-request part's requests in flight")
     ap.add_argument("--step-loop", default="auto", choices=["auto", "process", "thread"],
                     help="the engine's --step-loop (the in-process TTFT path is a thread either way)")
     ap.add_argument("--stream-interval", type=int, default=1, help="the router's --stream-interval")
@@ -770,10 +915,11 @@ def main() -> None:
     streams = () if args.only not in (None, "streams") else tuple(
         int(x) for x in args.streams.split(","))
     ttft_requests = args.ttft_requests if args.only in (None, "ttft") else 0
+    requests_per_run = args.requests_per_run if args.only in (None, "requests") else 0
     result = {}
-    if streams or ttft_requests:
+    if streams or ttft_requests or requests_per_run:
         result = measure(args.repeats, streams, args.engine_seats, ttft_requests, args.step_loop,
-                         args.stream_interval)
+                         args.stream_interval, requests_per_run, args.requests_clients)
     if args.only in (None, "paced"):
         intervals = tuple(int(x) for x in args.paced_intervals.split(","))
         modes = args.paced_scheduling.split(",")

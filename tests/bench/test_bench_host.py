@@ -11,10 +11,13 @@ from omnibus.bench.host import (
     NOTES_MARKER,
     OUTPUT_LEN,
     PACED_MARKER,
+    REQUESTS_MARKER,
     TTFT_MARKER,
     build_model,
     floor_process,
     measure_paced,
+    measure_requests,
+    step_loop_pid,
     unloaded_ttft,
     write_markdown,
 )
@@ -140,3 +143,49 @@ def test_the_report_names_the_machine_it_ran_on(tmp_path):
     assert "Machine: Some CPU, 3 cores, shared" in doc.read_text()
     here = machine()
     assert here.endswith(f", {os.cpu_count()} cores") and len(here) > len(f", {os.cpu_count()} cores")
+
+
+def test_per_request_cost_at_a_tiny_scale_and_its_section(tmp_path):
+    """One-token requests through a real router and engine, a closed loop of a few clients,
+    beside a few streams on the same processes; the section goes in before the notes, and
+    a later run of it rewrites only it."""
+    model = build_model(tmp_path / "model", vocab_size=300)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    flags = ("--load-format", "null", "--max-num-seqs", "8")
+    with (engine_and_router(model, tmp_path, flags) as (engine, router),
+          floor_process(tmp_path) as floor):
+        pids = {"router": router.proc.pid, "engine": engine.proc.pid, "client": os.getpid()}
+        if (core := step_loop_pid(engine.proc.pid)) is not None:
+            pids["engine_core"] = core
+        out = measure_requests(router.address, engine.address, pids, vocab, repeats=2, n=12,
+                               clients=3, floor=floor)
+    assert (out["requests"], out["clients"], out["max_tokens"]) == (12, 3, 1)
+    assert len(out["runs"]) == len(out["stream_runs"]) == len(out["floor"]) == 2
+    for f in out["floor"]:
+        # 12 calls can take under one clock tick of CPU (10 ms): no > 0 on the CPU
+        assert (f["calls"], f["clients"]) == (12, 3) and f["calls_per_s"] > 0
+        assert f["cpu_us_per_call"] >= 0
+    for run in out["runs"]:
+        assert run["ok"] == 12 and run["tokens"] == 12 and not run["errors"]
+        assert run["concurrency"] == 3 and run["requests_per_s"] > 0
+        assert set(run["cpu_ms_per_request"]) >= {"router", "engine", "client"}
+    for run in out["stream_runs"]:
+        assert run["ok"] == 3 and run["tokens"] == 3 * OUTPUT_LEN
+    doc = tmp_path / "host.md"
+    doc.write_text("# the stream tables\n")
+    write_markdown(doc, _ttft("ttft-kept"), None)
+    doc.write_text(doc.read_text() + "\n" + NOTES_MARKER + "\n\nNotes.\n")
+    write_markdown(doc, {"label": "req-one", "requests": out}, None)
+    write_markdown(doc, {"label": "req-two", "requests": out}, None)
+    text = doc.read_text()
+    assert text.count(REQUESTS_MARKER) == 1 and "req-one" not in text
+    assert (text.index("## Unloaded TTFT: ttft-kept") < text.index("## Per-request cost: req-two")
+            < text.index(NOTES_MARKER))
+    assert text.endswith(NOTES_MARKER + "\n\nNotes.\n")
+    rows = [line for line in text.splitlines() if line.startswith(("| 1-token", "| 3 streams"))]
+    assert len(rows) == 2 and all(row.endswith(" |") and row.count(" | ") == 12 for row in rows)
+    assert rows[0].endswith("| 0 of 24 |") and rows[1].endswith("| 0 of 6 |")
+    assert "One request of 1 token costs the router" in text
+    assert "answering 12 unary-stream calls with one small message each, 3 in flight" in text
+    write_markdown(doc, _ttft("ttft-two"), None)  # the TTFT part stops at this one's marker
+    assert "## Per-request cost: req-two" in doc.read_text()
