@@ -201,13 +201,15 @@ class Engine:
         if prev is not None:
             results += self._report(prev)
         if step is not None:
-            if self.overlap and not any(item.guess for item in plan.scheduled):
+            if self.overlap and not (self.speculator is not None and any(item.guess for item in plan.scheduled)):
                 self._in_flight = step
             else:
                 results += self._report(step)
         return self.scheduler.take_aborted() + results
 
     def _report(self, step: Step) -> list[RequestOutput]:
+        if self.speculator is None:
+            return self.scheduler.update(step.plan, step.result())
         # A speculating request's seeded draws move on by the tokens it kept (its rows drew
         # at fixed positions: worker/model_runner.py's _verify).
         spec = [(item.seq, item.seq.num_tokens) for item in step.plan.scheduled
@@ -300,8 +302,8 @@ class Engine:
 
     def check_integrity(self) -> BlockCounts:
         """Prove the KV pool's bookkeeping against every running sequence's block table."""
-        if self.speculator is not None and hasattr(self.speculator.proposer, "check_integrity"):
-            self.speculator.proposer.check_integrity()  # the draft model's own KV pool
+        if self.speculator is not None:
+            self.speculator.proposer.check_integrity()  # a draft model's own KV pool
         return self.allocator.check_integrity(self.scheduler.block_tables())
 
     def stats(self) -> EngineStats:

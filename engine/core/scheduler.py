@@ -484,16 +484,13 @@ class Scheduler:
                 self.allocator.cache_blocks(seq)  # blocks this step filled
             if not item.samples:
                 continue
-            reason = "stop" if token in seq.stop_ids else "length" if len(tokens) >= seq.max_len else None
-            # A structured-output request's grammar follows what it emits; complete: "stop".
-            if reason is None and seq.grammar is not None and seq.grammar.advance(token):
-                reason = "stop"
+            reason = self._ends(seq, token)
             emitted = 1
             while reason is None and emitted < len(new):  # kept guesses, then the target's pick
                 token = new[emitted]
                 tokens.append(token)
                 emitted += 1
-                reason = "stop" if token in seq.stop_ids else "length" if len(tokens) >= seq.max_len else None
+                reason = self._ends(seq, token)
             if item.guess:
                 self._spec().stats.emitted += emitted
             if reason is not None:
@@ -522,6 +519,18 @@ class Scheduler:
                 raise RuntimeError(f"prompt logprobs of {seq.request_id}: position {first} scored "
                                    f"before position {len(have)}")
             have += logprobs[len(have) - first:]
+
+    @staticmethod
+    def _ends(seq: Sequence, token: int) -> str | None:
+        """Why `seq` ends with `token`, just appended (None: it goes on). A structured-output
+        request's grammar follows every token it emits, and ends it ("stop") when complete."""
+        if token in seq.stop_ids:
+            return "stop"
+        if len(seq.token_ids) >= seq.max_len:
+            return "length"
+        if seq.grammar is not None and seq.grammar.advance(token):
+            return "stop"
+        return None
 
     def _lora(self) -> LoraManager:
         """The adapter manager: only requests for an adapter reach it, and the engine

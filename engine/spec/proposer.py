@@ -9,6 +9,7 @@ from typing import Protocol
 from omnibus.engine.core.sequence import Sequence
 
 PROPOSERS = ("ngram", "draft")
+MAX_GUESSES = 16  # --num-speculative-tokens at most
 
 
 class Proposer(Protocol):
@@ -21,6 +22,10 @@ class Proposer(Protocol):
 
     def release(self, seq: Sequence) -> None:
         """`seq` left the running set (finished, aborted, preempted): drop its state."""
+        ...
+
+    def check_integrity(self) -> None:
+        """Prove the bookkeeping of what it keeps (RuntimeError if wrong)."""
         ...
 
 
@@ -41,8 +46,8 @@ class SpecConfig:
         # the messages name the flags (EngineConfig adds the dashes)
         if self.method is not None and self.method not in PROPOSERS:
             raise ValueError(f"speculative must be one of {', '.join(PROPOSERS)}, got {self.method!r}")
-        if not 1 <= self.num_tokens <= 16:
-            raise ValueError(f"num-speculative-tokens must be in [1, 16], got {self.num_tokens}")
+        if not 1 <= self.num_tokens <= MAX_GUESSES:
+            raise ValueError(f"num-speculative-tokens must be in [1, {MAX_GUESSES}], got {self.num_tokens}")
         if self.max_batch < 1:
             raise ValueError(f"speculative-max-batch must be >= 1, got {self.max_batch}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -61,7 +66,7 @@ class SpecStats:
     emitted: int = 0
     steps: int = 0  # sequence-steps that speculated
     # accepted guesses per speculating sequence-step: index = how many were kept
-    accepted_hist: list[int] = field(default_factory=lambda: [0] * 17)
+    accepted_hist: list[int] = field(default_factory=lambda: [0] * (MAX_GUESSES + 1))
 
     proposer: str = "ngram"
 
@@ -103,6 +108,9 @@ class NgramProposer:
 
     def release(self, seq: Sequence) -> None:
         pass  # nothing kept per sequence
+
+    def check_integrity(self) -> None:
+        pass  # nothing kept
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Up to `k` tokens that followed the latest earlier match of the last n tokens,

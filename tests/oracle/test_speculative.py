@@ -43,6 +43,9 @@ class KnowingProposer:
     def release(self, seq):
         pass
 
+    def check_integrity(self):
+        pass
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):

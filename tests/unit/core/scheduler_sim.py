@@ -272,8 +272,10 @@ class Simulator:
         weights = min(cfg.tenants)
         # VTC (Sheng et al., OSDI 2024, Thm 4.3): |dW_f - dW_g| <= 2 U, U the most one
         # admission can charge (a whole request: max_model_len tokens, recomputed once after
-        # a preemption) plus what the batch in flight holds (its KV) - per unit of weight.
-        self.counter_bound = 2 * (2 * cfg.max_model_len + cfg.num_blocks * cfg.block_size) / weights
+        # a preemption) plus what the batch in flight holds (its KV, at most every seat's
+        # whole context) - per unit of weight.
+        in_flight = min(cfg.num_blocks * cfg.block_size, cfg.max_num_seqs * cfg.max_model_len)
+        self.counter_bound = 2 * (2 * cfg.max_model_len + in_flight) / weights
         self.max_preempt = 0
 
     # -- driving --

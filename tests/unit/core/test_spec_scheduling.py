@@ -64,6 +64,9 @@ class FixedProposer:
     def release(self, seq):
         pass
 
+    def check_integrity(self):
+        pass
+
 
 def make(num_blocks=32, block_size=4, max_seqs=4, budget=64, guess=(5, 6, 7), max_batch=8):
     spec = Speculator(SpecConfig("ngram", num_tokens=3, max_batch=max_batch), FixedProposer(list(guess)))
