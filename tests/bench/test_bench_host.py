@@ -162,9 +162,9 @@ def test_per_request_cost_at_a_tiny_scale_and_its_section(tmp_path):
     assert (out["requests"], out["clients"], out["max_tokens"]) == (12, 3, 1)
     assert len(out["runs"]) == len(out["stream_runs"]) == len(out["floor"]) == 2
     for f in out["floor"]:
-        # 12 calls can take under one clock tick of CPU (10 ms): no > 0 on the CPU
+        # measured per thread to the nanosecond: 12 calls cost more than nothing
         assert (f["calls"], f["clients"]) == (12, 3) and f["calls_per_s"] > 0
-        assert f["cpu_us_per_call"] >= 0
+        assert f["cpu_us_per_call"] > 0
     for run in out["runs"]:
         assert run["ok"] == 12 and run["tokens"] == 12 and not run["errors"]
         assert run["concurrency"] == 3 and run["requests_per_s"] > 0
