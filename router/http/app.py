@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front: /v1/completions, /v1/chat/completions,
-/v1/embeddings and /v1/models on aiohttp, in the router's own event loop, and what
-vLLM-class clients probe beside them: /health, /version, /metrics, /tokenize,
-/detokenize and /tokenizer_info.
+/v1/responses (responses.py), /v1/embeddings and /v1/models on aiohttp, in the router's
+own event loop, and what vLLM-class clients probe beside them: /health, /version,
+/metrics, /tokenize, /detokenize and /tokenizer_info.
 
 Each endpoint turns the body into omnibus.v1 requests (openai_schema.py) and calls the
 router's Pipeline, the one the gRPC service calls: the same authentication (the
@@ -45,6 +45,7 @@ from omnibus.router.admission.validation import check_request_id
 from omnibus.router.config import RouterConfig
 from omnibus.router.dispatch.adapters import ADAPTER_HEADER
 from omnibus.router.http import openai_schema as oa
+from omnibus.router.http import responses as rs
 from omnibus.router.http.chat_template import ChatTemplate
 from omnibus.router.http.chat_template import tokenizer_info as read_tokenizer_info
 from omnibus.router.service.errors import TOO_LARGE, RequestError, invalid
@@ -158,6 +159,7 @@ class OpenAIFront:
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/responses", self.responses),
             web.post("/v1/embeddings", self.embeddings),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),
@@ -324,6 +326,30 @@ class OpenAIFront:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generation(request, oa.ChatBody, self._chat_request)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/responses: the chat request a Responses body makes (responses.py),
+        served as a chat request is, answered in the Responses API's shapes."""
+        request_id = _request_id(request)
+        try:
+            caller, body = await self._start(request, rs.ResponsesBody, request_id)
+            chat = body.chat_body()
+            prompts, _ = await self._chat_request(chat)
+            priority = self._priority(request, chat.priority)
+            requests = oa.fan_out(chat, prompts, 1, request_id, priority)
+        except RequestError as err:
+            return error_response(self._pipeline.refused(rs.as_sent(err), request_id))
+        reply = rs.Reply(body, request_id)
+        async with aclosing(self._pipeline.generate_choices(requests, caller, 1)) as merged:
+            try:  # a stream's headers wait for its first tokens, as chat's: 429 is a status
+                first = await (_first_of_each(merged, 1) if body.stream else _all(merged))
+            except RequestError as err:
+                return error_response(rs.as_sent(err))
+            if not body.stream:
+                return web.json_response(rs.finished(reply, first),
+                                         headers={REQUEST_ID_HEADER: request_id})
+            events = rs.events(reply, first, merged)
+            return await _send_sse(request, events, request_id, rs.sse, done=b"")
 
     async def embeddings(self, request: web.Request) -> web.Response:
         request_id = _request_id(request)
@@ -574,6 +600,12 @@ async def _first_of_each(
     return items
 
 
+async def _all(
+    merged: AsyncIterator[tuple[int, pb.GenerateResponse]],
+) -> list[tuple[int, pb.GenerateResponse]]:
+    return [item async for item in merged]
+
+
 async def _sse_events(
     shape: oa.CompletionShape | oa.ChatShape,
     head: dict[str, Any],
@@ -614,8 +646,12 @@ async def _sse_events(
 
 
 async def _send_sse(
-    request: web.Request, events: AsyncGenerator[dict[str, Any], None], request_id: str
+    request: web.Request, events: AsyncGenerator[dict[str, Any], None], request_id: str,
+    encode: Callable[[dict[str, Any]], bytes] | None = None, done: bytes = b"data: [DONE]\n\n",
 ) -> web.StreamResponse:
+    """`events` framed by `encode` (default: `data:` lines), then `done` (the Responses API
+    sends no [DONE])."""
+    encode = encode or _sse
     response = web.StreamResponse(headers={**_SSE_HEADERS, REQUEST_ID_HEADER: request_id})
     await response.prepare(request)
     request[_STREAMING] = True
@@ -623,11 +659,12 @@ async def _send_sse(
         async with aclosing(events):
             try:
                 async for event in events:
-                    await response.write(_sse(event))
+                    await response.write(encode(event))
             except RequestError as err:  # after the headers: an error event ends the stream
                 status, kind = http_status(err.code)
                 await response.write(_sse(error_body(err.message, kind, err.reason, err.param)))
-        await response.write(b"data: [DONE]\n\n")
+        if done:
+            await response.write(done)
         await response.write_eof()
     except ConnectionResetError:  # the client left; closing `events` cancelled the work
         log.info("http_client_gone", request_id=request_id)
