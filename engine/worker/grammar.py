@@ -11,6 +11,10 @@ without emitting any, leaves it where it was. Before each sampling, `mask_logits
 one bitmask row per structured row and sets the logits of the tokens the grammar does not
 allow to -inf; rows of other requests are untouched.
 
+Formats (omnibus.common.sampling.StructuredOutput): a JSON schema, any JSON object, a
+regular expression, a choice of strings (an EBNF alternation of their exact text) and an
+EBNF grammar (xgrammar's GBNF dialect, rule `root`).
+
 The engine never tokenizes text here: the tokenizer is read only for its vocabulary
 (each token's bytes), which the grammar engine needs to know which tokens fit.
 """
@@ -34,6 +38,9 @@ CACHE_BYTES = 256 << 20
 # OpenAI's json_object: one JSON object with any keys (strict mode off, or it would allow
 # only the properties the schema names: none).
 _ANY_OBJECT = '{"type": "object"}'
+# What each kind is called in a refusal.
+_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object format", "regex": "regular expression",
+          "choice": "choice", "grammar": "EBNF grammar"}
 
 
 class Grammars:
@@ -61,19 +68,32 @@ class Grammars:
         self.vocab_size = vocab_size
         self.max_whitespace = max_whitespace
         self._bitmask: torch.Tensor | None = None  # (rows, ceil(V / 32)) int32, grown as needed
+        self._probe: torch.Tensor | None = None  # (1, ceil(V / 32)): a new matcher's first mask
         log.info("grammar_compiler_ready", vocab_size=vocab_size, vocab_type=info.vocab_type.name,
                  stop_token_ids=info.stop_token_ids)
 
     def compile(self, fmt: StructuredOutput) -> Any:
-        """The compiled grammar of `fmt` (cached by its text). ValueError naming
+        """The compiled grammar of `fmt`. xgrammar's compiler caches each by its kind and
+        text (a regex and an EBNF grammar of the same text are different entries), so a
+        format compiles once while it stays in CACHE_BYTES. ValueError naming
         structured_output when the grammar engine refuses it."""
         try:
-            ws = self.max_whitespace
-            if fmt.kind == "json_object":
-                return self._compiler.compile_json_schema(_ANY_OBJECT, strict_mode=False, max_whitespace_cnt=ws)
+            return self._compile(fmt)
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError for a bad format
+            reason = _first_line(exc)
+            raise ValueError(f"structured_output: the {_NAMES[fmt.kind]} does not compile: {reason}") from None
+
+    def _compile(self, fmt: StructuredOutput) -> Any:
+        ws = self.max_whitespace
+        if fmt.kind == "json_object":
+            return self._compiler.compile_json_schema(_ANY_OBJECT, strict_mode=False, max_whitespace_cnt=ws)
+        if fmt.kind == "json_schema":
             return self._compiler.compile_json_schema(fmt.schema, max_whitespace_cnt=ws)
-        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError for a bad schema
-            raise ValueError(f"structured_output: the JSON schema does not compile: {_first_line(exc)}") from None
+        if fmt.kind == "regex":
+            return self._compiler.compile_regex(fmt.schema)
+        if fmt.kind == "choice":
+            return self._compiler.compile_grammar(choice_grammar(fmt.options))
+        return self._compiler.compile_grammar(fmt.schema)  # "grammar": EBNF, rule root
 
     def matcher(self, fmt: StructuredOutput, emitted: Sequence[int] = ()) -> GrammarMatcher:
         """A fresh matcher for one request, advanced past `emitted` (a continuation's
@@ -84,7 +104,19 @@ class Grammars:
                 raise ValueError(
                     f"structured_output: output token {i} of the continuation ({token}) "
                     "ends or breaks the format")
+        if not self._any_allowed(matcher):
+            where = "follow the continuation's output" if emitted else "start the output"
+            hint = " (does every rule it needs reach a string?)" if fmt.kind == "grammar" else ""
+            raise ValueError(f"structured_output: no token can {where} under this {_NAMES[fmt.kind]}{hint}")
         return matcher
+
+    def _any_allowed(self, matcher: GrammarMatcher) -> bool:
+        """Whether some token fits next. A grammar with no sentence (`root ::= root`)
+        compiles, and would mask every logit: the request would emit a token it forbids."""
+        if self._probe is None:
+            self._probe = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill(self._probe, 0)
+        return bool(self._probe.any())
 
     def fill(self, num_rows: int, rows: list[tuple[int, GrammarMatcher]]) -> GrammarMask:
         """The masks of a step with `num_rows` sampled rows: for each (r, matcher) in
@@ -143,6 +175,27 @@ class GrammarMatcher:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into bitmask row `row` (on the host)."""
         self._m.fill_next_token_bitmask(bitmask, row)
+
+
+def choice_grammar(options: Sequence[str]) -> str:
+    """An EBNF grammar whose sentences are exactly `options`: `root ::= "a" | "b"`, each
+    option a string literal of its exact text."""
+    return "root ::= " + " | ".join(_literal(o) for o in options)
+
+
+def _literal(text: str) -> str:
+    """`text` as an EBNF string literal: quote and backslash escaped, and every character
+    that is not printable (controls, line and paragraph separators, format characters) as
+    a \\u or \\U escape, so no raw control character reaches the grammar's lexer."""
+    out = []
+    for c in text:
+        if c in '"\\':
+            out.append("\\" + c)
+        elif c.isprintable():
+            out.append(c)
+        else:
+            out.append(f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
+    return '"' + "".join(out) + '"'
 
 
 def _first_line(exc: BaseException) -> str:

@@ -5,7 +5,7 @@ import dataclasses
 import re
 
 import pytest
-from omnibus.v1 import engine_pb2
+from omnibus.v1 import engine_pb2, inference_pb2
 
 from omnibus.common.sampling import FieldError, SamplingParams, StructuredOutput
 
@@ -18,6 +18,9 @@ CASES = [
                    frequency_penalty=2.0),  # fmt: skip
     SamplingParams(structured_output=StructuredOutput("json_schema", '{"type": "object"}')),
     SamplingParams(structured_output=StructuredOutput("json_object")),
+    SamplingParams(structured_output=StructuredOutput("regex", r"[a-z]+@(foo|bar)\.com")),
+    SamplingParams(structured_output=StructuredOutput("choice", options=("yes", 'say "no"\n', "日本", "yes"))),
+    SamplingParams(structured_output=StructuredOutput("grammar", 'root ::= "a" | "b" root')),
 ]
 
 
@@ -50,8 +53,16 @@ def test_structured_output_turns_speculation_off():
 
 
 @pytest.mark.parametrize(("kind", "schema", "message"), [
-    ("regex", "a+", "structured_output must be one of json_schema, json_object, got 'regex'"),
+    ("xml", "a+", "structured_output must be one of json_schema, json_object, regex, choice, grammar, "
+     "got 'xml'"),
     ("json_object", "{}", "json_object takes no schema"),
+    ("json_schema", "", "structured_output: the JSON schema is empty; send the one the whole output must follow"),
+    ("regex", "", "structured_output: the regular expression is empty; send the one the whole output must follow"),
+    ("grammar", "", "structured_output: the EBNF grammar is empty; send the one the whole output must follow"),
+    ("grammar", b"root ::= x", "structured_output: the EBNF grammar must be text, got bytes"),
+    ("regex", "a\ud800", "structured_output: the regular expression is not valid Unicode text "
+     "(surrogates not allowed at character 1)"),
+    ("choice", "a|b", "structured_output: choice takes options, not a schema"),
     ("json_schema", "{nope", "structured_output: the JSON schema is not valid JSON"),
     ("json_schema", "[1]", "structured_output: a JSON schema must be a JSON object (or true), got list"),
     ("json_schema", "false", "structured_output: a JSON schema must be a JSON object (or true), got bool"),
@@ -61,3 +72,41 @@ def test_bad_formats_are_refused_naming_structured_output(kind, schema, message)
     with pytest.raises(FieldError, match=re.escape(message)) as err:
         StructuredOutput(kind, schema)
     assert err.value.field == "structured_output"
+
+
+@pytest.mark.parametrize(("fmt", "message"), [
+    (dict(), "structured_output: choice needs at least one option"),
+    (dict(options="yes"), "structured_output: choice options must be a list of strings, got str"),
+    (dict(options=("yes", "")), "structured_output: choice option 1 is empty"),
+    (dict(options=("yes", 3)), "structured_output: choice option 1 must be text, got int"),
+    (dict(options=("\udcff",)), "structured_output: choice option 0 is not valid Unicode text"),
+    (dict(options=("x",) * 1025), "structured_output: choice takes at most 1024 options, got 1025 "
+     "(use a regex or a grammar for larger sets)"),
+    (dict(options=("ok", "x" * 4097)), "structured_output: choice option 1 is 4097 characters long, more than 4096"),
+])  # fmt: skip
+def test_bad_choices_are_refused_naming_structured_output(fmt, message):
+    with pytest.raises(FieldError, match=re.escape(message)) as err:
+        StructuredOutput("choice", **fmt)
+    assert err.value.field == "structured_output"
+
+
+def test_only_choice_takes_options_and_a_list_of_them_is_kept_as_a_tuple():
+    with pytest.raises(FieldError, match=re.escape("structured_output: regex takes no options (only choice does)")):
+        StructuredOutput("regex", "a+", options=("a",))
+    assert StructuredOutput("choice", options=["a", "b"]).options == ("a", "b")
+    assert StructuredOutput("choice", options=("x",) * 1024).options == ("x",) * 1024  # the bound itself
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    (dict(regex="a+"), StructuredOutput("regex", "a+")),
+    (dict(grammar='root ::= "a"'), StructuredOutput("grammar", 'root ::= "a"')),
+    (dict(choice=inference_pb2.Choices(options=["a", "b"])), StructuredOutput("choice", options=("a", "b"))),
+    (dict(json_object=False), None),
+])  # fmt: skip
+def test_the_new_formats_read_from_their_oneof_members(message, expected):
+    assert StructuredOutput.from_proto(inference_pb2.StructuredOutput(**message)) == expected
+
+
+def test_an_empty_choice_message_is_refused_not_read_as_no_format():
+    with pytest.raises(FieldError, match="structured_output: choice needs at least one option"):
+        StructuredOutput.from_proto(inference_pb2.StructuredOutput(choice=inference_pb2.Choices()))

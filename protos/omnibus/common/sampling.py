@@ -80,41 +80,45 @@ def _shown(v: float) -> str:
 @dataclass(frozen=True)
 class StructuredOutput:
     """A format the output must follow (structured output). Validated at construction:
-    what can be checked without the grammar engine (the kind, the schema being JSON); the
-    engine compiles it and refuses what its grammar engine cannot."""
+    what can be checked without the grammar engine (the kind, the schema being JSON, the
+    choices); the engine compiles it and refuses what its grammar engine cannot."""
 
-    kind: str  # "json_schema" | "json_object"
-    schema: str = ""  # json_schema: the JSON Schema as JSON text (an object or true); else ""
+    kind: str  # one of KINDS
+    # The format's text: json_schema: the JSON Schema (an object or true); regex: the
+    # regular expression; grammar: the EBNF grammar (GBNF dialect, rule `root`); else "".
+    schema: str = ""
+    options: tuple[str, ...] = ()  # choice: the strings the output may be; else ()
 
-    KINDS = ("json_schema", "json_object")
+    KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
     def __post_init__(self) -> None:
         if self.kind not in self.KINDS:
             raise FieldError("structured_output",
                              f"structured_output must be one of {', '.join(self.KINDS)}, got {self.kind!r}")
-        if not isinstance(self.schema, str):
+        _text(f"the {_WHAT.get(self.kind, 'schema')}", self.schema)
+        if self.kind == "choice":
+            object.__setattr__(self, "options", _choices(self.schema, self.options))
+            return
+        if self.options:
             raise FieldError("structured_output",
-                             f"structured_output's schema must be JSON text, got {type(self.schema).__name__}")
+                             f"structured_output: {self.kind} takes no options (only choice does)")
         if self.kind == "json_object":
             if self.schema:
                 raise FieldError("structured_output", "json_object takes no schema")
-            return
-        try:
-            schema = json.loads(self.schema)
-        except (ValueError, RecursionError) as exc:
-            raise FieldError("structured_output",
-                             f"structured_output: the JSON schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict) and schema is not True:
-            raise FieldError("structured_output",
-                             "structured_output: a JSON schema must be a JSON object (or true), "
-                             f"got {type(schema).__name__}")
+        elif not self.schema:
+            raise FieldError("structured_output", f"structured_output: the {_WHAT[self.kind]} is empty; "
+                             "send the one the whole output must follow")
+        elif self.kind == "json_schema":
+            _check_json_schema(self.schema)
 
     @classmethod
     def from_proto(cls, p: inference_pb2.StructuredOutput) -> StructuredOutput | None:
         """The format of a StructuredOutput message; None when it asks for none."""
         which = p.WhichOneof("format")
-        if which == "json_schema":
-            return cls("json_schema", p.json_schema)
+        if which in ("json_schema", "regex", "grammar"):
+            return cls(which, getattr(p, which))
+        if which == "choice":
+            return cls("choice", options=tuple(p.choice.options))
         if which == "json_object" and p.json_object:
             return cls("json_object")
         return None
@@ -122,7 +126,71 @@ class StructuredOutput:
     def to_proto(self) -> inference_pb2.StructuredOutput:
         if self.kind == "json_object":
             return inference_pb2.StructuredOutput(json_object=True)
+        if self.kind == "choice":
+            return inference_pb2.StructuredOutput(choice=inference_pb2.Choices(options=self.options))
+        if self.kind == "regex":
+            return inference_pb2.StructuredOutput(regex=self.schema)
+        if self.kind == "grammar":
+            return inference_pb2.StructuredOutput(grammar=self.schema)
         return inference_pb2.StructuredOutput(json_schema=self.schema)
+
+
+# What each kind's text is, for messages.
+_WHAT = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}
+# A choice's bounds: enough for any menu of answers, small enough that its grammar
+# compiles in milliseconds (a larger set is better written as a regex or a grammar).
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 4096
+
+
+def _text(what: str, value: object) -> None:
+    """`value` is a str that UTF-8 can carry (as protobuf strings must be)."""
+    if not isinstance(value, str):
+        raise FieldError("structured_output",
+                         f"structured_output: {what} must be text, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FieldError("structured_output", f"structured_output: {what} is not valid Unicode text "
+                         f"({exc.reason} at character {exc.start})") from None
+
+
+def _check_json_schema(text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise FieldError("structured_output",
+                         f"structured_output: the JSON schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict) and schema is not True:
+        raise FieldError("structured_output",
+                         "structured_output: a JSON schema must be a JSON object (or true), "
+                         f"got {type(schema).__name__}")
+
+
+def _choices(schema: str, options: object) -> tuple[str, ...]:
+    """A choice's options as a tuple, checked: 1 to MAX_CHOICES non-empty strings of at
+    most MAX_CHOICE_CHARS characters each."""
+    if schema:
+        raise FieldError("structured_output", "structured_output: choice takes options, not a schema")
+    if not isinstance(options, (list, tuple)):
+        raise FieldError("structured_output",
+                         "structured_output: choice options must be a list of strings, "
+                         f"got {type(options).__name__}")
+    if not options:
+        raise FieldError("structured_output", "structured_output: choice needs at least one option")
+    if len(options) > MAX_CHOICES:
+        raise FieldError("structured_output",
+                         f"structured_output: choice takes at most {MAX_CHOICES} options, got {len(options)} "
+                         "(use a regex or a grammar for larger sets)")
+    for i, option in enumerate(options):
+        _text(f"choice option {i}", option)
+        if not option:
+            raise FieldError("structured_output", f"structured_output: choice option {i} is empty")
+        if len(option) > MAX_CHOICE_CHARS:
+            raise FieldError("structured_output",
+                             f"structured_output: choice option {i} is {len(option)} characters long, "
+                             f"more than {MAX_CHOICE_CHARS}")
+    return tuple(options)
 
 
 @dataclass(frozen=True)

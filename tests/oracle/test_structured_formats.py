@@ -1,0 +1,141 @@
+"""Structured output beyond JSON is token-exact too: greedy output under a regex, a choice of
+strings and an EBNF grammar equals transformers' `generate` with xgrammar's Hugging Face
+logits processor, token for token, alone and batched with free requests. A choice's
+options reach the grammar as their exact text (quotes, backslashes, newlines, non-ASCII);
+the oracle builds its choice grammar by another spelling (every character a \\U escape).
+A regex or grammar xgrammar cannot compile, or one no output can start, is a ValueError
+naming structured_output (INVALID_ARGUMENT on gRPC: tests/e2e/test_structured_grpc.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from omnibus.common.sampling import StructuredOutput
+from omnibus.engine.worker.sampling import SamplingParams
+from tests.checkpoints import make_checkpoint
+from tests.oracle.test_structured import EOS, MAX_TOKENS, PROMPTS, VOCAB, Oracle, make_engine
+
+xgr = pytest.importorskip("xgrammar")
+
+REGEX = r"[a-z]{2,6}(-[0-9]{1,3})?@(foo|bar)\.(com|org)"
+GRAMMAR = "\n".join([
+    'root ::= "let " name " = " value ";"',
+    "name ::= [a-z] [a-z0-9_]{0,5}",
+    'value ::= number | "\\"" [a-z ]{0,8} "\\"" | "[" number ("," number){0,2} "]"',
+    'number ::= "-"? [0-9]{1,3}',
+])
+# What GRAMMAR accepts, as a Python regex (to check the outputs by another engine).
+GRAMMAR_AS_REGEX = r'let [a-z][a-z0-9_]{0,5} = (-?[0-9]{1,3}|"[a-z ]{0,8}"|\[-?[0-9]{1,3}(,-?[0-9]{1,3}){0,2}\]);'
+# Options that need escaping in an EBNF literal, one a prefix of another, non-ASCII.
+TRICKY = ('say "hi"', "back\\slash", "two\nlines\ttab", "café ☕ 日本", "\\n", '"', "a", "ab")
+FORMATS = {
+    "regex": StructuredOutput("regex", REGEX),
+    "grammar": StructuredOutput("grammar", GRAMMAR),
+    "choice": StructuredOutput("choice", options=TRICKY),
+    **{f"only{i}": StructuredOutput("choice", options=(o,)) for i, o in enumerate(TRICKY)},
+}
+
+
+def escaped_choice(options: tuple[str, ...]) -> str:
+    """The oracle's choice grammar: each character a \\U escape (no other escaping to get wrong)."""
+    return "root ::= " + " | ".join('"' + "".join(f"\\U{ord(c):08x}" for c in o) + '"' for o in options)
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    from transformers import PreTrainedTokenizerFast
+
+    oracle = Oracle(make_checkpoint(tmp_path_factory.mktemp("formats"), "llama", vocab_size=VOCAB))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(oracle.path / "tokenizer.json"))
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB,
+                                                                      stop_token_ids=[EOS]))
+    oracle.grammars.update({"regex": compiler.compile_regex(REGEX),
+                            "grammar": compiler.compile_grammar(GRAMMAR)})
+    for name, fmt in FORMATS.items():
+        if fmt.kind == "choice":
+            oracle.grammars[name] = compiler.compile_grammar(escaped_choice(fmt.options))
+    return oracle
+
+
+def params(fmt: str | None) -> SamplingParams:
+    if fmt is None:
+        return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_output=FORMATS[fmt])
+
+
+def run(oracle: Oracle, requests: list[tuple[list[int], str | None]], **kw) -> list[list[int]]:
+    """Runs `requests` (prompt, format) in one batch and checks each against transformers."""
+    engine = make_engine(oracle, **kw)
+    outputs = engine.generate([p for p, _ in requests], [params(fmt) for _, fmt in requests])
+    for i, ((prompt, fmt), got) in enumerate(zip(requests, outputs)):
+        assert got == oracle.expected(prompt, fmt), f"request {i} ({fmt}) diverged"
+    assert engine.check_integrity().referenced == 0
+    return outputs
+
+
+@pytest.mark.parametrize(("fmt", "pattern"), [
+    ("regex", REGEX), ("grammar", GRAMMAR_AS_REGEX), ("choice", "|".join(map(re.escape, TRICKY)))])
+def test_greedy_output_matches_xgrammar_in_transformers_and_follows_the_format(oracle, fmt, pattern):
+    for tokens in run(oracle, [(p, fmt) for p in PROMPTS]):
+        assert tokens[-1] == EOS  # each format is bounded: every output ends well before MAX_TOKENS
+        assert re.fullmatch(pattern, oracle.text(tokens)), oracle.text(tokens)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(overlap_scheduling=True)], ids=["continuous", "overlap"])
+def test_mixed_batches_stay_exact_and_each_choice_is_its_exact_text(oracle, kw):
+    singles = [f"only{i}" for i in range(len(TRICKY))]
+    requests = [(PROMPTS[0], "regex"), (PROMPTS[1], None), (PROMPTS[2], "grammar"),
+                *(([60 + i, 61], name) for i, name in enumerate(singles))]
+    outputs = run(oracle, requests, **kw)
+    assert [oracle.text(t) for t in outputs[3:]] == list(TRICKY)
+
+
+def test_choice_grammar_accepts_exactly_its_options(oracle):
+    grammars = make_engine(oracle).runner
+    grammars.grammar(FORMATS["choice"])  # builds the compiler
+    compiled = grammars.grammars.compile(FORMATS["choice"])
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    assert all(accepts(o) for o in TRICKY)
+    for near in ("say hi", 'say \\"hi\\"', "back\\\\slash", "two\\nlines\\ttab", "café", "", "abc", "b"):
+        assert not accepts(near), near
+
+
+@pytest.mark.parametrize(("fmt", "message"), [
+    (StructuredOutput("regex", "(a"), "structured_output: the regular expression does not compile: "
+     "Regex parsing error at position 3: The parenthesis is not closed."),
+    (StructuredOutput("regex", "(?<=a)b"), "structured_output: the regular expression does not compile: "
+     "Regex parsing error at position 3: Lookbehind is not supported yet."),
+    (StructuredOutput("grammar", 'start ::= "a"'), "structured_output: the EBNF grammar does not compile: "
+     'EBNF parser error at line 1, column 1: The root rule with name "root" is not found'),
+    (StructuredOutput("grammar", "root ::= word\n"), "structured_output: the EBNF grammar does not compile: "
+     'EBNF parser error at line 1, column 10: Rule "word" is not defined'),
+    (StructuredOutput("grammar", "root ::= root"), "structured_output: no token can start the output under "
+     "this EBNF grammar (does every rule it needs reach a string?)"),
+])  # fmt: skip
+def test_a_format_xgrammar_cannot_use_is_a_value_error_naming_structured_output(oracle, fmt, message):
+    engine = make_engine(oracle)
+    with pytest.raises(ValueError) as err:
+        engine.add_request("r", [5, 6], SamplingParams(max_tokens=4, structured_output=fmt))
+    assert str(err.value) == message
+    assert not engine.has_unfinished()
+
+
+def test_each_format_compiles_once_and_a_regex_is_not_a_grammar_of_the_same_text(oracle):
+    engine = make_engine(oracle)
+    engine.runner.grammar(FORMATS["regex"])
+    grammars = engine.runner.grammars
+    size = grammars._compiler.get_cache_size_bytes()
+    for _ in range(3):
+        engine.runner.grammar(FORMATS["regex"])
+    assert grammars._compiler.get_cache_size_bytes() == size
+    engine.runner.grammar(StructuredOutput("grammar", 'root ::= "x"'))
+    grown = grammars._compiler.get_cache_size_bytes()
+    assert grown > size
+    engine.runner.grammar(StructuredOutput("regex", 'root ::= "x"'))  # the same text, another kind
+    assert grammars._compiler.get_cache_size_bytes() > grown
