@@ -28,7 +28,7 @@ from pydantic import TypeAdapter
 from omnibus.router.http import responses as rs
 from omnibus.router.service.errors import RequestError
 from tests.checkpoints import hf_greedy
-from tests.grpc_helpers import free_port, tiny_checkpoint, wait_until
+from tests.grpc_helpers import engine_stats, free_port, tiny_checkpoint, wait_until
 
 MODEL = "tiny-llama"
 # A ChatML-like template, as tests/e2e/test_openai_http.py's.
@@ -53,6 +53,7 @@ EVENTS = TypeAdapter(ResponseStreamEvent)
 class Server:
     model: Path  # the checkpoint with the chat template
     port: int
+    engine: str  # the engine's address
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="any",
@@ -75,9 +76,11 @@ def server(tmp_path_factory) -> Iterator[Server]:
     port = free_port()
     logs = tmp_path_factory.mktemp("responses-logs")
     flags = (f"--model-name={MODEL}", f"--http-port={port}")
-    with engine_and_router(model, logs, ("--block-size", "8", "--num-kv-blocks", "128"), flags):
+    with engine_and_router(model, logs, ("--block-size", "8", "--num-kv-blocks", "128"), flags) as (
+        engine, _,
+    ):
         wait_until(lambda: _serving(port), 60, "the router's HTTP port")
-        yield Server(model, port)
+        yield Server(model, port, engine.address)
 
 
 def _serving(port: int) -> bool:
@@ -250,6 +253,27 @@ def test_the_client_sees_a_refusal_as_bad_request(server):
     with pytest.raises(openai.BadRequestError) as err:
         server.client().responses.create(model=MODEL, input="hi", store=True)
     assert err.value.body["param"] == "store"
+
+
+def test_a_client_that_leaves_mid_stream_frees_every_kv_block(server):
+    # 300 integers at least, so the output cannot end within hundreds of tokens
+    long = {"type": "json_schema", "name": "many", "schema": {"type": "array", "items": {"type": "integer"},
+                                                              "minItems": 300}}  # fmt: skip
+    body = {"model": MODEL, "input": "The", "max_output_tokens": 900, "stream": True, "text": {"format": long}}
+    with httpx.stream("POST", f"http://127.0.0.1:{server.port}/v1/responses", json=body,
+                      timeout=30) as reply:  # fmt: skip
+        lines = (line for line in reply.iter_lines() if line.startswith("event: "))
+        assert next(line for line in lines if line.endswith(".delta")) == "event: response.output_text.delta"
+        assert engine_stats(server.engine).num_active_streams == 1  # still generating
+    # the connection is closed: the router cancels the engine call within a step
+    wait_until(lambda: _idle(server.engine), 30, "the engine to be idle")
+    load = engine_stats(server.engine).load
+    assert (load.num_free_blocks, load.num_total_blocks) == (127, 127)  # 128, less the null block
+
+
+def _idle(address: str) -> bool:
+    stats = engine_stats(address)
+    return (stats.num_active_streams, stats.load.num_running, stats.load.num_waiting) == (0, 0, 0)
 
 
 # ---- a failure after the stream began (in-process, on the event generator) -------------
