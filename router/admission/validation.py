@@ -191,9 +191,7 @@ class Validator:
             raise invalid(str(exc), "max_tokens") from None
 
     def _check_priority(self, priority: int) -> None:
-        bound = self._config.max_abs_priority
-        if not -bound <= priority <= bound:
-            raise invalid(f"priority must be in [-{bound}, {bound}], got {priority}", "priority")
+        check_priority(priority, self._config.max_abs_priority)
 
     def _sampling(self, p: inference_pb2.SamplingParams) -> engine_pb2.EngineSamplingParams:
         """The request's sampling parameters, checked by the rule the engine runs them by
@@ -258,3 +256,10 @@ def check_request_id(request_id: str, name: str = "request_id") -> None:
             f"{name} must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters "
             "without spaces"
         )
+
+
+def check_priority(priority: int, bound: int, name: str = "priority") -> None:
+    """A priority in [-bound, bound] (--max-abs-priority), whether the body or a header
+    (`name`) carries it: else INVALID_ARGUMENT naming it."""
+    if not -bound <= priority <= bound:
+        raise invalid(f"{name} must be in [-{bound}, {bound}], got {priority}", "priority")

@@ -8,8 +8,9 @@ still loading its model gets no requests); an address that disappears takes no n
 requests and leaves once its in-flight requests have ended. A failed lookup keeps the
 engines last seen: a DNS hiccup is no reason to drop engines that are serving.
 
-`engines` is the list the dispatcher, the health tracker and the metrics share; only
-this module adds to it or removes from it, on the event loop.
+The engines live in the router's Fleet (fleet.py), which the dispatcher, the health
+tracker and the metrics read; only this module adds to it or removes from it, on the
+event loop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from omnibus.common.fatal import exit_if_it_fails
 from omnibus.common.security import ClientSecurity
 from omnibus.router.config import EngineTarget, RouterConfig
 from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.dispatch.fleet import Fleet
 
 log = structlog.get_logger("router.discovery")
 
@@ -75,19 +77,17 @@ async def probe(address: str, security: ClientSecurity = ClientSecurity()) -> bo
 
 
 class EngineDiscovery:
-    """Keeps `engines` equal to what config.engines name (fixed ones from the start)."""
+    """Keeps the fleet equal to what config.engines name (fixed ones from the start)."""
 
     def __init__(
         self,
         config: RouterConfig,
-        engines: list[EngineClient],
-        on_change: Callable[[], None],
+        fleet: Fleet,
         resolver: Resolve = resolve,
         prober: Probe | None = None,
     ) -> None:
         self._config = config
-        self._engines = engines
-        self._on_change = on_change
+        self._engines = fleet
         self._resolve = resolver
         self._probe = prober or functools.partial(probe, security=config.engine_security())
         targets = [EngineTarget.parse(t) for t in config.engines]
@@ -99,7 +99,7 @@ class EngineDiscovery:
         self._tasks: set[asyncio.Task[None]] = set()
         for target in targets:
             if not target.dns:  # as before discovery: retried with backoff while down
-                engines.append(EngineClient(str(target), config, on_change))
+                fleet.add(EngineClient(str(target), config, fleet.changed))
 
     def start(self) -> None:
         for engine in self._engines:
@@ -134,7 +134,7 @@ class EngineDiscovery:
                     log.info("engines_resolved", target=str(target), addresses=sorted(found))
                 self._members[target] = found
                 for address in found - self._joining:
-                    if not any(e.address == address for e in self._engines):
+                    if self._engines.get(address) is None:
                         self._joining.add(address)
                         self._spawn(self._join(address, target), f"join-{address}")
                 for address in members - found:
@@ -161,8 +161,9 @@ class EngineDiscovery:
                     return
             if address not in self._members[target]:
                 return
-            engine = EngineClient(address, self._config, self._on_change, self._wake[target].set)
-            self._engines.append(engine)
+            engine = EngineClient(address, self._config, self._engines.changed,
+                                  self._wake[target].set)
+            self._engines.add(engine)
             engine.start()
             log.info("engine_added", engine=address, target=str(target))
         finally:
@@ -170,7 +171,7 @@ class EngineDiscovery:
 
     async def _leave(self, address: str) -> None:
         """No new requests for the engine; it leaves when its in-flight ones have ended."""
-        engine = next((e for e in self._engines if e.address == address), None)
+        engine = self._engines.get(address)
         if engine is None or address in self._leaving:
             return
         self._leaving.add(address)
@@ -178,7 +179,6 @@ class EngineDiscovery:
             log.info("engine_retiring", engine=address, inflight=engine.inflight)
             await engine.retire()
             self._engines.remove(engine)
-            self._on_change()
             await engine.close(CLOSE_GRACE_S)
             log.info("engine_removed", engine=address)
         finally:

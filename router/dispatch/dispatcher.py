@@ -43,6 +43,7 @@ from omnibus.common.fatal import exit_if_it_fails
 from omnibus.common.prefix import leading_block_keys, matched_blocks
 from omnibus.router.dispatch.adapters import Affinity
 from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.dispatch.fleet import Fleet
 from omnibus.router.dispatch.queue import RequestQueue
 
 
@@ -68,15 +69,14 @@ class Ticket:
     def prefix_share(self, engine: EngineClient) -> float:
         """Share of the prompt in `engine`'s reported prefix cache (an adapter's blocks
         hashed with the salt `engine` reports for it)."""
-        report = engine.report
-        if not self.prompt_ids or report is None or not report.block_size:
+        bs = engine.block_size
+        if not self.prompt_ids or not bs:
             return 0.0
         salt = None
         if self.adapter:
             salt = engine.adapter_salts.get(self.adapter)
             if salt is None:  # the engine has read no config of it: nothing cached
                 return 0.0
-        bs = report.block_size
         keys = self._keys.get((bs, salt))
         if keys is None:
             keys = self._keys[bs, salt] = leading_block_keys(self.prompt_ids, bs, salt, MAX_PREFIX_BLOCKS)
@@ -88,9 +88,9 @@ MAX_PREFIX_BLOCKS = 256  # leading blocks hashed per request at most
 
 class Dispatcher:
     def __init__(
-        self, engines: Sequence[EngineClient], queue: RequestQueue[Ticket], prefix_weight: float = 1.0
+        self, fleet: Fleet, queue: RequestQueue[Ticket], prefix_weight: float = 1.0
     ) -> None:
-        self._engines = engines
+        self._engines = fleet
         self.queue = queue
         self._prefix_weight = prefix_weight
         self._weights: dict[str, float] = {}  # each tenant's share, as its tickets carry it

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable
 
 import grpc
 import structlog
@@ -61,7 +61,10 @@ class EngineClient:
         config: RouterConfig,
         on_change: Callable[[], None],
         on_failure: Callable[[], None] | None = None,
+        stub: engine_pb2_grpc.EngineStub | None = None,
     ) -> None:
+        """`stub`: the engine's RPCs (default: over a channel to `address`, as configured;
+        tests hand in a fake one)."""
         self.address = address
         self._config = config
         self._on_change = on_change  # called whenever room may have appeared or gone
@@ -70,8 +73,8 @@ class EngineClient:
         self._idle = asyncio.Event()  # set while retiring with nothing in flight
         # TLS / mutual TLS and the engine token, as configured (omnibus.common.security).
         self._channel = config.engine_security().aio_channel(address, _channel_options(config))
-        self.stub = engine_pb2_grpc.EngineStub(self._channel)
-        self.report: engine_pb2.LoadReport | None = None
+        self._stub = stub or engine_pb2_grpc.EngineStub(self._channel)
+        self._report: engine_pb2.LoadReport | None = None  # the latest (None: none yet)
         self.healthy = False
         self._unhealthy_reason: str | None = None  # the last one logged, while unhealthy
         self.inflight = 0  # requests this router has dispatched here and not finished
@@ -101,8 +104,67 @@ class EngineClient:
         left of the client's deadline. Raises grpc.aio.AioRpcError as a Generate call
         would. Closing the generator early aborts the request (its KV freed in a step)."""
         if self._session is None or self._session.closed:
-            self._session = EngineSession(self.stub, self.address)
+            self._session = EngineSession(self._stub, self.address)
         return self._session.generate(request, timeout, self._config.stream_interval)
+
+    async def embed(
+        self, request: engine_pb2.EngineEmbedRequest, timeout: float | None = None
+    ) -> engine_pb2.EngineEmbedResponse:
+        """The engine's embeddings of `request`'s inputs. Raises grpc.aio.AioRpcError."""
+        return await self._stub.Embed(request, timeout=timeout)
+
+    # ---- adapters on the engine (the admin API) --------------------------------
+
+    async def load_adapter(self, adapter: str, timeout: float) -> engine_pb2.LoadAdapterResponse:
+        """Loads `adapter` into the engine's memory. Raises grpc.aio.AioRpcError."""
+        return await self._stub.LoadAdapter(engine_pb2.LoadAdapterRequest(adapter=adapter),
+                                            timeout=timeout)
+
+    async def unload_adapter(self, adapter: str, timeout: float) -> engine_pb2.UnloadAdapterResponse:
+        """Drops `adapter` from the engine's memory. Raises grpc.aio.AioRpcError."""
+        return await self._stub.UnloadAdapter(engine_pb2.UnloadAdapterRequest(adapter=adapter),
+                                              timeout=timeout)
+
+    async def list_adapters(self, timeout: float) -> engine_pb2.ListAdaptersResponse:
+        """The engine's own listing (resident, cached, on disk). Raises grpc.aio.AioRpcError."""
+        return await self._stub.ListAdapters(engine_pb2.ListAdaptersRequest(), timeout=timeout)
+
+    # ---- the latest load report ------------------------------------------------
+
+    @property
+    def reported(self) -> bool:
+        """The engine has reported since this router started (its figures below are known)."""
+        return self._report is not None
+
+    @property
+    def max_model_len(self) -> int:
+        """The context the engine serves (0: not reported)."""
+        return self._report.max_model_len if self._report is not None else 0
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block (0: not reported)."""
+        return self._report.block_size if self._report is not None else 0
+
+    @property
+    def running(self) -> int:
+        """Sequences running, as last reported."""
+        return self._report.num_running if self._report is not None else 0
+
+    @property
+    def waiting(self) -> int:
+        """Sequences waiting inside the engine, as last reported."""
+        return self._report.num_waiting if self._report is not None else 0
+
+    @property
+    def free_blocks(self) -> int:
+        """Free KV blocks, as last reported."""
+        return self._report.num_free_blocks if self._report is not None else 0
+
+    @property
+    def total_blocks(self) -> int:
+        """Usable KV blocks, as last reported."""
+        return self._report.num_total_blocks if self._report is not None else 0
 
     # ---- capacity ------------------------------------------------------------
 
@@ -111,16 +173,16 @@ class EngineClient:
         """Most requests this router keeps on the engine at once."""
         if self._config.max_inflight_per_engine:
             return self._config.max_inflight_per_engine
-        if not self.report:
+        if not self._report:
             return 0
         # An eighth beyond the engine's running cap waits in its priority-ordered queue, so
         # a slot a finished request frees is refilled at the next step, not a round trip later.
-        return self.report.max_num_seqs + self.report.max_num_seqs // 8
+        return self._report.max_num_seqs + self._report.max_num_seqs // 8
 
     @property
     def load(self) -> int:
         """Sequences on the engine: its own count, or ours when the report lags behind."""
-        reported = self.report.num_running + self.report.num_waiting if self.report else 0
+        reported = self._report.num_running + self._report.num_waiting if self._report else 0
         return max(reported, self.inflight)
 
     @property
@@ -129,8 +191,8 @@ class EngineClient:
         return (
             self.healthy
             and not self.retiring
-            and self.report is not None
-            and not self.report.draining
+            and self._report is not None
+            and not self._report.draining
         )
 
     def room(self) -> int:
@@ -146,7 +208,7 @@ class EngineClient:
         """The most tokens (prompt + max_tokens) one request may span on the engine, as it
         last reported: its context, and what its KV pool holds (kv_tokens, the engine's own
         rule). None: no report yet."""
-        report = self.report
+        report = self._report
         if report is None:
             return None
         limits = []
@@ -163,7 +225,7 @@ class EngineClient:
         return most is None or tokens <= most
 
     def free_block_share(self) -> float:
-        report = self.report
+        report = self._report
         return (
             report.num_free_blocks / report.num_total_blocks
             if report and report.num_total_blocks
@@ -257,7 +319,7 @@ class EngineClient:
 
     async def _follow_reports(self) -> str:
         """Reads load reports until the stream fails; returns why it did."""
-        call = self.stub.WatchLoad(
+        call = self._stub.WatchLoad(
             engine_pb2.WatchLoadRequest(interval_ms=self._config.engine_report_interval_ms)
         )
         self._prefix_generation = None  # a new stream's first report carries the keys
@@ -267,7 +329,7 @@ class EngineClient:
                     report = await call.read()
                 if report is grpc.aio.EOF:
                     return "the engine closed its load stream"
-                self._on_report(report)
+                self.take_report(report)
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
         except TimeoutError:
@@ -275,8 +337,10 @@ class EngineClient:
         finally:
             call.cancel()
 
-    def _on_report(self, report: engine_pb2.LoadReport) -> None:
-        self.report = report
+    def take_report(self, report: engine_pb2.LoadReport) -> None:
+        """The engine's latest load report (its WatchLoad stream's; tests hand one in):
+        the engine is healthy and its figures are these."""
+        self._report = report
         self.adapters_resident = frozenset(report.resident_adapters)
         self.adapters_cached = frozenset(report.cached_adapters)
         self.adapters_available = frozenset(report.available_adapters)
@@ -304,12 +368,3 @@ class EngineClient:
         self.healthy = healthy
         self._on_change()
 
-
-def available_adapters(engines: Iterable[EngineClient]) -> set[str]:
-    """The adapters on the disk of any engine, as it last reported: one down or draining
-    for now (a restart) still counts, one leaving discovery does not."""
-    names: set[str] = set()
-    for engine in engines:
-        if not engine.retiring:
-            names |= engine.adapters_available
-    return names

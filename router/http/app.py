@@ -37,7 +37,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from omnibus.v1 import inference_pb2 as pb
 from prometheus_client.exposition import choose_encoder
 
-from omnibus.common.adapters import is_adapter_name
 from omnibus.common.metrics import exposition
 from omnibus.common.sampling import check_token_ids
 from omnibus.router.admission.auth import Tenant
@@ -88,14 +87,21 @@ def error_body(message: str, kind: str, code: str | None, param: str | None = No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+# Refusals whose message points to ListModels (the pipeline's unknown_adapter, adapter_denied).
+_POINTS_TO_LIST_MODELS = frozenset({"unknown_adapter", "adapter_denied"})
+
+
 def error_response(err: RequestError) -> web.Response:
     status, kind = http_status(err.code)
     if err.reason == TOO_LARGE:  # as aiohttp's refusal of a body past its own limit
         status = 413
     headers = {}
+    message = err.message
+    if err.reason in _POINTS_TO_LIST_MODELS:  # where the listing is over HTTP
+        message += " (GET /v1/models over HTTP)"
     if status == 429:  # whole seconds, at least one
         headers["Retry-After"] = str(max(1, int(-(-(err.retry_after_s or 1) // 1))))
-    return web.json_response(error_body(err.message, kind, err.reason, err.param), status=status,
+    return web.json_response(error_body(message, kind, err.reason, err.param), status=status,
                              headers=headers)
 
 
@@ -384,11 +390,7 @@ class OpenAIFront:
         if kind is oa.EmbeddingBody and body.model != self._pipeline.limits.model_id:
             # Embeddings come from the base model: `model` names it or nothing here.
             if body.model in {a.id for a in self._pipeline.list_models(tenant).adapters}:
-                raise invalid(
-                    f"embeddings come from the base model {self._pipeline.limits.model_id!r}, "
-                    f"not adapter {body.model!r}: set model to the base model",
-                    "model",
-                )
+                self._pipeline.check_embedding_adapter(body.model, "set model to the base model", "model")
             raise self._unknown_model(body.model)
         return Caller(tenant, self._adapter(body.model, header, tenant)), body
 
@@ -396,27 +398,12 @@ class OpenAIFront:
         """`model` names the base model or an adapter (the vLLM / LoRAX convention); the
         x-adapter-id header works as on gRPC. Either goes through the tenant's list; a
         `model` the tenant may use that is neither the base model nor an adapter some
-        engine has is an unknown model (404, param model), as in the OpenAI API."""
-        base = self._pipeline.limits.model_id
-        if model == base:
-            return header or ""
-        if header and header != model:
-            raise invalid(
-                f"model {model!r} and {ADAPTER_HEADER} {header!r} name different adapters; "
-                f"set one of them (model {base!r} with the header)",
-                "model",
-            )
-        if not is_adapter_name(model):
+        engine has is an unknown model (404, param model), as in the OpenAI API. The
+        rules are the pipeline's (Pipeline.model_adapter)."""
+        adapter = self._pipeline.model_adapter(model, header, tenant)
+        if adapter is None:
             raise self._unknown_model(model)
-        if header is None:
-            try:  # one outside the tenant's list is PERMISSION_DENIED, as on gRPC
-                self._pipeline.check_adapter_use(tenant, model)
-            except RequestError as err:
-                err.param = "model"
-                raise
-            if not (self._pipeline.serves_adapter(model) or self._pipeline.unheard_engines()):
-                raise self._unknown_model(model)  # (else the pipeline's UNAVAILABLE: retry)
-        return model
+        return adapter
 
     def _priority(self, request: web.Request, body_priority: int | None) -> int:
         header = request.headers.get(PRIORITY_HEADER)
@@ -425,9 +412,7 @@ class OpenAIFront:
         if not _INTEGER.fullmatch(header):
             raise invalid(f"{PRIORITY_HEADER} must be an integer, got {header!r}")
         priority = int(header)
-        if not -(2**31) <= priority < 2**31:  # the protobuf field is an int32 (the Validator checks the bound)
-            bound = self._config.max_abs_priority
-            raise invalid(f"{PRIORITY_HEADER} must be in [-{bound}, {bound}], got {priority}")
+        self._pipeline.check_priority(priority, PRIORITY_HEADER)  # (within the int32 field)
         if body_priority is not None and body_priority != priority:
             raise invalid(
                 f"{PRIORITY_HEADER} {priority} and the body's priority {body_priority} differ; "
@@ -481,12 +466,11 @@ class OpenAIFront:
 
     async def _chat_request(self, body: oa.ChatBody) -> Prepared:
         ids = await self._chat_prompt(body)
-        limits = self._pipeline.limits
         # The newer name; 0 is refused, not unset. The Validator checks it as max_tokens, and
         # its refusals are named as sent (_as_sent).
         max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if max_tokens is None:  # as the OpenAI API: up to the context (of an engine that takes it)
-            max_tokens = max(1, min(limits.max_tokens, self._pipeline.most_tokens() - len(ids)))
+            max_tokens = self._pipeline.default_max_tokens(len(ids))
         logprobs = body.logprob_count
         prompt = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
         prompt.sampling.CopyFrom(oa.sampling(body, max_tokens, logprobs))

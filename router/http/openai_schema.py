@@ -14,13 +14,12 @@ from typing import Annotated, Any, Literal
 from omnibus.v1 import inference_pb2 as pb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from omnibus.common.sampling import MAX_LOGPROBS
+from omnibus.common.sampling import MAX_LOGPROBS, MAX_SEED
 from omnibus.router.admission.validation import MAX_REQUEST_ID_CHARS
 from omnibus.router.service.errors import invalid
 from omnibus.router.text.detokenizer import IncrementalDetokenizer
 from omnibus.router.text.token_bytes import TokenBytes
 
-MAX_SEED = 2**64 - 1  # SamplingParams.seed is a uint64
 MIN_SEED = -(2**63)  # OpenAI's seed is an int64: a negative one is taken modulo 2**64
 # An integer the protobuf field it goes to (int32) can hold: beyond, a 400 naming the
 # field, where building the request would fail with a server error. Ranges are the

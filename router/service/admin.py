@@ -11,7 +11,6 @@ stopped process) is reported as such rather than taking the whole call's deadlin
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import NoReturn
 
 import grpc
@@ -21,6 +20,7 @@ from omnibus.v1 import admin_pb2, admin_pb2_grpc, engine_pb2
 from omnibus.router.dispatch.adapters import check_adapter_name
 from omnibus.router.admission.auth import KeyStore
 from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.dispatch.fleet import Fleet
 from omnibus.router.dispatch.session import rpc_error
 from omnibus.router.service.errors import RequestError
 
@@ -36,9 +36,9 @@ _WHERE = {"load": "under its adapter root (--adapter-dir)",
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, keys: KeyStore, engines: Sequence[EngineClient]) -> None:
+    def __init__(self, keys: KeyStore, fleet: Fleet) -> None:
         self._keys = keys
-        self._engines = engines
+        self._engines = fleet
 
     async def LoadAdapter(
         self, request: admin_pb2.AdminAdapterRequest, context: grpc.aio.ServicerContext
@@ -106,7 +106,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         adapter (no report lists it: an engine without it is no failure); RequestError when
         there are none."""
         if request.engines:
-            known = [e.address for e in self._engines]
+            known = self._engines.addresses
             unknown = sorted(set(request.engines) - set(known))
             if unknown:
                 raise RequestError(
@@ -115,7 +115,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                     "unknown_engine",
                 )
             return [e for e in self._engines if e.address in set(request.engines)], False
-        targets = [e for e in self._engines if e.accepting]
+        targets = self._engines.accepting()
         if not targets:
             raise RequestError(
                 grpc.StatusCode.UNAVAILABLE,
@@ -165,19 +165,15 @@ async def _engine_call(
         )
     try:
         if action == "load":
-            return await engine.stub.LoadAdapter(
-                engine_pb2.LoadAdapterRequest(adapter=adapter), timeout=timeout
-            )
-        return await engine.stub.UnloadAdapter(
-            engine_pb2.UnloadAdapterRequest(adapter=adapter), timeout=timeout
-        )
+            return await engine.load_adapter(adapter, timeout)
+        return await engine.unload_adapter(adapter, timeout)
     except grpc.aio.AioRpcError as exc:
         return exc
 
 
 async def _engine_listing(engine: EngineClient, timeout: float) -> admin_pb2.AdminEngineAdapters:
     try:
-        reply = await engine.stub.ListAdapters(engine_pb2.ListAdaptersRequest(), timeout=timeout)
+        reply = await engine.list_adapters(timeout)
     except grpc.aio.AioRpcError as exc:
         return admin_pb2.AdminEngineAdapters(
             engine=engine.address, reachable=False, error=f"{exc.code().name}: {exc.details()}"

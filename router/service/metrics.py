@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -15,7 +15,7 @@ from omnibus.common.metrics import RequestLatency, latency_histogram, serve_metr
 from prometheus_client.registry import Collector
 
 from omnibus.router.dispatch.dispatcher import Ticket
-from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.dispatch.fleet import Fleet
 from omnibus.router.dispatch.queue import RequestQueue
 
 # Seconds, from a fast CPU decode step to a long generation.
@@ -23,7 +23,7 @@ from omnibus.router.dispatch.queue import RequestQueue
 
 class RouterMetrics:
     def __init__(
-        self, queue: RequestQueue[Ticket], engines: Sequence[EngineClient], model_name: str = ""
+        self, queue: RequestQueue[Ticket], fleet: Fleet, model_name: str = ""
     ) -> None:
         self.model_name = model_name  # the model_name label of every series
         disable_created_metrics()  # the *_created series only add noise to every counter
@@ -91,7 +91,7 @@ class RouterMetrics:
             ["tenant"],
             registry=r,
         )
-        r.register(_StateCollector(queue, engines))
+        r.register(_StateCollector(queue, fleet))
 
     def serve(self, port: int) -> None:
         """Starts the /metrics HTTP endpoint on a background thread."""
@@ -102,9 +102,9 @@ class RouterMetrics:
 class _StateCollector(Collector):
     """Queue and engine gauges, read at scrape time so they are never stale."""
 
-    def __init__(self, queue: RequestQueue[Ticket], engines: Sequence[EngineClient]) -> None:
+    def __init__(self, queue: RequestQueue[Ticket], fleet: Fleet) -> None:
         self._queue = queue
-        self._engines = engines
+        self._engines = fleet
         # Priorities seen so far, the default one (0) from the start: each keeps its
         # series at 0 once empty, so an autoscaler reads 0 rather than "no data".
         self._priorities: set[int] = {0}
@@ -149,20 +149,19 @@ class _StateCollector(Collector):
             "1 for each adapter in an engine's device slots, as last reported",
             labels=["engine", "adapter"],
         )
-        for e in list(self._engines):  # discovery changes the list on the event loop
+        for e in self._engines:  # a snapshot: discovery replaces it on the event loop
             labels = [e.address]
-            report = e.report
             healthy.add_metric(labels, float(e.accepting))
             inflight.add_metric(labels, e.inflight)
-            if report is not None and e.healthy:  # a silent engine's last report is stale: absent
-                running.add_metric(labels, report.num_running)
-                waiting.add_metric(labels, report.num_waiting)
-                free.add_metric(labels, report.num_free_blocks)
-                total.add_metric(labels, report.num_total_blocks)
-                resident.add_metric(labels, len(report.resident_adapters))
-                cached.add_metric(labels, len(report.cached_adapters))
-                available.add_metric(labels, len(report.available_adapters))
-                for adapter in report.resident_adapters:
+            if e.reported and e.healthy:  # a silent engine's last report is stale: absent
+                running.add_metric(labels, e.running)
+                waiting.add_metric(labels, e.waiting)
+                free.add_metric(labels, e.free_blocks)
+                total.add_metric(labels, e.total_blocks)
+                resident.add_metric(labels, len(e.adapters_resident))
+                cached.add_metric(labels, len(e.adapters_cached))
+                available.add_metric(labels, len(e.adapters_available))
+                for adapter in sorted(e.adapters_resident):
                     where.add_metric([e.address, adapter], 1)
         yield from (healthy, inflight, running, waiting, free, total)
         yield from (resident, cached, available, where)

@@ -28,7 +28,7 @@ from omnibus.router.config import RouterConfig
 from omnibus.router.dispatch.adapters import ADAPTER_HEADER
 from omnibus.router.dispatch.discovery import EngineDiscovery
 from omnibus.router.dispatch.dispatcher import Dispatcher, Ticket
-from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.dispatch.fleet import Fleet
 from omnibus.router.dispatch.queue import RequestQueue
 from omnibus.router.http.app import OpenAIFront
 from omnibus.router.http.chat_template import ChatTemplate
@@ -102,9 +102,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
 class _HealthTracker:
     """SERVING while some engine takes requests; NOT_SERVING otherwise or when draining."""
 
-    def __init__(self, servicer: health.aio.HealthServicer, engines: list[EngineClient]) -> None:
+    def __init__(self, servicer: health.aio.HealthServicer, fleet: Fleet) -> None:
         self._servicer = servicer
-        self._engines = engines
+        self._fleet = fleet
         self._serving: bool | None = None
         self.draining = False
         self._pending: set[asyncio.Task[None]] = set()
@@ -116,7 +116,7 @@ class _HealthTracker:
 
     def update(self) -> None:
         """Re-evaluates the status; call on every engine change (it is cheap)."""
-        serving = not self.draining and any(e.accepting for e in self._engines)
+        serving = not self.draining and self._fleet.serving()
         if serving == self._serving:
             return
         self._serving = serving
@@ -141,20 +141,17 @@ async def serve(config: RouterConfig) -> None:
     chat = ChatTemplate.load(config.model) if config.http_port else None
     keys = KeyStore.open(config.keys_file, config.tenant_limits, config.admin_key_file)
     queue: RequestQueue[Ticket] = RequestQueue(config.priority_aging_seconds, config.queue_policy)
-    engines: list[EngineClient] = []
-    dispatcher = Dispatcher(engines, queue, config.prefix_weight)
+    fleet = Fleet()
+    dispatcher = Dispatcher(fleet, queue, config.prefix_weight)
     health_servicer = health.aio.HealthServicer()
-    tracker = _HealthTracker(health_servicer, engines)
-
-    def on_engine_change() -> None:
-        dispatcher.notify()
-        tracker.update()
-
-    discovery = EngineDiscovery(config, engines, on_engine_change)
-    metrics = RouterMetrics(queue, engines, limits.model_id)
-    pipeline = Pipeline(config, limits, tokenizer, keys, dispatcher, engines, metrics)
+    tracker = _HealthTracker(health_servicer, fleet)
+    fleet.subscribe(dispatcher.notify)
+    fleet.subscribe(tracker.update)
+    discovery = EngineDiscovery(config, fleet)
+    metrics = RouterMetrics(queue, fleet, limits.model_id)
+    pipeline = Pipeline(config, limits, tokenizer, keys, dispatcher, fleet, metrics)
     service = InferenceService(pipeline)
-    admin = AdminService(keys, engines)
+    admin = AdminService(keys, fleet)
     if config.metrics_port:  # first: a port in use fails before anything listens
         metrics.serve(config.metrics_port)
     server = _grpc_server(config, service, admin, health_servicer)

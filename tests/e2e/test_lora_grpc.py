@@ -680,19 +680,20 @@ async def test_dispatcher_prefers_adapter_affinity_and_lets_others_pass_a_blocke
     from omnibus.router.config import RouterConfig
     from omnibus.router.dispatch.dispatcher import Dispatcher, Ticket
     from omnibus.router.dispatch.engines import EngineClient
+    from omnibus.router.dispatch.fleet import Fleet
     from omnibus.router.dispatch.queue import RequestQueue
 
     config = RouterConfig(model="m", engines=("127.0.0.1:1", "127.0.0.1:2"))
     a, b = (EngineClient(address, config, lambda: None) for address in config.engines)
 
     def report(engine: EngineClient, running: int, resident=(), available=()) -> None:
-        engine._on_report(engine_pb2.LoadReport(
+        engine.take_report(engine_pb2.LoadReport(
             num_running=running, max_num_seqs=2, num_free_blocks=10, num_total_blocks=10,
             resident_adapters=resident, available_adapters=available,
         ))  # fmt: skip
 
     queue: RequestQueue[Ticket] = RequestQueue(aging_seconds=0)
-    dispatcher = Dispatcher([a, b], queue)
+    dispatcher = Dispatcher(Fleet([a, b]), queue)
 
     def dispatch(*tickets: Ticket) -> list[str | None]:
         for ticket in tickets:

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import kubernetes_validate
 import pytest
+from omnibus.v1 import engine_pb2
 from prometheus_client import generate_latest
 
 from omnibus.common.metrics import exposition
@@ -31,6 +32,7 @@ from omnibus.router.cli import build_parser as router_parser
 from omnibus.router.cli import config_from_args
 from omnibus.router.config import EngineTarget
 from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.dispatch.fleet import Fleet
 from omnibus.router.dispatch.queue import RequestQueue
 from omnibus.router.service.metrics import RouterMetrics
 from tests import kustomize
@@ -183,10 +185,8 @@ def exported_names() -> set[str]:
 
     async def router_text() -> bytes:
         engine = EngineClient("e:1", config, lambda: None)
-        engine.report = SimpleNamespace(num_running=0, num_waiting=0, num_free_blocks=1,
-                                        num_total_blocks=1, resident_adapters=[],
-                                        cached_adapters=[], available_adapters=[])
-        metrics = RouterMetrics(RequestQueue(10.0), [engine], "demo")
+        engine.take_report(engine_pb2.LoadReport(num_free_blocks=1, num_total_blocks=1))
+        metrics = RouterMetrics(RequestQueue(10.0), Fleet([engine]), "demo")
         RedisLimits(config, metrics.registry)
         await engine.close()
         return generate_latest(exposition(metrics.registry, "demo"))
@@ -226,7 +226,7 @@ def test_dashboard_queries_only_metrics_the_processes_export():
 
 
 def test_queue_length_is_exported_at_zero_with_the_model_name_when_the_queue_is_empty():
-    metrics = RouterMetrics(RequestQueue(10.0), [], "demo")
+    metrics = RouterMetrics(RequestQueue(10.0), Fleet(), "demo")
     text = generate_latest(exposition(metrics.registry, "demo")).decode()
     assert 'omnibus_router_queue_length{model_name="demo",priority="0"} 0.0' in text
     assert "process_cpu_seconds_total" in text

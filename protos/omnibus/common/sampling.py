@@ -17,15 +17,15 @@ from dataclasses import dataclass
 
 from omnibus.v1 import engine_pb2, inference_pb2
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "StructuredOutput", "check_context", "check_seed",
-           "check_token_ids"]
+__all__ = ["MAX_LOGPROBS", "MAX_SEED", "SamplingParams", "StructuredOutput", "check_context",
+           "check_seed", "check_token_ids"]
 
 MAX_LOGPROBS = 20
 # Temperatures below this are treated as greedy: dividing logits by them overflows float32
 # to inf (and softmax to NaN), while the distribution is already a point mass at the argmax.
 _GREEDY_TEMPERATURE = 1e-5
 # torch.Generator.manual_seed takes any unsigned 64-bit value.
-_SEED_MAX = 2**64 - 1
+MAX_SEED = 2**64 - 1
 
 
 class FieldError(ValueError):
@@ -310,7 +310,7 @@ def _stop_ids(value: object) -> tuple[int, ...]:
 
 def check_seed(seed: object) -> int:
     """A seed as an int in [0, 2**64 - 1] (what torch.Generator.manual_seed takes)."""
-    return _int_field("seed", seed, "in [0, 2**64 - 1]", 0, _SEED_MAX)
+    return _int_field("seed", seed, "in [0, 2**64 - 1]", 0, MAX_SEED)
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:

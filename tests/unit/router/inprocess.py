@@ -1,6 +1,6 @@
 """A router Pipeline (and its OpenAI HTTP front) in this process, over one scripted
-engine: an EngineClient given a load report by hand, whose requests get scripted tokens
-or a scripted error, with no engine process behind it. For tests of admission, budgets
+engine: an EngineClient handed its load reports (EngineClient.take_report), whose
+requests get scripted tokens or a scripted error, with no engine process behind it. For tests of admission, budgets
 and the HTTP front that need no model."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from omnibus.router.admission.validation import ModelLimits
 from omnibus.router.config import RouterConfig
 from omnibus.router.dispatch.dispatcher import Dispatcher, Ticket
 from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.dispatch.fleet import Fleet
 from omnibus.router.dispatch.queue import RequestQueue
 from omnibus.router.dispatch.session import rpc_error
 from omnibus.router.service.metrics import RouterMetrics
@@ -40,16 +41,19 @@ class ScriptedEngine(EngineClient):
     a generated token's, and with prompt_logprobs its prompt's on the first message."""
 
     def __init__(self, config: RouterConfig, on_change, max_num_seqs: int = 4,
-                 address: str = "", adapters: tuple[str, ...] = ()) -> None:
-        super().__init__(address or config.engines[0], config, on_change)
-        self.report_load(max_num_seqs=max_num_seqs, available_adapters=adapters)
+                 address: str = "", adapters: tuple[str, ...] = (), stub=None,
+                 reported: bool = True) -> None:
+        super().__init__(address or config.engines[0], config, on_change, stub=stub)
+        self.stub = stub  # the fake RPCs it was given (embed and the adapter calls), for tests
+        if reported:  # else: an engine that has not reported since the router started
+            self.report_load(max_num_seqs=max_num_seqs, available_adapters=adapters)
         self.tokens = 3
         self.error: grpc.aio.AioRpcError | None = None
         self.requests: list[engine_pb2.EngineGenerateRequest] = []
 
     def report_load(self, **fields) -> None:
         """A load report as the engine would send it: room for 4, 64 free blocks, and `fields`."""
-        self._on_report(engine_pb2.LoadReport(**{"max_num_seqs": 4, "num_total_blocks": 64,
+        self.take_report(engine_pb2.LoadReport(**{"max_num_seqs": 4, "num_total_blocks": 64,
                                                  "num_free_blocks": 64, **fields}))
 
     async def generate(  # type: ignore[override]
@@ -89,7 +93,10 @@ def refusal(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class Router:
     """A Pipeline with one ScriptedEngine; `await router.start()` and `close()` in a loop."""
 
-    def __init__(self, tmp_path: Path, tenants: dict, **flags) -> None:
+    def __init__(self, tmp_path: Path, tenants: dict, stub=None, **flags) -> None:
+        """`stub`: the first engine's fake RPCs (Embed, the adapter calls); `flags`: the
+        router's configuration."""
+        self._stub = stub
         keys = tmp_path / "keys.json"
         keys.write_text(json.dumps({"tenants": tenants}))
         self.config = RouterConfig(model=str(tmp_path), engines=("127.0.0.1:1",),
@@ -98,29 +105,30 @@ class Router:
                                   max_prompt_tokens=1000, max_tokens=1000)
         self.queue: RequestQueue[Ticket] = RequestQueue(self.config.priority_aging_seconds,
                                                         self.config.queue_policy)
-        self.engines: list[EngineClient] = []
-        self.dispatcher = Dispatcher(self.engines, self.queue)
+        self.fleet = Fleet()
+        self.dispatcher = Dispatcher(self.fleet, self.queue)
+        self.fleet.subscribe(self.dispatcher.notify)
 
     async def start(self) -> Router:
-        self.engine = ScriptedEngine(self.config, self.dispatcher.notify)
-        self.engines.append(self.engine)
-        metrics = RouterMetrics(self.queue, self.engines, self.limits.model_id)
+        self.engine = ScriptedEngine(self.config, self.fleet.changed, stub=self._stub)
+        self.fleet.add(self.engine)
+        metrics = RouterMetrics(self.queue, self.fleet, self.limits.model_id)
         keys = KeyStore.open(self.config.keys_file, self.config.tenant_limits)
         self.pipeline = Pipeline(self.config, self.limits, word_tokenizer(), keys,
-                                 self.dispatcher, self.engines, metrics)
+                                 self.dispatcher, self.fleet, metrics)
         self.dispatcher.start()
         return self
 
-    def add_engine(self, address: str, adapters: tuple[str, ...] = ()) -> ScriptedEngine:
+    def add_engine(self, address: str, adapters: tuple[str, ...] = (), **kwargs) -> ScriptedEngine:
         """One more scripted engine behind the router, with `adapters` on its disk."""
-        engine = ScriptedEngine(self.config, self.dispatcher.notify, address=address,
-                                adapters=adapters)
-        self.engines.append(engine)
+        engine = ScriptedEngine(self.config, self.fleet.changed, address=address,
+                                adapters=adapters, **kwargs)
+        self.fleet.add(engine)
         return engine
 
     async def close(self) -> None:
         await self.dispatcher.close()
-        for engine in self.engines:
+        for engine in self.fleet:
             await engine.close()
 
 

@@ -10,6 +10,7 @@ from omnibus.v1 import admin_pb2, engine_pb2
 
 from omnibus.router.admission.auth import KeyStore
 from omnibus.router.config import RouterConfig, TenantLimits
+from omnibus.router.dispatch.fleet import Fleet
 from omnibus.router.service.admin import AdminService
 from tests.unit.router.inprocess import ScriptedEngine, refusal
 
@@ -76,14 +77,12 @@ async def fleet(tmp_path):
     loaded. The router has their load reports."""
     (tmp_path / "admin.key").write_text("k-admin\n")
     config = RouterConfig(model=str(tmp_path), engines=(E0, E1))
-    engines = [ScriptedEngine(config, lambda: None, address=E0, adapters=("a", "b", "c")),
-               ScriptedEngine(config, lambda: None, address=E1, adapters=("a",))]
+    engines = [ScriptedEngine(config, lambda: None, address=E0, stub=Stub({"a", "b", "c"}, {"c"})),
+               ScriptedEngine(config, lambda: None, address=E1, stub=Stub({"a"}, {"gone"}))]
     engines[0].report_load(available_adapters=["a", "b", "c"], cached_adapters=["c"])
     engines[1].report_load(available_adapters=["a"], cached_adapters=["gone"])
-    engines[0].stub = Stub({"a", "b", "c"}, {"c"})
-    engines[1].stub = Stub({"a"}, {"gone"})
     keys = KeyStore.open(None, TenantLimits(), str(tmp_path / "admin.key"))
-    yield AdminService(keys, engines), engines
+    yield AdminService(keys, Fleet(engines)), engines
     for engine in engines:
         await engine.close()
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from omnibus.v1 import engine_pb2
 
 from omnibus.router.config import EngineTarget, RouterConfig
 from omnibus.router.dispatch.discovery import EngineDiscovery
-from omnibus.router.dispatch.engines import EngineClient
+from omnibus.router.dispatch.fleet import Fleet
 
 
 @pytest.mark.parametrize(
@@ -64,7 +65,7 @@ async def until(predicate, what: str) -> None:
             await asyncio.sleep(0.01)
 
 
-def addresses(engines: list[EngineClient]) -> list[str]:
+def addresses(engines: Fleet) -> list[str]:
     return sorted(e.address for e in engines)
 
 
@@ -72,10 +73,8 @@ async def test_static_engines_are_there_from_the_start_and_dns_ones_join_once_se
     world = World()
     world.addresses = ["10.0.0.1:7", "10.0.0.2:7"]
     world.serving = {"10.0.0.1:7"}
-    engines: list[EngineClient] = []
-    discovery = EngineDiscovery(
-        config("static:1", "dns:///e:7"), engines, lambda: None, world.resolve, world.probe
-    )
+    engines = Fleet()
+    discovery = EngineDiscovery(config("static:1", "dns:///e:7"), engines, world.resolve, world.probe)
     assert addresses(engines) == ["static:1"]
     discovery.start()
     try:
@@ -91,8 +90,8 @@ async def test_static_engines_are_there_from_the_start_and_dns_ones_join_once_se
 async def test_a_departed_engine_takes_no_new_requests_and_leaves_when_drained():
     world = World()
     world.addresses = world.serving = {"10.0.0.1:7", "10.0.0.2:7"}
-    engines: list[EngineClient] = []
-    discovery = EngineDiscovery(config("dns:///e:7"), engines, lambda: None, world.resolve, world.probe)
+    engines = Fleet()
+    discovery = EngineDiscovery(config("dns:///e:7"), engines, world.resolve, world.probe)
     discovery.start()
     try:
         await until(lambda: len(engines) == 2, "both engines to join")
@@ -112,17 +111,18 @@ async def test_a_departed_engine_takes_no_new_requests_and_leaves_when_drained()
 async def test_a_failed_lookup_keeps_the_engines_and_a_failure_triggers_a_lookup():
     world = World()
     world.addresses = world.serving = {"10.0.0.1:7"}
-    engines: list[EngineClient] = []
+    engines = Fleet()
     cfg = RouterConfig(model="m", engines=("dns:///e:7",), engine_resolve_seconds=60,
                        engine_retry_initial_seconds=0.01)
-    discovery = EngineDiscovery(cfg, engines, lambda: None, world.resolve, world.probe)
+    discovery = EngineDiscovery(cfg, engines, world.resolve, world.probe)
     discovery.start()
     try:
         await until(lambda: len(engines) == 1, "the engine to join")
         world.fail = True
         lookups = world.lookups
-        engines[0]._set_healthy(True, "test")
-        engines[0].mark_failed("connection refused")  # wakes the 60 s lookup loop
+        (engine,) = engines
+        engine.take_report(engine_pb2.LoadReport())  # healthy, as its first report makes it
+        engine.mark_failed("connection refused")  # wakes the 60 s lookup loop
         await until(lambda: world.lookups > lookups, "a lookup soon after the failure")
         assert addresses(engines) == ["10.0.0.1:7"]  # the failed lookup dropped nothing
     finally:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from types import SimpleNamespace
 
 import pytest
 
 from omnibus.common.prefix import leading_block_keys
 from omnibus.router.dispatch.dispatcher import Dispatcher, Ticket
+from omnibus.router.dispatch.fleet import Fleet
 from omnibus.router.dispatch.queue import RequestQueue
 
 
@@ -78,7 +78,7 @@ class _Engine:
 
     def __init__(self, name: str, room: int, capacity: int = 8, keys: frozenset[int] = frozenset()):
         self.address, self._room, self.capacity, self.prefix_keys = name, room, capacity, keys
-        self.report = SimpleNamespace(block_size=4)
+        self.block_size = 4
         self.acquired = 0
         self.accepting = True
         self.tenant_inflight: Counter[str] = Counter()
@@ -108,13 +108,13 @@ def test_prefix_hits_are_weighed_against_room():
         keys = frozenset(leading_block_keys(PROMPT, 4, None, 64))
         busy_hit = _Engine("hit", room=2, keys=keys)  # 2/8 room + 1.0 * 16/17 of the prompt
         idle = _Engine("idle", room=8)  # 8/8 room, no hit
-        d = Dispatcher([idle, busy_hit], RequestQueue(0), prefix_weight=1.0)
+        d = Dispatcher(Fleet([idle, busy_hit]), RequestQueue(0), prefix_weight=1.0)
         ticket = Ticket(0, 1, 0.0, prompt_ids=PROMPT)
         assert d.best_engine(ticket) is busy_hit
-        load_only = Dispatcher([idle, busy_hit], RequestQueue(0), prefix_weight=0.0)
+        load_only = Dispatcher(Fleet([idle, busy_hit]), RequestQueue(0), prefix_weight=0.0)
         assert load_only.best_engine(ticket) is idle
         half = frozenset(leading_block_keys(PROMPT, 4, None, 2))  # 8/17 of the prompt
-        d2 = Dispatcher([idle, _Engine("half", room=1, keys=half)], RequestQueue(0), 1.0)
+        d2 = Dispatcher(Fleet([idle, _Engine("half", room=1, keys=half)]), RequestQueue(0), 1.0)
         assert d2.best_engine(ticket) is idle  # 1/8 + 8/17 < 1
 
     asyncio.run(main())
@@ -130,7 +130,7 @@ def test_an_adapter_request_goes_to_the_engine_reporting_its_salted_prefix():
 
     def engine(keys: list[int]) -> EngineClient:
         client = EngineClient("127.0.0.1:1", config, lambda: None)
-        client._on_report(engine_pb2.LoadReport(
+        client.take_report(engine_pb2.LoadReport(
             max_num_seqs=4, num_total_blocks=8, block_size=4, available_adapters=["ad"],
             adapter_salts={"ad": salt}, prefix_generation=1, prefix_block_keys=keys))
         return client
@@ -140,15 +140,15 @@ def test_an_adapter_request_goes_to_the_engine_reporting_its_salted_prefix():
         adapter_cached = engine(leading_block_keys(PROMPT, 4, salt, 64))
         try:
             assert adapter_cached.adapter_salts == {"ad": salt}
-            d = Dispatcher([base_cached, adapter_cached], RequestQueue(0))
+            d = Dispatcher(Fleet([base_cached, adapter_cached]), RequestQueue(0))
             ticket = Ticket(0, 1, 0.0, adapter="ad", prompt_ids=PROMPT)
             assert ticket.prefix_share(adapter_cached) == 16 / 17
             assert ticket.prefix_share(base_cached) == 0.0  # the same tokens, unsalted
             assert d.best_engine(ticket) is adapter_cached
             base = Ticket(0, 1, 0.0, prompt_ids=PROMPT)
-            reverse = Dispatcher([adapter_cached, base_cached], RequestQueue(0))
+            reverse = Dispatcher(Fleet([adapter_cached, base_cached]), RequestQueue(0))
             assert reverse.best_engine(base) is base_cached
-            adapter_cached._on_report(engine_pb2.LoadReport(
+            adapter_cached.take_report(engine_pb2.LoadReport(
                 max_num_seqs=4, num_total_blocks=8, block_size=4, available_adapters=["ad"],
                 adapter_salts={"ad": "ad@1024:18"}, prefix_generation=1))  # the file changed
             assert ticket.prefix_share(adapter_cached) == 0.0
@@ -163,7 +163,7 @@ def test_dispatch_charges_the_prompt_to_the_tenant():
     async def main():
         engine = _Engine("e", room=1)
         q: RequestQueue[Ticket] = RequestQueue(0)
-        d = Dispatcher([engine], q)
+        d = Dispatcher(Fleet([engine]), q)
         first = Ticket(0, 1, 0.0, tenant="a", weight=2.0, prompt_ids=PROMPT)
         second = Ticket(0, 1, 1.0, tenant="b", prompt_ids=PROMPT[:5])
         d.submit(first)
@@ -179,7 +179,7 @@ def test_dispatch_charges_the_prompt_to_the_tenant():
 def test_a_tenant_under_its_share_passes_the_cap_while_another_is_over_it(policy):
     async def main():
         engine = _one_engine(4, 4)
-        d = Dispatcher([engine], RequestQueue(0, policy))
+        d = Dispatcher(Fleet([engine]), RequestQueue(0, policy))
 
         def submit(tenant: str, n: int) -> list[Ticket]:
             tickets = [Ticket(0, 1, float(i), tenant=tenant) for i in range(n)]
@@ -234,7 +234,7 @@ def test_an_under_share_tenant_is_not_over_admitted_ahead_of_a_higher_priority()
     first freed seat."""
     async def main():
         engine = _one_engine(2, 2)
-        d = Dispatcher([engine], RequestQueue(10.0, "vtc"))
+        d = Dispatcher(Fleet([engine]), RequestQueue(10.0, "vtc"))
         try:
             b = [Ticket(50, 1, i * 0.01, tenant="b") for i in range(6)]
             for t in b:
@@ -263,5 +263,5 @@ def _one_engine(cap: int, max_num_seqs: int):
 
     config = RouterConfig(model="m", engines=("127.0.0.1:1",), max_inflight_per_engine=cap)
     engine = EngineClient(config.engines[0], config, lambda: None)
-    engine._on_report(engine_pb2.LoadReport(max_num_seqs=max_num_seqs, num_total_blocks=8))  # noqa: SLF001
+    engine.take_report(engine_pb2.LoadReport(max_num_seqs=max_num_seqs, num_total_blocks=8))
     return engine

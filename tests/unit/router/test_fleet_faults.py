@@ -47,7 +47,7 @@ def caller(router: Router, adapter: str = "", deadline: float | None = None) -> 
 
 
 def counter(router: Router, name: str, label: str) -> float:
-    return getattr(router.pipeline._metrics, name).labels(label)._value.get()
+    return getattr(router.pipeline.metrics, name).labels(label)._value.get()
 
 
 @pytest.mark.parametrize("how", ["dies", "drains"])
@@ -154,8 +154,7 @@ async def test_an_adapter_while_an_engine_has_not_reported_is_unavailable_not_no
     server = TestServer(OpenAIFront(router.pipeline, router.config, None).app())
     await server.start_server()
     try:
-        silent = router.add_engine("127.0.0.1:2")
-        silent.report = None  # no report since the router started
+        silent = router.add_engine("127.0.0.1:2", reported=False)  # none since the router started
         _, err = await served(router, caller(router, "ad"))
         assert err is not None and (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE,
                                                               "adapter_unavailable")
@@ -254,8 +253,7 @@ async def test_a_request_goes_only_to_engines_whose_kv_pool_can_hold_it(tmp_path
         assert err.message.startswith("the prompt has 257 tokens, but the most one request may span")
         assert err.message.endswith("; shorten the prompt")
 
-        silent = router.add_engine("127.0.0.1:3")  # in the list, not reported yet (a restart)
-        silent.report = None
+        silent = router.add_engine("127.0.0.1:3", reported=False)  # not reported yet (a restart)
         _, err = await served(router, caller(router), prompt(10, 248))
         assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE, err
         silent.retiring = True
@@ -435,7 +433,7 @@ async def test_a_silent_engines_load_gauges_are_absent_not_stale(tmp_path):
     router = await Router(tmp_path, TENANTS).start()
     try:
         router.engine.report_load(num_running=4, num_free_blocks=10)
-        registry = router.pipeline._metrics.registry
+        registry = router.pipeline.metrics.registry
 
         def gauges() -> str:
             text = generate_latest(registry).decode()

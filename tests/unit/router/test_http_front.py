@@ -278,7 +278,7 @@ async def test_an_http_refusal_is_counted_and_logged_once(tmp_path):
             await call(server.port, b"Authorization: Bearer nope\r\nx-request-id: r-2\r\n",
                        {"model": "m", "input": "w1"}, b"/v1/embeddings")
         assert status == 401
-        assert router.pipeline._metrics.rejected.labels("unauthenticated")._value.get() == 2
+        assert router.pipeline.metrics.rejected.labels("unauthenticated")._value.get() == 2
         # once each, under the client's request id (regression probe: it was "")
         assert [e["request_id"] for e in logs if e["event"] == "request_refused"] == ["r-1", "r-2"]
     finally:

@@ -14,7 +14,7 @@ TENANTS = {"t": {"keys": ["sk-t"]}}
 
 
 def counted(router: Router, outcome: str) -> float:
-    return router.pipeline._metrics.requests.labels(outcome)._value.get()
+    return router.pipeline.metrics.requests.labels(outcome)._value.get()
 
 
 async def test_a_call_its_deadline_ended_counts_as_a_deadline_a_cancel_as_a_cancel(tmp_path):
@@ -53,15 +53,14 @@ async def test_embeds_served_are_counted_with_their_tokens(tmp_path):
 
     from omnibus.v1 import engine_pb2, inference_pb2
 
-    router = await Router(tmp_path, TENANTS).start()
-    try:
-        async def embed(request, timeout=None):
-            return engine_pb2.EngineEmbedResponse(
-                embeddings=[inference_pb2.Embedding(values=[0.5]) for _ in request.inputs])
+    async def embed(request, timeout=None):
+        return engine_pb2.EngineEmbedResponse(
+            embeddings=[inference_pb2.Embedding(values=[0.5]) for _ in request.inputs])
 
-        router.engine.stub = SimpleNamespace(Embed=embed)
+    router = await Router(tmp_path, TENANTS, stub=SimpleNamespace(Embed=embed)).start()
+    try:
         tenant = router.pipeline.authenticate([("authorization", "Bearer sk-t")])
-        metrics = router.pipeline._metrics
+        metrics = router.pipeline.metrics
         request = inference_pb2.EmbedRequest(inputs=[
             inference_pb2.EmbedInput(token_ids=inference_pb2.TokenIds(ids=[1, 2, 3])),
             inference_pb2.EmbedInput(text="w1 w2")])

@@ -27,7 +27,7 @@ async def test_the_engines_context_caps_what_the_router_advertises_and_admits(tm
         pipeline = router.pipeline
         tenant = pipeline.authenticate([("authorization", "Bearer sk-t")])
         assert pipeline.list_models(tenant).base_model.max_context_length == 1024  # config.json
-        router.engine._on_report(report(48))
+        router.engine.take_report(report(48))
         model = pipeline.list_models(tenant).base_model
         assert (model.max_context_length, model.max_tokens_limit) == (48, 47)
         with pytest.raises(RequestError) as err:
@@ -36,7 +36,7 @@ async def test_the_engines_context_caps_what_the_router_advertises_and_admits(tm
         assert not router.engine.requests  # refused before any engine saw it
         out = [r async for r in pipeline.generate(prompt(40, 8), Caller(tenant))]
         assert out[-1].usage.completion_tokens == 3
-        router.engine._on_report(report(4096))  # more than config.json: config.json's stands
+        router.engine.take_report(report(4096))  # more than config.json: config.json's stands
         assert pipeline.list_models(tenant).base_model.max_context_length == 1024
     finally:
         await router.close()
@@ -78,9 +78,9 @@ async def test_engines_with_different_contexts_serve_up_to_the_longest(tmp_path)
         pipeline = router.pipeline
         tenant = pipeline.authenticate([("authorization", "Bearer sk-t")])
         short = router.engine
-        short._on_report(report(48))
+        short.take_report(report(48))
         long_ = router.add_engine("127.0.0.1:2")
-        long_._on_report(report(512))
+        long_.take_report(report(512))
         assert pipeline.list_models(tenant).base_model.max_context_length == 512
         for _ in range(2):
             out = [r async for r in pipeline.generate(prompt(40, 60), Caller(tenant))]
@@ -107,23 +107,22 @@ async def test_an_embed_input_goes_to_an_engine_whose_context_holds_it(tmp_path)
 
     from omnibus.v1 import inference_pb2
 
-    router = await Router(tmp_path, TENANTS).start()
-    try:
-        calls: list[str] = []
+    calls: list[str] = []
 
-        def embedder(name: str):
-            async def embed(request, timeout=None):
-                calls.append(name)
-                return engine_pb2.EngineEmbedResponse(
-                    embeddings=[inference_pb2.Embedding(values=[0.5]) for _ in request.inputs])
-            return SimpleNamespace(Embed=embed)
+    def embedder(name: str):
+        async def embed(request, timeout=None):
+            calls.append(name)
+            return engine_pb2.EngineEmbedResponse(
+                embeddings=[inference_pb2.Embedding(values=[0.5]) for _ in request.inputs])
+        return SimpleNamespace(Embed=embed)
+
+    router = await Router(tmp_path, TENANTS, stub=embedder("short")).start()
+    try:
 
         short = router.engine
-        short._on_report(report(48))
-        short.stub = embedder("short")
-        long_ = router.add_engine("127.0.0.1:2")
-        long_._on_report(report(512))
-        long_.stub = embedder("long")
+        short.take_report(report(48))
+        long_ = router.add_engine("127.0.0.1:2", stub=embedder("long"))
+        long_.take_report(report(512))
         long_.inflight = 3  # busier: the short engine would be picked by load alone
         tenant = router.pipeline.authenticate([("authorization", "Bearer sk-t")])
 
