@@ -9,6 +9,7 @@ from dataclasses import fields
 
 from omnibus.common.cli import HelpFormatter, config_error
 from omnibus.router.config import RouterConfig, TenantLimits
+from omnibus.router.http.tool_parser import TOOL_CALL_PARSERS
 
 _DEFAULTS = {f.name: f.default for f in fields(RouterConfig)}
 
@@ -55,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS["http_port"],
         help="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, "
         "/v1/embeddings, /v1/models) on --host; 0: off",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=_DEFAULTS["tool_call_parser"],
+        choices=list(TOOL_CALL_PARSERS),
+        help="how /v1/chat/completions finds tool calls in the output when tool_choice is "
+        "auto (hermes: <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>)",
     )
     p.add_argument(
         "--log-level", default=_DEFAULTS["log_level"], choices=["debug", "info", "warning", "error"],

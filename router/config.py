@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from omnibus.common.security import ClientSecurity, ServerSecurity
+from omnibus.router.http.tool_parser import TOOL_CALL_PARSERS
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -88,6 +89,9 @@ class RouterConfig:
     max_model_len: int | None = None  # context cap below the model's own
     metrics_port: int = 0  # Prometheus /metrics; 0 = off
     http_port: int = 0  # OpenAI-compatible HTTP API (omnibus.router.http); 0 = off
+    # How chat requests with tools and tool_choice "auto" find calls in the output
+    # (vLLM's --tool-call-parser; router/http/tool_parser.py).
+    tool_call_parser: str = "hermes"
     keys_file: str | None = None  # JSON tenants file; None = everyone is tenant "default"
     admin_key_file: str | None = None  # file holding an admin key (omnibus.v1.Admin)
     tenant_limits: TenantLimits = field(default_factory=TenantLimits)  # tenants without their own
@@ -174,6 +178,8 @@ class RouterConfig:
             " or ".join(LIMITS_STORE_FAILURE),
             self.limits_store_failure,
         )
+        _check(self.tool_call_parser in TOOL_CALL_PARSERS, "tool_call_parser",
+               " or ".join(TOOL_CALL_PARSERS), self.tool_call_parser)
         _check(self.queue_policy in ("vtc", "fifo"), "queue_policy", "vtc or fifo", self.queue_policy)
         _check(0 <= self.port < 65536, "port", "in [0, 65535]", self.port)
         _check(0 <= self.metrics_port < 65536, "metrics_port", "in [0, 65535]", self.metrics_port)

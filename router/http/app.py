@@ -47,6 +47,7 @@ from omnibus.router.http import openai_schema as oa
 from omnibus.router.http import responses as rs
 from omnibus.router.http.chat_template import ChatTemplate
 from omnibus.router.http.chat_template import tokenizer_info as read_tokenizer_info
+from omnibus.router.http.tool_parser import PARSERS
 from omnibus.router.service.errors import TOO_LARGE, RequestError, invalid
 from omnibus.router.service.pipeline import Caller, Pipeline
 from omnibus.router.text.token_bytes import TokenBytes
@@ -474,6 +475,11 @@ class OpenAIFront:
         logprobs = body.logprob_count
         prompt = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
         prompt.sampling.CopyFrom(oa.sampling(body, max_tokens, logprobs))
+        tools = body.tool_spec()
+        if tools is not None and tools.choice != "none":  # calls come back as tool_calls
+            parser = PARSERS[self._config.tool_call_parser]
+            return [prompt], oa.ToolChatShape(logprobs, body.return_token_ids, self._token_bytes,
+                                              tools, parser)
         return [prompt], oa.ChatShape(logprobs, body.return_token_ids, self._token_bytes)
 
     async def _chat_prompt(
@@ -487,10 +493,11 @@ class OpenAIFront:
                 "/v1/completions with a prompt instead"
             )
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        tools = body.tool_spec() if isinstance(body, oa.ChatBody) else None
         tokenizer = self._pipeline.tokenizer
 
         def render() -> list[int]:  # off the event loop, as the Validator tokenizes
-            text = self._chat.render(messages, generation_prompt)
+            text = self._chat.render(messages, generation_prompt, tools and tools.tools)
             return tokenizer.encode(text, add_special_tokens=special_tokens).ids
 
         return await asyncio.to_thread(render)
@@ -538,7 +545,8 @@ def _as_sent(err: RequestError, body: Any, prompts: int) -> RequestError:
     """A refusal that blames max_tokens (its range, the context, the engines' KV pools),
     named as the request sent it: a chat request's `max_completion_tokens` (the router's
     checks call the field max_tokens); one that blames structured_output (the schema), as
-    the field that set it (`response_format`, `structured_outputs`, `guided_json`). One
+    the field that set it (`response_format`, `structured_outputs`, `guided_json`..., or
+    the named tool's `tools.i.function.parameters`, `tools` for tool_choice required). One
     that blames the number of choices (`n` to the tenant limits), in a batch of `prompts`
     prompts, says that every prompt counts."""
     if err.param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:

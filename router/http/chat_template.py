@@ -4,7 +4,7 @@ The template is the Hugging Face one: `chat_template.jinja` in the model directo
 `chat_template` in its `tokenizer_config.json` (a string, or a list of named templates of
 which "default" is used). It is rendered as transformers renders it (trim_blocks,
 lstrip_blocks, loop controls, the `{% generation %}` block, `raise_exception`, `tojson`,
-`strftime_now`, `add_generation_prompt`, `tools` and `documents` as None, the special
+`strftime_now`, `add_generation_prompt`, `tools` (None without), `documents` as None, the special
 tokens by name), in Jinja's immutable sandbox: a template cannot call methods that
 change objects or reach Python internals.
 """
@@ -84,13 +84,16 @@ class ChatTemplate:
             raise ValueError(f"{model_dir}: the chat template must be a non-empty string")
         return cls(source, _special_tokens(model_dir, config))
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt for `messages` (dicts with role and text content). Raises
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt for `messages` (dicts with role and text content, and an assistant's
+        tool_calls) and `tools` (OpenAI's {"type": "function", "function": {...}} objects,
+        as transformers' apply_chat_template passes dicts). Raises
         RequestError(INVALID_ARGUMENT) when the template refuses them or fails on them."""
         try:
             return self._template.render(
                 messages=messages,
-                tools=None,  # defined, as transformers defines them: `tools is not none` is false
+                tools=tools,  # None is defined, as transformers defines it: `tools is not none` is false
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special_tokens,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from omnibus.common.sampling import MAX_LOGPROBS, MAX_SEED
 from omnibus.router.admission.validation import MAX_REQUEST_ID_CHARS
+from omnibus.router.http.tool_parser import ToolCall
 from omnibus.router.service.errors import invalid
 from omnibus.router.text.detokenizer import IncrementalDetokenizer
 from omnibus.router.text.token_bytes import TokenBytes
@@ -81,6 +83,9 @@ class _Body(_Strict):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field set to something this server cannot do, and a message."""
@@ -127,7 +132,39 @@ class ChatMessage(BaseModel):
         if self.content is None and self.role != "assistant":
             raise invalid(f"messages.{index}.content is required for a {self.role} message",
                           f"messages.{index}.content")
-        return {**(self.model_extra or {}), "role": self.role, "content": _content(self.content, index)}
+        extra = dict(self.model_extra or {})
+        if self.role == "tool" and not isinstance(extra.get("tool_call_id"), str):
+            raise invalid(f"messages.{index}.tool_call_id is required for a tool message: the id "
+                          "of the call it answers, a string", f"messages.{index}.tool_call_id")
+        if extra.get("tool_calls") is not None:
+            extra["tool_calls"] = _template_calls(extra["tool_calls"], f"messages.{index}.tool_calls")
+        return {**extra, "role": self.role, "content": _content(self.content, index)}
+
+
+def _template_calls(calls: object, where: str) -> list[dict[str, Any]]:
+    """An assistant's tool_calls as templates read them: each function's arguments (JSON
+    text in OpenAI's API) as the object it holds, as vLLM and transformers give them
+    (`{{ call.arguments | tojson }}`)."""
+    if not isinstance(calls, list):
+        raise invalid(f"{where} must be a list of tool calls", where)
+    out = []
+    for i, call in enumerate(calls):
+        at = f"{where}.{i}"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": "
+                          f"{{\"name\", \"arguments\"}}}}", at)
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError) as exc:
+                raise invalid(f"{at}.function.arguments is not JSON: {exc}", f"{at}.function.arguments") from None
+        if not isinstance(arguments, dict):
+            raise invalid(f"{at}.function.arguments must be a JSON object (as text)",
+                          f"{at}.function.arguments")
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 class ChatBody(_Body):
@@ -147,14 +184,19 @@ class ChatBody(_Body):
     safety_identifier: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools or self.tool_choice not in (None, "none"):
-            return "tools", "tools and tool_choice are not supported"
+        self.tool_spec()  # raises RequestError naming a bad tool or tool_choice
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 return "max_completion_tokens", "max_tokens and max_completion_tokens differ; set one of them"
         if not self.messages:
             return "messages", "messages must not be empty"
         return super().unsupported()
+
+    def tool_spec(self) -> Tools | None:
+        """The tools (the template shows them, whatever tool_choice is, as vLLM's does)
+        and what tool_choice asks of them; None without tools (an empty list is none).
+        Raises RequestError naming the bad field."""
+        return chat_tools(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
 
     @property
     def logprob_count(self) -> int | None:
@@ -357,23 +399,35 @@ def structured_output(body: _Body) -> tuple[pb.StructuredOutput, str] | None:
     """The format the body holds the output to, and the field that set it: OpenAI's
     `response_format` (`json_object`, or `json_schema` with `name`, `schema`, `strict`,
     `description`; `text` is none), vLLM's `structured_outputs` (`json`: a schema object
-    or its text; `json_object`: true) or `guided_json` (a schema). At most one of them.
-    The schema itself is checked by the Validator (as JSON) and compiled by the engine."""
+    or its text; `json_object`: true; `regex`, `choice`, `grammar`) or its older
+    `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or a chat
+    `tool_choice` that forces a call (Tools.forced: the field is the schema's). At most
+    one of them. The schema itself is checked by the Validator (as JSON) and compiled by
+    the engine, as are the regex and the grammar."""
+    tools = body.tool_spec() if isinstance(body, ChatBody) else None
+    forced = tools.forced() if tools is not None else None
     sources = [(name, value) for name, value in (
+        ("tool_choice", forced),
         ("response_format", body.response_format), ("structured_outputs", body.structured_outputs),
-        ("guided_json", body.guided_json)) if value is not None]
+        ("guided_json", body.guided_json), ("guided_regex", body.guided_regex),
+        ("guided_choice", body.guided_choice), ("guided_grammar", body.guided_grammar),
+    ) if value is not None]
     if len(sources) > 1:
         raise invalid(f"{sources[0][0]} and {sources[1][0]} both set the output's format; set one",
                       sources[1][0])
     if not sources:
         return None
     name, value = sources[0]
+    if name == "tool_choice":
+        return forced
     if name == "response_format":
         fmt = _response_format(value)
     elif name == "structured_outputs":
         fmt = _structured_outputs(value)
-    else:
+    elif name == "guided_json":
         fmt = pb.StructuredOutput(json_schema=_schema_text(value, name))
+    else:
+        fmt = _guided(name.removeprefix("guided_"), value, name)
     return None if fmt is None else (fmt, name)
 
 
@@ -406,22 +460,47 @@ def _response_format(value: dict[str, Any]) -> pb.StructuredOutput | None:
     return pb.StructuredOutput(json_schema=_schema_text(spec["schema"], f"{where}.schema"))
 
 
+_GUIDED_KINDS = ("regex", "choice", "grammar")
+
+
 def _structured_outputs(value: dict[str, Any]) -> pb.StructuredOutput | None:
-    """vLLM's structured_outputs: `json` or `json_object`; regex, choice, grammar and
-    structural tags are not served."""
+    """vLLM's structured_outputs: one of `json`, `json_object`, `regex`, `choice`,
+    `grammar`; structural tags are not served."""
+    kinds = ("json", "json_object", *_GUIDED_KINDS)
     for key in value:
-        if key not in ("json", "json_object"):
-            raise invalid(f"structured_outputs.{key} is not supported; use json or json_object",
+        if key not in kinds:
+            raise invalid(f"structured_outputs.{key} is not supported; use one of {', '.join(kinds)}",
                           f"structured_outputs.{key}")
     json_object = value.get("json_object")
     if json_object is not None and not isinstance(json_object, bool):
         raise invalid("structured_outputs.json_object must be a boolean", "structured_outputs.json_object")
-    schema = value.get("json")
-    if schema is not None and json_object:
-        raise invalid("structured_outputs sets both json and json_object; set one", "structured_outputs")
-    if schema is not None:
-        return pb.StructuredOutput(json_schema=_schema_text(schema, "structured_outputs.json"))
-    return pb.StructuredOutput(json_object=True) if json_object else None
+    given = [k for k in kinds if value.get(k) is not None and value.get(k) is not False]
+    if len(given) > 1:
+        raise invalid(f"structured_outputs sets both {given[0]} and {given[1]}; set one", "structured_outputs")
+    if not given:
+        return None
+    kind = given[0]
+    if kind == "json":
+        return pb.StructuredOutput(json_schema=_schema_text(value["json"], "structured_outputs.json"))
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    return _guided(kind, value[kind], f"structured_outputs.{kind}")
+
+
+def _guided(kind: str, value: object, where: str) -> pb.StructuredOutput:
+    """A regex (the whole output matches it), a choice (the output is one of the strings)
+    or a grammar (EBNF, GBNF's dialect, from rule `root`). Compiling them is the engine's."""
+    if kind == "choice":
+        if not isinstance(value, list) or not value:
+            raise invalid(f"{where} must be a non-empty list of strings", where)
+        for i, option in enumerate(value):
+            if not isinstance(option, str) or not option:
+                raise invalid(f"{where}.{i} must be a non-empty string", f"{where}.{i}")
+        return pb.StructuredOutput(choice=pb.Choices(options=value))
+    if not isinstance(value, str) or not value:
+        what = "a regular expression" if kind == "regex" else "an EBNF grammar (rule root first)"
+        raise invalid(f"{where} must be {what}, as a non-empty string", where)
+    return pb.StructuredOutput(**{kind: value})
 
 
 def _schema_text(schema: object, where: str) -> str:
@@ -438,6 +517,139 @@ def _only_keys(value: dict[str, Any], allowed: set[str], where: str) -> None:
     extra = next((k for k in value if k not in allowed), None)
     if extra is not None:
         raise invalid(f"unknown field '{where}.{extra}'", f"{where}.{extra}")
+
+# ---- tools (chat) -------------------------------------------------------------------
+
+# OpenAI's rule for a function's name.
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function without parameters
+
+
+@dataclass(frozen=True)
+class Tools:
+    """A chat request's tools, as sent (the template gets them so), and what its
+    tool_choice asks: "none" (plain text), "auto" (the model may call: the parser finds
+    calls in the text), "required" (one call or more) or "function" (a call of
+    `function`). The last two hold the output to a JSON schema (`forced`)."""
+
+    tools: list[dict[str, Any]]
+    choice: Literal["none", "auto", "required", "function"]
+    function: str = ""
+    parallel: bool = True  # parallel_tool_calls: false allows one call at most
+
+    def parameters(self, name: str) -> tuple[int, dict[str, Any]]:
+        """The index of function `name` and its parameters' schema."""
+        for i, tool in enumerate(self.tools):
+            if tool["function"]["name"] == name:
+                return i, tool["function"].get("parameters") or _EMPTY_PARAMETERS
+        raise KeyError(name)
+
+    def forced(self) -> tuple[pb.StructuredOutput, str] | None:
+        """The format tool_choice holds the output to, and the field that gave its schema:
+        for a named function its parameters (the output is the arguments); for required,
+        as vLLM's, a JSON array of at least one {"name", "parameters"} object, each one
+        of the tools (one at most without parallel calls)."""
+        if self.choice == "function":
+            i, schema = self.parameters(self.function)
+            return pb.StructuredOutput(json_schema=_schema_text(schema, "")), f"tools.{i}.function.parameters"
+        if self.choice != "required":
+            return None
+        calls: dict[str, Any] = {"type": "array", "minItems": 1}
+        if not self.parallel:
+            calls["maxItems"] = 1
+        calls["items"] = {"type": "object", "anyOf": [
+            {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                            "parameters": t["function"].get("parameters") or _EMPTY_PARAMETERS},
+             "required": ["name", "parameters"]} for t in self.tools]}
+        defs = _shared_defs(self.tools)
+        if defs:  # a parameters' "$ref": "#/$defs/..." resolves from the root
+            calls["$defs"] = defs
+        return pb.StructuredOutput(json_schema=json.dumps(calls, ensure_ascii=False)), "tools"
+
+
+def chat_tools(tools: list[dict[str, Any]] | None, choice: object, parallel: bool) -> Tools | None:
+    """`tools` and `tool_choice` checked (RequestError naming the first bad field)."""
+    names = [_tool_name(tool, i) for i, tool in enumerate(tools or [])]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise invalid(f"tools.{i}.function.name: {name!r} is also tools.{names.index(name)}'s "
+                          "name; each function needs its own", f"tools.{i}.function.name")
+    if choice is None:
+        choice = "auto" if names else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise invalid(f"tool_choice must be none, auto, required or {{\"type\": \"function\", "
+                          f"\"function\": {{\"name\": ...}}}}, got {choice!r}", "tool_choice")
+        function = ""
+    else:
+        function = _named_choice(choice)
+        choice = "function"
+    if not names:
+        if choice == "none":
+            return None
+        raise invalid(f"tool_choice {choice if choice != 'function' else repr(function)} needs tools: "
+                      "send the functions in tools", "tool_choice")
+    if function and function not in names:
+        raise invalid(f"tool_choice names function {function!r}, which tools does not define "
+                      f"(it has {', '.join(names)})", "tool_choice.function.name")
+    return Tools(list(tools or []), choice, function, parallel)
+
+
+def _tool_name(tool: dict[str, Any], i: int) -> str:
+    """Tool i's function name, once its shape is checked: {"type": "function", "function":
+    {"name", "description", "parameters", "strict"}}."""
+    where = f"tools.{i}"
+    _only_keys(tool, {"type", "function"}, where)
+    if tool.get("type") != "function":
+        raise invalid(f"{where}.type must be \"function\", got {tool.get('type')!r}", f"{where}.type")
+    spec = tool.get("function")
+    where += ".function"
+    if not isinstance(spec, dict):
+        raise invalid(f"{where} must be an object with name (and description, parameters)", where)
+    _only_keys(spec, {"name", "description", "parameters", "strict"}, where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+        raise invalid(f"{where}.name must be 1 to 64 letters, digits, _ or -, got {name!r}", f"{where}.name")
+    for key, kind in (("description", str), ("strict", bool), ("parameters", dict)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            what = "a JSON Schema object" if key == "parameters" else f"a {kind.__name__}"
+            raise invalid(f"{where}.{key} must be {what}, got {type(spec[key]).__name__}",
+                          f"{where}.{key}")
+    return name
+
+
+def _named_choice(choice: object) -> str:
+    if not isinstance(choice, dict):
+        raise invalid(f"tool_choice must be a string or an object, got {type(choice).__name__}",
+                      "tool_choice")
+    _only_keys(choice, {"type", "function"}, "tool_choice")
+    if choice.get("type") != "function":
+        raise invalid(f"tool_choice.type must be \"function\", got {choice.get('type')!r}",
+                      "tool_choice.type")
+    spec = choice.get("function")
+    if not isinstance(spec, dict):
+        raise invalid("tool_choice.function must be an object with name", "tool_choice.function")
+    _only_keys(spec, {"name"}, "tool_choice.function")
+    if not isinstance(spec.get("name"), str):
+        raise invalid("tool_choice.function.name must be a string", "tool_choice.function.name")
+    return spec["name"]
+
+
+def _shared_defs(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The $defs of every tool's parameters in one (required's schema is one document);
+    two tools defining one name differently is a 400 naming the second."""
+    defs: dict[str, Any] = {}
+    for i, tool in enumerate(tools):
+        own = (tool["function"].get("parameters") or {}).get("$defs") or {}
+        if not isinstance(own, dict):
+            raise invalid(f"tools.{i}.function.parameters.$defs must be an object",
+                          f"tools.{i}.function.parameters.$defs")
+        for key, value in own.items():
+            if defs.setdefault(key, value) != value:
+                raise invalid(f"tools.{i}.function.parameters.$defs.{key} differs from another "
+                              "tool's definition of that name; with tool_choice required the "
+                              "schemas share one $defs: rename one", f"tools.{i}.function.parameters")
+    return defs
 
 
 def sampling(body: _Body, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
@@ -797,3 +1009,122 @@ class ChatShape(_Shape):
     def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
         return {"token": self._tokens.text(token_id), "logprob": json_logprob(logprob),
                 "bytes": list(self._tokens.of(token_id))}
+
+
+class ToolChatShape(ChatShape):
+    """/v1/chat/completions with tools that tool_choice lets the model call: each choice's
+    output becomes content and `tool_calls` (ids `call_<random>`), `finish_reason`
+    tool_calls when it made calls and ended by itself. A stream sends each call as OpenAI
+    does: a delta with its index, id, type and name (arguments ""), then its arguments;
+    the deltas add up to the non-streamed message. `parser` makes the --tool-call-parser
+    for `auto` (given the most calls, or None)."""
+
+    def __init__(self, logprobs: int | None, token_ids: bool, tokens: TokenBytes, tools: Tools,
+                 parser: Callable[[int | None], Any]) -> None:
+        super().__init__(logprobs, token_ids, tokens)
+        self._tools = tools
+        self._parser = parser
+        self._streams: dict[int, _ToolCalls] = {}  # choice index -> its calls so far
+
+    def choice(self, c: Choice) -> dict[str, Any]:
+        out = super().choice(c)
+        calls = _ToolCalls(self._tools, self._parser)
+        content, found = calls.whole("".join(c.text))
+        if found:
+            out["message"]["tool_calls"] = [calls.entry(call) for call in found]
+            out["message"]["content"] = content or None
+            out["finish_reason"] = _tools_finish(c.finish)
+        return out
+
+    def chunk_choices(self, c: Choice, r: pb.GenerateResponse, first: bool) -> list[dict[str, Any]]:
+        calls = self._streams.setdefault(c.index, _ToolCalls(self._tools, self._parser))
+        chunks = [self._delta(c.index, {"role": "assistant", "content": ""}, None)] if first else []
+        deltas = calls.push(r.text, c.finish is not None)
+        extra = {}  # a step's logprobs and token ids ride on its last delta
+        if self._logprobs is not None and r.logprobs:
+            extra["logprobs"] = self._format(r.logprobs)
+        if self._token_ids and r.token_ids:
+            extra["token_ids"] = list(r.token_ids)
+        if extra and not deltas:
+            deltas.append({})
+        chunks += [self._delta(c.index, delta, None) for delta in deltas]
+        if extra:
+            chunks[-1].update(extra)
+        if c.finish is not None:
+            chunks.append(self._delta(c.index, {}, _tools_finish(c.finish) if calls.sent else c.finish))
+        return chunks
+
+
+def _tools_finish(finish: str | None) -> str | None:
+    """A choice that made calls ends with tool_calls, unless cut short (length, abort)."""
+    return "tool_calls" if finish == "stop" else finish
+
+
+class _ToolCalls:
+    """One choice's content and tool calls, from its whole output (`whole`) or as it
+    comes (`push`, as OpenAI stream deltas)."""
+
+    def __init__(self, tools: Tools, parser: Callable[[int | None], Any]) -> None:
+        self._tools = tools
+        self._parser = parser(None if tools.parallel else 1) if tools.choice == "auto" else None
+        self._text: list[str] = []  # required: the output, parsed once it ends
+        self.sent = 0  # calls sent so far
+
+    def whole(self, text: str) -> tuple[str, list[ToolCall]]:
+        if self._tools.choice == "function":
+            return "", [ToolCall(self._tools.function, text)]
+        if self._tools.choice == "required":
+            return _required_calls(text)
+        parsed = self._parser.push(text)
+        parsed += self._parser.finish()
+        return parsed.content, parsed.calls
+
+    def push(self, text: str, done: bool) -> list[dict[str, Any]]:
+        if self._tools.choice == "function":  # the output is the arguments, as it comes
+            deltas = [] if self.sent else [self._head(self._tools.function)]
+            self.sent = 1
+            return deltas + ([self._arguments(0, text)] if text else [])
+        if self._tools.choice == "required":
+            self._text.append(text)
+            content, calls = _required_calls("".join(self._text)) if done else ("", [])
+        else:
+            parsed = self._parser.push(text)
+            if done:
+                parsed += self._parser.finish()
+            content, calls = parsed.content, parsed.calls
+        deltas = [{"content": content}] if content else []
+        for call in calls:
+            deltas += [self._head(call.name), self._arguments(self.sent - 1, call.arguments)]
+        return deltas
+
+    def entry(self, call: ToolCall) -> dict[str, Any]:
+        """A call in a non-streamed message."""
+        return {"id": _call_id(), "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
+
+    def _head(self, name: str) -> dict[str, Any]:
+        self.sent += 1
+        return {"tool_calls": [{"index": self.sent - 1, "id": _call_id(), "type": "function",
+                                "function": {"name": name, "arguments": ""}}]}
+
+    @staticmethod
+    def _arguments(index: int, text: str) -> dict[str, Any]:
+        return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
+
+
+def _required_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """tool_choice required's output (Tools.forced: a JSON array of {"name",
+    "parameters"}) as calls; output cut short is not an array and stays content."""
+    try:
+        items = json.loads(text)
+    except (ValueError, RecursionError):
+        return text, []
+    if not (isinstance(items, list) and all(isinstance(i, dict) and isinstance(i.get("name"), str)
+                                            and "parameters" in i for i in items)):
+        return text, []  # (the grammar allows nothing else)
+    return "", [ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                for item in items]
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]

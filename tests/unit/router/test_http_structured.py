@@ -84,8 +84,9 @@ def test_a_schemas_key_order_is_kept():
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {},
                                                                  "strict": "yes"}}},
      "response_format.json_schema.strict", "response_format.json_schema.strict must be a bool"),
-    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs.regex",
-     "structured_outputs.regex is not supported; use json or json_object"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag",
+     "structured_outputs.structural_tag is not supported; use one of json, json_object, regex, "
+     "choice, grammar"),
     ({"structured_outputs": {"json": SCHEMA, "json_object": True}}, "structured_outputs",
      "structured_outputs sets both json and json_object"),
     ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "guided_json",
