@@ -6,7 +6,7 @@ model (`--load-format null`, no weights, a near-free forward), on this CPU.
 For 64, 256 and 1024 concurrent streams (every request sent at once; 32-token prompts,
 200 output tokens, greedy, ignore_eos) it measures output tokens/s, TTFT p50/p99,
 inter-token latency p99 and the CPU each process spent per streamed token (utime + stime
-deltas from /proc/<pid>/stat over the run), then projects the tokens/s one router core
+deltas of its CPU-time clock over the run), then projects the tokens/s one router core
 and one engine host process could sustain at that cost. `--save-json` keeps a run's
 numbers; `--baseline` puts an earlier run (e.g. before a change) beside this one.
 
@@ -133,32 +133,15 @@ def build_tokenizer(path: Path, vocab_size: int = 2048) -> int:
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads) so far."""
-    return _stat_seconds(Path(f"/proc/{pid}/stat"))
-
-
-def threads_cpu_seconds(pid: int) -> float:
-    """CPU time so far of a process's live threads, to the nanosecond (/proc/<pid>/task/*/
-    schedstat): for short windows of a process whose threads outlive them, where the clock
-    ticks of cpu_seconds (10 ms) would round a few milliseconds to nothing."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
-            continue
-    return total / 1e9
-
-
-def _stat_seconds(stat: Path) -> float:
-    """utime + stime so far from a /proc stat file (of a process or of one of its tasks)."""
-    fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time (user + system) of a process, all its threads (ended ones included), so
+    far, to the nanosecond: Linux's CPU-time clock of another process (clock_getcpuclockid;
+    /proc/<pid>/stat counts 10 ms ticks, which round a short window's milliseconds to 0)."""
+    return time.clock_gettime(~pid << 3 | 2)  # the kernel's encoding: ~pid << 3 | CPUCLOCK_SCHED
 
 
 def step_loop_seconds(pids: list[int]) -> float:
-    """utime + stime so far of the engine's step-loop thread (named STEP_THREAD_NAME),
-    in whichever of `pids` (its server process, its step-loop process) it runs."""
+    """CPU time so far of the engine's step-loop thread (named STEP_THREAD_NAME), in
+    whichever of `pids` (its server process, its step-loop process) it runs."""
     from omnibus.engine.serving.step_loop import STEP_THREAD_NAME
 
     total = 0.0
@@ -166,7 +149,8 @@ def step_loop_seconds(pids: list[int]) -> float:
         for task in Path(f"/proc/{pid}/task").iterdir():
             try:
                 if (task / "comm").read_text().strip() == STEP_THREAD_NAME:
-                    total += _stat_seconds(task / "stat")
+                    # ns on the CPU (another process's thread clocks are not readable)
+                    total += int((task / "schedstat").read_text().split()[0]) / 1e9
             except FileNotFoundError:  # the thread ended meanwhile
                 pass
     return total
@@ -338,9 +322,9 @@ async def floor_stream(address: str, pid: int, n: int, count: int, step_ms: floa
             return sum([1 async for _ in call(request)])
 
         await asyncio.gather(*(one() for _ in range(16)))  # warm-up
-        c0, t0 = threads_cpu_seconds(pid), time.perf_counter()  # the floor's threads persist
+        c0, t0 = cpu_seconds(pid), time.perf_counter()
         messages = sum(await asyncio.gather(*(one() for _ in range(n))))
-        wall, cpu = time.perf_counter() - t0, threads_cpu_seconds(pid) - c0
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - c0
     return {"streams": n, "step_ms": step_ms, "messages": messages,
             "messages_per_s": messages / wall, "cpu_us_per_message": cpu / messages * 1e6}
 
@@ -363,9 +347,9 @@ async def floor_calls(address: str, pid: int, n: int, clients: int) -> dict:
                                    for i in range(clients)))
 
         await run(min(n, clients))  # warm-up
-        c0, t0 = threads_cpu_seconds(pid), time.perf_counter()
+        c0, t0 = cpu_seconds(pid), time.perf_counter()
         await run(n)
-        wall, cpu = time.perf_counter() - t0, threads_cpu_seconds(pid) - c0
+        wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - c0
     return {"calls": n, "clients": clients, "calls_per_s": n / wall,
             "cpu_us_per_call": cpu / n * 1e6}
 
@@ -862,7 +846,7 @@ def stream_report(result: dict, baseline: dict | None) -> str:
         "allocator and sampler; no weights, a near-free forward). Every request is sent at "
         f"once: {PROMPT_LEN}-token prompts, {OUTPUT_LEN} output tokens, greedy, ignore_eos, "
         "a byte-level BPE tokenizer (2,048 ids). CPU µs/token: utime + stime of each process "
-        "from /proc/<pid>/stat over the run, divided by the output tokens streamed (the "
+        "from its CPU-time clock (clock_getcpuclockid) over the run, divided by the output tokens streamed (the "
         "client is this benchmark's own process). Values: median (min–max) over the repeats. "
         "router-core / engine-process tok/s: 1e6 / µs per token, what one core of each could "
         "sustain at that cost.",
