@@ -178,5 +178,13 @@ check-install:
 	.check-venv/bin/pip install -q torch==2.13.0 && .check-venv/bin/pip install -q '.[engine]'
 	.check-venv/bin/omnibus-engine serve --help >/dev/null && rm -rf .check-venv && echo "install OK"
 
+# lm-evaluation-harness and guidellm, unmodified, against a router + engine serving a small
+# story checkpoint (their own venv in build/clients-venv, installed from the package index
+# once, ~2 min; then 1-4 min on 2 cores): lm-eval's local-completions equals its hf run,
+# guidellm's requests all succeed. Not part of `make test` (docs/testing.md).
+.PHONY: check-clients
+check-clients: setup
+	PY=$(PY) PYTHON=$(PYTHON) bash scripts/check_clients.sh
+
 clean:
 	rm -rf .pytest_cache $(GPU_VENV)
