@@ -4,9 +4,9 @@ The template is the Hugging Face one: `chat_template.jinja` in the model directo
 `chat_template` in its `tokenizer_config.json` (a string, or a list of named templates of
 which "default" is used). It is rendered as transformers renders it (trim_blocks,
 lstrip_blocks, loop controls, the `{% generation %}` block, `raise_exception`, `tojson`,
-`strftime_now`, `add_generation_prompt`, `tools` (None without), `documents` as None, the special
-tokens by name), in Jinja's immutable sandbox: a template cannot call methods that
-change objects or reach Python internals.
+`strftime_now`, `add_generation_prompt`, `tools` (None without), `documents` as None,
+the special tokens by name), in Jinja's immutable sandbox: a template cannot call
+methods that change objects or reach Python internals.
 """
 
 from __future__ import annotations

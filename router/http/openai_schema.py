@@ -137,7 +137,8 @@ class ChatMessage(BaseModel):
             raise invalid(f"messages.{index}.tool_call_id is required for a tool message: the id "
                           "of the call it answers, a string", f"messages.{index}.tool_call_id")
         if extra.get("tool_calls") is not None:
-            extra["tool_calls"] = _template_calls(extra["tool_calls"], f"messages.{index}.tool_calls")
+            where = f"messages.{index}.tool_calls"
+            extra["tool_calls"] = _template_calls(extra["tool_calls"], where)
         return {**extra, "role": self.role, "content": _content(self.content, index)}
 
 
@@ -159,7 +160,8 @@ def _template_calls(calls: object, where: str) -> list[dict[str, Any]]:
             try:
                 arguments = json.loads(arguments)
             except (ValueError, RecursionError) as exc:
-                raise invalid(f"{at}.function.arguments is not JSON: {exc}", f"{at}.function.arguments") from None
+                raise invalid(f"{at}.function.arguments is not JSON: {exc}",
+                              f"{at}.function.arguments") from None
         if not isinstance(arguments, dict):
             raise invalid(f"{at}.function.arguments must be a JSON object (as text)",
                           f"{at}.function.arguments")
@@ -469,19 +471,22 @@ def _structured_outputs(value: dict[str, Any]) -> pb.StructuredOutput | None:
     kinds = ("json", "json_object", *_GUIDED_KINDS)
     for key in value:
         if key not in kinds:
-            raise invalid(f"structured_outputs.{key} is not supported; use one of {', '.join(kinds)}",
-                          f"structured_outputs.{key}")
+            raise invalid(f"structured_outputs.{key} is not supported; use one of "
+                          f"{', '.join(kinds)}", f"structured_outputs.{key}")
     json_object = value.get("json_object")
     if json_object is not None and not isinstance(json_object, bool):
-        raise invalid("structured_outputs.json_object must be a boolean", "structured_outputs.json_object")
+        raise invalid("structured_outputs.json_object must be a boolean",
+                      "structured_outputs.json_object")
     given = [k for k in kinds if value.get(k) is not None and value.get(k) is not False]
     if len(given) > 1:
-        raise invalid(f"structured_outputs sets both {given[0]} and {given[1]}; set one", "structured_outputs")
+        raise invalid(f"structured_outputs sets both {given[0]} and {given[1]}; set one",
+                      "structured_outputs")
     if not given:
         return None
     kind = given[0]
     if kind == "json":
-        return pb.StructuredOutput(json_schema=_schema_text(value["json"], "structured_outputs.json"))
+        schema = _schema_text(value["json"], "structured_outputs.json")
+        return pb.StructuredOutput(json_schema=schema)
     if kind == "json_object":
         return pb.StructuredOutput(json_object=True)
     return _guided(kind, value[kind], f"structured_outputs.{kind}")
@@ -551,7 +556,8 @@ class Tools:
         of the tools (one at most without parallel calls)."""
         if self.choice == "function":
             i, schema = self.parameters(self.function)
-            return pb.StructuredOutput(json_schema=_schema_text(schema, "")), f"tools.{i}.function.parameters"
+            fmt = pb.StructuredOutput(json_schema=_schema_text(schema, ""))
+            return fmt, f"tools.{i}.function.parameters"
         if self.choice != "required":
             return None
         calls: dict[str, Any] = {"type": "array", "minItems": 1}
@@ -587,8 +593,8 @@ def chat_tools(tools: list[dict[str, Any]] | None, choice: object, parallel: boo
     if not names:
         if choice == "none":
             return None
-        raise invalid(f"tool_choice {choice if choice != 'function' else repr(function)} needs tools: "
-                      "send the functions in tools", "tool_choice")
+        shown = choice if choice != "function" else repr(function)
+        raise invalid(f"tool_choice {shown} needs tools: send the functions in tools", "tool_choice")
     if function and function not in names:
         raise invalid(f"tool_choice names function {function!r}, which tools does not define "
                       f"(it has {', '.join(names)})", "tool_choice.function.name")
@@ -601,7 +607,8 @@ def _tool_name(tool: dict[str, Any], i: int) -> str:
     where = f"tools.{i}"
     _only_keys(tool, {"type", "function"}, where)
     if tool.get("type") != "function":
-        raise invalid(f"{where}.type must be \"function\", got {tool.get('type')!r}", f"{where}.type")
+        raise invalid(f"{where}.type must be \"function\", got {tool.get('type')!r}",
+                      f"{where}.type")
     spec = tool.get("function")
     where += ".function"
     if not isinstance(spec, dict):
@@ -609,7 +616,8 @@ def _tool_name(tool: dict[str, Any], i: int) -> str:
     _only_keys(spec, {"name", "description", "parameters", "strict"}, where)
     name = spec.get("name")
     if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
-        raise invalid(f"{where}.name must be 1 to 64 letters, digits, _ or -, got {name!r}", f"{where}.name")
+        raise invalid(f"{where}.name must be 1 to 64 letters, digits, _ or -, got {name!r}",
+                      f"{where}.name")
     for key, kind in (("description", str), ("strict", bool), ("parameters", dict)):
         if spec.get(key) is not None and not isinstance(spec[key], kind):
             what = "a JSON Schema object" if key == "parameters" else f"a {kind.__name__}"
@@ -648,7 +656,8 @@ def _shared_defs(tools: list[dict[str, Any]]) -> dict[str, Any]:
             if defs.setdefault(key, value) != value:
                 raise invalid(f"tools.{i}.function.parameters.$defs.{key} differs from another "
                               "tool's definition of that name; with tool_choice required the "
-                              "schemas share one $defs: rename one", f"tools.{i}.function.parameters")
+                              "schemas share one $defs: rename one",
+                              f"tools.{i}.function.parameters")
     return defs
 
 
@@ -1051,7 +1060,8 @@ class ToolChatShape(ChatShape):
         if extra:
             chunks[-1].update(extra)
         if c.finish is not None:
-            chunks.append(self._delta(c.index, {}, _tools_finish(c.finish) if calls.sent else c.finish))
+            finish = _tools_finish(c.finish) if calls.sent else c.finish
+            chunks.append(self._delta(c.index, {}, finish))
         return chunks
 
 
@@ -1082,7 +1092,6 @@ class _ToolCalls:
     def push(self, text: str, done: bool) -> list[dict[str, Any]]:
         if self._tools.choice == "function":  # the output is the arguments, as it comes
             deltas = [] if self.sent else [self._head(self._tools.function)]
-            self.sent = 1
             return deltas + ([self._arguments(0, text)] if text else [])
         if self._tools.choice == "required":
             self._text.append(text)
@@ -1094,7 +1103,8 @@ class _ToolCalls:
             content, calls = parsed.content, parsed.calls
         deltas = [{"content": content}] if content else []
         for call in calls:
-            deltas += [self._head(call.name), self._arguments(self.sent - 1, call.arguments)]
+            index = self.sent
+            deltas += [self._head(call.name), self._arguments(index, call.arguments)]
         return deltas
 
     def entry(self, call: ToolCall) -> dict[str, Any]:
@@ -1103,9 +1113,11 @@ class _ToolCalls:
                 "function": {"name": call.name, "arguments": call.arguments}}
 
     def _head(self, name: str) -> dict[str, Any]:
+        """A call's first delta (it counts as sent)."""
+        delta = {"tool_calls": [{"index": self.sent, "id": _call_id(), "type": "function",
+                                 "function": {"name": name, "arguments": ""}}]}
         self.sent += 1
-        return {"tool_calls": [{"index": self.sent - 1, "id": _call_id(), "type": "function",
-                                "function": {"name": name, "arguments": ""}}]}
+        return delta
 
     @staticmethod
     def _arguments(index: int, text: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ xgr = pytest.importorskip("xgrammar")
 
 MODEL = "tiny-tools"
 EOS = 2
-WHITESPACE = 4  # the engine's --structured-max-whitespace (the random model pads otherwise)
+WHITESPACE = 1  # the engine's --structured-max-whitespace (the random model pads otherwise)
 MAX_TOKENS = 48
 TOOL_TEMPLATE = (
     "{{ bos_token }}{% if tools %}<|system|>Tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}"

@@ -125,6 +125,19 @@ async def test_auto_parses_hermes_calls_and_the_stream_adds_up_to_the_message(se
         "content": message["content"], "calls": calls, "finish": "tool_calls"}
 
 
+async def test_each_choice_has_its_own_calls(setup):
+    router, client = setup
+    script(router, WORDS, 2)
+    body = {**CHAT, "n": 2}
+    reply = await post(client, body)
+    assert [len(c["message"]["tool_calls"]) for c in reply["choices"]] == [2, 2]
+    chunks = await stream(client, body)
+    for index in (0, 1):
+        mine = [{**c, "choices": [ch]} for c in chunks for ch in c["choices"] if ch["index"] == index]
+        assert added_up(mine)["calls"] == [c["function"] for c in reply["choices"][index]["message"]["tool_calls"]]
+        assert added_up(mine)["content"] == reply["choices"][index]["message"]["content"]
+
+
 async def test_auto_without_calls_is_plain_chat_and_parallel_false_keeps_one_call(setup):
     router, client = setup
     script(router, ["Sure.", "<tool_call>"], 1)  # a block that never closes nor parses: text
