@@ -99,6 +99,10 @@ class _Slot:
             self.error = error
             self._wake()
 
+    def expire(self) -> None:
+        """The request's deadline passed (its error is made only then: most never do)."""
+        self.fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
     def _wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
@@ -154,8 +158,7 @@ class EngineSession:
             # deadline_ms is a uint32: a deadline beyond ~49 days is none the engine must keep
             deadline_ms = min(max(1, math.ceil(timeout * 1000)), _MAX_DEADLINE_MS)
             request.deadline_ms = min(request.deadline_ms or deadline_ms, deadline_ms)
-            error = rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-            timer = asyncio.get_running_loop().call_later(timeout, slot.fail, error)
+            timer = asyncio.get_running_loop().call_later(timeout, slot.expire)
         self._slots[handle] = slot
         self._outbox.add.append(request)
         self._wake.set()

@@ -5,6 +5,7 @@ budget."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import grpc
 import structlog
@@ -28,6 +29,8 @@ class Accounts:
 
     def __init__(self, metrics: RouterMetrics) -> None:
         self._metrics = metrics
+        # outcome -> its requests counter: labels() takes a lock and builds a key per call
+        self._ended: dict[str, Any] = {}
 
     def refused(self, err: RequestError, request_id: str) -> RequestError:
         """Counts and logs a refusal (also one a transport makes while parsing a request),
@@ -49,7 +52,10 @@ class Accounts:
         """A served request's end: its outcome, tokens, latency and deadline counted."""
         m, now = self._metrics, time.monotonic()
         prompt_tokens = len(job.request.prompt_ids)
-        m.requests.labels(outcome).inc()
+        ended = self._ended.get(outcome)
+        if ended is None:  # outcomes are a fixed set of reasons, never user text
+            ended = self._ended[outcome] = m.requests.labels(outcome)
+        ended.inc()
         m.prompt_tokens.inc(prompt_tokens)
         m.completion_tokens.inc(job.completion_tokens)
         if job.dispatched is not None:

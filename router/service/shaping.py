@@ -64,28 +64,23 @@ class Shaper:
             text += stop.feed(detok.flush())  # the last bytes may still complete a stop string
             finish = STOP if stop.stopped else finish
             text += stop.flush()
-        response = inference_pb2.GenerateResponse(
-            request_id=job.request.request_id,
-            text=text,
-            token_ids=ids,
-            finish_reason=finish,
-        )
+        if finish != UNSPECIFIED:  # the last message: built with its usage and timing, not copied in
+            response = inference_pb2.GenerateResponse(
+                request_id=job.request.request_id, text=text, token_ids=ids,
+                finish_reason=finish, usage=usage(job), timing=timing(job))
+        else:
+            response = inference_pb2.GenerateResponse(
+                request_id=job.request.request_id, text=text, token_ids=ids)
         if out.logprobs:  # copying an empty repeated message field costs ~1 µs a message
             response.logprobs.extend(out.logprobs[:len(ids)])
         if out.prompt_logprobs:  # the first message of a request that asked
             response.prompt_logprobs.extend(out.prompt_logprobs)
-        if finish != UNSPECIFIED:
-            response.usage.CopyFrom(usage(job))
-            response.timing.CopyFrom(timing(job))
         return response
 
     def final(self, job: Job, finish: int) -> inference_pb2.GenerateResponse:
         """A last message with no new token: `finish`, usage and timing."""
         assert job.detok is not None and job.stop is not None, "start(job) comes first"
         text = "" if job.stop.stopped else job.stop.feed(job.detok.flush()) + job.stop.flush()
-        response = inference_pb2.GenerateResponse(
+        return inference_pb2.GenerateResponse(
             request_id=job.request.request_id, text=text,
-            finish_reason=STOP if job.stop.stopped else finish)
-        response.usage.CopyFrom(usage(job))
-        response.timing.CopyFrom(timing(job))
-        return response
+            finish_reason=STOP if job.stop.stopped else finish, usage=usage(job), timing=timing(job))

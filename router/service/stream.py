@@ -12,9 +12,10 @@ A router drain that runs out of time ends each stream with ABORTED, usage includ
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -41,6 +42,10 @@ T = TypeVar("T")
 # before its call reached the router (a new connection's handshake), so its cancel can
 # come a moment before the router's clock reaches the deadline it was sent.
 DEADLINE_CANCEL_SLACK_S = 0.1
+_OUTCOMES = {value: name.lower() for name, value in inference_pb2.FinishReason.items()}
+# The engine's request ids: this process's random prefix and a count, unique across the
+# routers sharing an engine as uuid4s are, without a getrandom call per request.
+_engine_request_ids = map(f"{uuid.uuid4().hex[:16]}-{{}}".format, itertools.count())
 
 
 class _EngineLost(Exception):
@@ -92,7 +97,7 @@ class Streamer:
             async with aclosing(self._serve(job)) as responses:
                 async for response in responses:
                     if response.finish_reason != UNSPECIFIED:
-                        outcome = inference_pb2.FinishReason.Name(response.finish_reason).lower()
+                        outcome = _OUTCOMES[response.finish_reason]
                     job.wait("client")
                     yield response
                     job.wait("")
@@ -178,13 +183,13 @@ class Streamer:
             error=lost.what,
         )
 
-    def _resumed(self, job: Job) -> tuple[list[int], engine_pb2.EngineSamplingParams]:
+    def _resumed(self, job: Job) -> tuple[Sequence[int], engine_pb2.EngineSamplingParams]:
         """The prompt and sampling for the current engine: the original ones, or for a
         continuation the prompt + the tokens sent, with the rest of max_tokens."""
         request, sent = job.request, job.sent_ids
         job.offset = len(sent)
         if not sent:
-            return list(request.prompt_ids), request.sampling
+            return request.prompt_ids, request.sampling
         sampling = engine_pb2.EngineSamplingParams()
         sampling.CopyFrom(request.sampling)
         sampling.max_tokens -= len(sent)
@@ -251,7 +256,7 @@ class Streamer:
         prompt_ids, sampling = self._resumed(job)
         outputs = engine.generate(
             engine_pb2.EngineGenerateRequest(
-                request_id=uuid.uuid4().hex,  # unique on the engine whatever the client sent
+                request_id=next(_engine_request_ids),  # unique on the engine whatever the client sent
                 prompt_token_ids=prompt_ids,
                 sampling=sampling,
                 priority=request.priority,
