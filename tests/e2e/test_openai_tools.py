@@ -4,9 +4,11 @@ official `openai` client. Greedy and token-exact against transformers: the promp
 transformers' apply_chat_template with the same tools and messages (an assistant's
 tool_calls and a tool's answer included); a named function's arguments, and tool_choice
 required's calls, are `generate` with xgrammar's Hugging Face logits processor for the
-schema the router builds (vLLM's for required); `auto` is plain greedy output. Streamed
-deltas add up to the non-streamed message; bad tools and tool_choice are 400s naming the
-field."""
+schema the router builds (vLLM's for required); `auto` is plain greedy output, and with
+a regex that makes the model write hermes blocks, those blocks parsed into calls.
+Streamed deltas add up to the non-streamed message; bad tools and tool_choice are 400s
+naming the field. vLLM's regex, choice and grammar fields on /v1/completions are
+token-exact with xgrammar's processor for the same language."""
 
 from __future__ import annotations
 
@@ -223,6 +225,28 @@ def test_auto_is_free_greedy_output_with_the_tools_in_the_prompt(served):
     assert not choice.message.tool_calls
     content, calls, finish, _ = streamed(client, **kw, extra_body={"ignore_eos": True})
     assert (content, calls, finish) == (choice.message.content, [], "length")
+
+
+def test_auto_parses_the_calls_a_real_model_writes(served):
+    """A regex makes the random model write hermes blocks (the zone and the text after
+    are its choice): the router's auto parse of real BPE tokens, streamed and not."""
+    client = served.client()
+    regex = (r'Ok\.\n<tool_call>\{"name": "get_time", "arguments": \{"zone": "(CET|UTC)"\}\}'
+             r"</tool_call>\n<tool_call>\{(fox|dog)</tool_call>")
+    expected = served.generate(served.prompt(MESSAGES), served.compiler.compile_regex(regex), 200)
+    assert expected[-1] == EOS
+    text = served.text(expected)
+    zone = re.search(r'"zone": "(\w+)"', text)[1]
+    kw = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
+              extra_body={"guided_regex": regex, "return_token_ids": True})
+    (choice,) = client.chat.completions.create(**kw).choices
+    assert choice.token_ids == expected
+    assert calls_of(choice.message) == [("get_time", json.dumps({"zone": zone}))]
+    # the text before the call, and the malformed block after it, are content
+    assert choice.message.content == "Ok.\n" + text[text.rindex("\n"):]
+    assert choice.finish_reason == "tool_calls"
+    content, calls, finish, _ = streamed(client, **kw)
+    assert (content, calls, finish) == (choice.message.content, calls_of(choice.message), "tool_calls")
 
 
 @pytest.mark.parametrize(("fields", "param", "message"), [
