@@ -69,6 +69,7 @@ class Grammars:
         self.max_whitespace = max_whitespace
         self._bitmask: torch.Tensor | None = None  # (rows, ceil(V / 32)) int32, grown as needed
         self._probe: torch.Tensor | None = None  # (1, ceil(V / 32)): a new matcher's first mask
+        self._stop_row = _bits(info.stop_token_ids, vocab_size)  # (ceil(V / 32),): the stop tokens
         log.info("grammar_compiler_ready", vocab_size=vocab_size, vocab_type=info.vocab_type.name,
                  stop_token_ids=info.stop_token_ids)
 
@@ -125,7 +126,20 @@ class Grammars:
         bitmask = self._rows(num_rows)
         for r, m in rows:
             m.fill(bitmask, r)
-        return GrammarMask(self, bitmask[:num_rows], [r for r, _ in rows])
+        indices = [r for r, _ in rows]
+        self._end_dead_ends(bitmask, indices)
+        return GrammarMask(self, bitmask[:num_rows], indices)
+
+    def _end_dead_ends(self, bitmask: torch.Tensor, indices: list[int]) -> None:
+        """Lets a row whose grammar allows no token end: its stop tokens are allowed, the
+        matcher refuses the one picked, and the request ends ("stop"). A grammar can reach
+        a rule with no sentence mid-output (`root ::= "a" x`, `x ::= x`); with every
+        logit masked the request would emit a token its grammar forbids."""
+        dead = ~bitmask[indices].any(dim=1)
+        if bool(dead.any()):
+            for i in dead.nonzero().flatten().tolist():
+                log.warning("grammar_dead_end", row=indices[i])
+                bitmask[indices[i]] |= self._stop_row
 
     def _rows(self, n: int) -> torch.Tensor:
         """A bitmask of at least n rows (the rows used are refilled before each use)."""
@@ -175,6 +189,16 @@ class GrammarMatcher:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into bitmask row `row` (on the host)."""
         self._m.fill_next_token_bitmask(bitmask, row)
+
+
+def _bits(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """A bitmask row (xgrammar's layout: token t is bit t % 32 of int32 word t // 32)
+    allowing `token_ids`."""
+    row = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+    for t in token_ids:
+        bit = t % 32
+        row[t // 32] |= (1 << bit) if bit < 31 else -(1 << 31)  # bit 31 is the sign bit
+    return row
 
 
 def choice_grammar(options: Sequence[str]) -> str:

@@ -4,7 +4,8 @@ logits processor, token for token, alone and batched with free requests. A choic
 options reach the grammar as their exact text (quotes, backslashes, newlines, non-ASCII);
 the oracle builds its choice grammar by another spelling (every character a \\U escape).
 A regex or grammar xgrammar cannot compile, or one no output can start, is a ValueError
-naming structured_output (INVALID_ARGUMENT on gRPC: tests/e2e/test_structured_grpc.py)."""
+naming structured_output (INVALID_ARGUMENT on gRPC: tests/e2e/test_structured_grpc.py);
+one that dead-ends mid-output ends the request there."""
 
 from __future__ import annotations
 
@@ -59,15 +60,21 @@ def oracle(tmp_path_factory):
     return oracle
 
 
+@pytest.fixture(scope="module")
+def engine(oracle):
+    """An engine for the tests that run no batch (refusals, the compiler itself)."""
+    return make_engine(oracle)
+
+
 def params(fmt: str | None) -> SamplingParams:
     if fmt is None:
         return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_output=FORMATS[fmt])
 
 
-def run(oracle: Oracle, requests: list[tuple[list[int], str | None]], **kw) -> list[list[int]]:
+def run(oracle: Oracle, requests: list[tuple[list[int], str | None]]) -> list[list[int]]:
     """Runs `requests` (prompt, format) in one batch and checks each against transformers."""
-    engine = make_engine(oracle, **kw)
+    engine = make_engine(oracle)
     outputs = engine.generate([p for p, _ in requests], [params(fmt) for _, fmt in requests])
     for i, ((prompt, fmt), got) in enumerate(zip(requests, outputs)):
         assert got == oracle.expected(prompt, fmt), f"request {i} ({fmt}) diverged"
@@ -83,19 +90,19 @@ def test_greedy_output_matches_xgrammar_in_transformers_and_follows_the_format(o
         assert re.fullmatch(pattern, oracle.text(tokens)), oracle.text(tokens)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(overlap_scheduling=True)], ids=["continuous", "overlap"])
-def test_mixed_batches_stay_exact_and_each_choice_is_its_exact_text(oracle, kw):
+def test_a_mixed_batch_stays_exact_and_each_choice_is_its_exact_text(oracle):
+    # (the scheduling paths, overlap and preemption among them, are the JSON formats':
+    # tests/oracle/test_structured.py; only the grammar differs here)
     singles = [f"only{i}" for i in range(len(TRICKY))]
     requests = [(PROMPTS[0], "regex"), (PROMPTS[1], None), (PROMPTS[2], "grammar"),
                 *(([60 + i, 61], name) for i, name in enumerate(singles))]
-    outputs = run(oracle, requests, **kw)
+    outputs = run(oracle, requests)
     assert [oracle.text(t) for t in outputs[3:]] == list(TRICKY)
 
 
-def test_choice_grammar_accepts_exactly_its_options(oracle):
-    grammars = make_engine(oracle).runner
-    grammars.grammar(FORMATS["choice"])  # builds the compiler
-    compiled = grammars.grammars.compile(FORMATS["choice"])
+def test_choice_grammar_accepts_exactly_its_options(engine):
+    engine.runner.grammar(FORMATS["choice"])  # builds the compiler
+    compiled = engine.runner.grammars.compile(FORMATS["choice"])
 
     def accepts(text: str) -> bool:
         matcher = xgr.GrammarMatcher(compiled)
@@ -118,16 +125,14 @@ def test_choice_grammar_accepts_exactly_its_options(oracle):
     (StructuredOutput("grammar", "root ::= root"), "structured_output: no token can start the output under "
      "this EBNF grammar (does every rule it needs reach a string?)"),
 ])  # fmt: skip
-def test_a_format_xgrammar_cannot_use_is_a_value_error_naming_structured_output(oracle, fmt, message):
-    engine = make_engine(oracle)
+def test_a_format_xgrammar_cannot_use_is_a_value_error_naming_structured_output(engine, fmt, message):
     with pytest.raises(ValueError) as err:
         engine.add_request("r", [5, 6], SamplingParams(max_tokens=4, structured_output=fmt))
     assert str(err.value) == message
     assert not engine.has_unfinished()
 
 
-def test_each_format_compiles_once_and_a_regex_is_not_a_grammar_of_the_same_text(oracle):
-    engine = make_engine(oracle)
+def test_each_format_compiles_once_and_a_regex_is_not_a_grammar_of_the_same_text(engine):
     engine.runner.grammar(FORMATS["regex"])
     grammars = engine.runner.grammars
     size = grammars._compiler.get_cache_size_bytes()
@@ -139,3 +144,20 @@ def test_each_format_compiles_once_and_a_regex_is_not_a_grammar_of_the_same_text
     assert grown > size
     engine.runner.grammar(StructuredOutput("regex", 'root ::= "x"'))  # the same text, another kind
     assert grammars._compiler.get_cache_size_bytes() > grown
+
+
+def test_a_grammar_that_dead_ends_mid_output_ends_the_request_instead_of_breaking_it(oracle):
+    # x has no sentence: after "a" no token fits, and every logit would be masked
+    fmt = StructuredOutput("grammar", 'root ::= "a" x\nx ::= x')
+    engine = make_engine(oracle)
+    for i, temperature in enumerate((0.0, 1.0)):
+        engine.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=8, temperature=temperature, seed=i,
+                                                              structured_output=fmt))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    for rid in ("r0", "r1"):
+        mine = [o for o in outs if o.request_id == rid]
+        tokens = [t for o in mine for t in o.new_token_ids]
+        assert (oracle.text(tokens), tokens[-1], mine[-1].finish_reason) == ("a", EOS, "stop")
+    assert engine.check_integrity().referenced == 0

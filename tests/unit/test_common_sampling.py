@@ -63,6 +63,8 @@ def test_structured_output_turns_speculation_off():
     ("regex", "a\ud800", "structured_output: the regular expression is not valid Unicode text "
      "(surrogates not allowed at character 1)"),
     ("choice", "a|b", "structured_output: choice takes options, not a schema"),
+    ("regex", "x" * 65537, "structured_output: the regular expression is 65537 characters long, more than 65536"),
+    ("grammar", "x" * 65537, "structured_output: the EBNF grammar is 65537 characters long, more than 65536"),
     ("json_schema", "{nope", "structured_output: the JSON schema is not valid JSON"),
     ("json_schema", "[1]", "structured_output: a JSON schema must be a JSON object (or true), got list"),
     ("json_schema", "false", "structured_output: a JSON schema must be a JSON object (or true), got bool"),
@@ -82,7 +84,8 @@ def test_bad_formats_are_refused_naming_structured_output(kind, schema, message)
     (dict(options=("\udcff",)), "structured_output: choice option 0 is not valid Unicode text"),
     (dict(options=("x",) * 1025), "structured_output: choice takes at most 1024 options, got 1025 "
      "(use a regex or a grammar for larger sets)"),
-    (dict(options=("ok", "x" * 4097)), "structured_output: choice option 1 is 4097 characters long, more than 4096"),
+    (dict(options=("ok", "x" * 65535)), "structured_output: the choice options hold 65537 characters in all, "
+     "more than 65536"),
 ])  # fmt: skip
 def test_bad_choices_are_refused_naming_structured_output(fmt, message):
     with pytest.raises(FieldError, match=re.escape(message)) as err:
@@ -90,11 +93,13 @@ def test_bad_choices_are_refused_naming_structured_output(fmt, message):
     assert err.value.field == "structured_output"
 
 
-def test_only_choice_takes_options_and_a_list_of_them_is_kept_as_a_tuple():
+def test_choice_options_are_kept_as_a_tuple_up_to_the_bounds_and_only_choice_takes_them():
     with pytest.raises(FieldError, match=re.escape("structured_output: regex takes no options (only choice does)")):
         StructuredOutput("regex", "a+", options=("a",))
     assert StructuredOutput("choice", options=["a", "b"]).options == ("a", "b")
-    assert StructuredOutput("choice", options=("x",) * 1024).options == ("x",) * 1024  # the bound itself
+    assert StructuredOutput("choice", options=("x",) * 1024).options == ("x",) * 1024  # the bounds themselves
+    assert StructuredOutput("choice", options=("x" * 65535, "y")).options[1] == "y"
+    assert StructuredOutput("regex", "x" * 65536).schema == "x" * 65536
 
 
 @pytest.mark.parametrize(("message", "expected"), [
