@@ -131,8 +131,9 @@ class Grammars:
         return GrammarMask(self, bitmask[:num_rows], indices)
 
     def _end_dead_ends(self, bitmask: torch.Tensor, indices: list[int]) -> None:
-        """Lets a row whose grammar allows no token end: its stop tokens are allowed, the
-        matcher refuses the one picked, and the request ends ("stop"). A grammar can reach
+        """Lets a row whose grammar allows no token end: its stop tokens are allowed, and
+        the request ends ("stop") with the one picked (a stop id, or a token its matcher
+        refuses under ignore_eos). A grammar can reach
         a rule with no sentence mid-output (`root ::= "a" x`, `x ::= x`); with every
         logit masked the request would emit a token its grammar forbids."""
         dead = ~bitmask[indices].any(dim=1)
