@@ -150,9 +150,9 @@ def test_a_grammar_that_dead_ends_mid_output_ends_the_request_instead_of_breakin
     # x has no sentence: after "a" no token fits, and every logit would be masked
     fmt = StructuredOutput("grammar", 'root ::= "a" x\nx ::= x')
     engine = make_engine(oracle)
-    for i, temperature in enumerate((0.0, 1.0)):
+    for i, temperature in enumerate((0.0, 1.0)):  # r1 ignores EOS: its matcher ends it
         engine.add_request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=8, temperature=temperature, seed=i,
-                                                              structured_output=fmt))
+                                                              ignore_eos=i == 1, structured_output=fmt))
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
