@@ -104,19 +104,6 @@ class Pipeline:
         every stream's text is made."""
         return self._shaper.detokenizer(prompt_ids)
 
-    def serves_adapter(self, name: str) -> bool:
-        """Whether some engine has adapter `name` under its adapter root, as it last
-        reported (one down or draining for now counts: a request for it is UNAVAILABLE)."""
-        return self._fleet.serves_adapter(name)
-
-    def unheard_engines(self) -> int:
-        """Engines that have not reported since this router started (starting or down)."""
-        return self._fleet.unheard()
-
-    def check_adapter_use(self, tenant: Tenant, adapter: str) -> None:
-        """A well-formed name (INVALID_ARGUMENT) the tenant may use (PERMISSION_DENIED)."""
-        self._admitter.check_adapter_use(tenant, adapter)
-
     def model_adapter(self, model: str, header: str | None, tenant: Tenant) -> str | None:
         """The adapter an OpenAI `model` (and x-adapter-id `header`) names: "" for the
         base model, None for an unknown model (admit.py: Admitter.model_adapter)."""

@@ -108,7 +108,7 @@ async def test_a_new_request_for_an_adapter_whose_engines_are_down_is_unavailabl
                                                               "adapter_unavailable")
         assert err.message == ("no engine with adapter 'ad' is taking requests now (down, "
                                "restarting or draining); retry later")
-        assert router.pipeline.serves_adapter("ad")  # so the HTTP front's 404 check passes it on
+        assert router.fleet.serves_adapter("ad")  # so the HTTP front's 404 check passes it on
         tenant = router.pipeline.authenticate([("authorization", "Bearer sk-t")])
         assert [a.id for a in router.pipeline.list_models(tenant).adapters] == ["ad"]  # listed, as served
         _, err = await served(router, caller(router, "zz"))
