@@ -493,7 +493,7 @@ class OpenAIFront:
                 "/v1/completions with a prompt instead"
             )
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
-        tools = body.tool_spec() if isinstance(body, oa.ChatBody) else None
+        tools = body.tool_spec()
         tokenizer = self._pipeline.tokenizer
 
         def render() -> list[int]:  # off the event loop, as the Validator tokenizes

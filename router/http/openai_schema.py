@@ -238,6 +238,7 @@ class TokenizeBody(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool | None = None  # messages only; default true
+    tools: list[dict[str, Any]] | None = None  # messages only: rendered as chat renders them
     return_token_strs: bool = False  # also each token as the vocabulary spells it
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -245,9 +246,15 @@ class TokenizeBody(_Strict):
             return "prompt", "send either prompt (text) or messages (a chat)"
         if self.messages is not None and not self.messages:
             return "messages", "messages must not be empty"
-        if self.prompt is not None and self.add_generation_prompt is not None:
-            return "add_generation_prompt", "add_generation_prompt is for messages, not a prompt"
+        for name in ("add_generation_prompt", "tools"):
+            if self.prompt is not None and getattr(self, name) is not None:
+                return name, f"{name} is for messages, not a prompt"
+        self.tool_spec()
         return None
+
+    def tool_spec(self) -> Tools | None:
+        """The tools the template shows (checked as chat checks them)."""
+        return chat_tools(self.tools, "none", True)
 
 
 class DetokenizeBody(_Strict):

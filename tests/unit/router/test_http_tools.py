@@ -162,6 +162,21 @@ async def test_tool_choice_none_renders_the_tools_and_parses_nothing(setup):
     assert router.engine.requests[-1].prompt_token_ids[0] == 0
 
 
+async def test_tokenize_renders_the_tools_as_chat_does(setup):
+    router, client = setup
+    script(router, ["w0"], 1)
+    await post(client, CHAT)
+    reply = await client.post("/tokenize", headers=AUTH, json={
+        "messages": CHAT["messages"], "tools": TOOLS})
+    assert (await reply.json())["tokens"] == list(router.engine.requests[-1].prompt_token_ids)
+    assert (await reply.json())["tokens"][0] == 1  # TOOLS
+    reply = await client.post("/tokenize", headers=AUTH, json={"prompt": "hi", "tools": TOOLS})
+    assert (reply.status, (await reply.json())["error"]["param"]) == (400, "tools")
+    reply = await client.post("/tokenize", headers=AUTH, json={
+        "messages": CHAT["messages"], "tools": [{"type": "function", "function": {"name": ""}}]})
+    assert (reply.status, (await reply.json())["error"]["param"]) == (400, "tools.0.function.name")
+
+
 def required_schema(parallel: bool) -> dict:
     """vLLM's schema for tool_choice required."""
     out = {"type": "array", "minItems": 1}
