@@ -29,8 +29,11 @@ class Accounts:
 
     def __init__(self, metrics: RouterMetrics) -> None:
         self._metrics = metrics
-        # outcome -> its requests counter: labels() takes a lock and builds a key per call
-        self._ended: dict[str, Any] = {}
+        # The labelled counters each request ends in, looked up once: labels() takes a lock
+        # and builds a key per call. Outcomes are fixed reasons and tenants those of the
+        # keys file, never user text, so these stay small.
+        self._ended: dict[str, Any] = {}  # outcome -> requests{outcome}
+        self._deadlines: dict[str, tuple[Any, Any]] = {}  # tenant -> (deadline requests, misses)
 
     def refused(self, err: RequestError, request_id: str) -> RequestError:
         """Counts and logs a refusal (also one a transport makes while parsing a request),
@@ -52,9 +55,7 @@ class Accounts:
         """A served request's end: its outcome, tokens, latency and deadline counted."""
         m, now = self._metrics, time.monotonic()
         prompt_tokens = len(job.request.prompt_ids)
-        ended = self._ended.get(outcome)
-        if ended is None:  # outcomes are a fixed set of reasons, never user text
-            ended = self._ended[outcome] = m.requests.labels(outcome)
+        ended = self._ended.get(outcome) or self._ended.setdefault(outcome, m.requests.labels(outcome))
         ended.inc()
         m.prompt_tokens.inc(prompt_tokens)
         m.completion_tokens.inc(job.completion_tokens)
@@ -66,8 +67,9 @@ class Accounts:
             # deadline ended is a miss even when that timer fired a moment early.
             missed = outcome not in ("stop", "length") and (
                 outcome == "deadline" or now >= job.caller.deadline)
-            m.deadline_requests.labels(job.caller.tenant.name).inc()
-            m.deadline_misses.labels(job.caller.tenant.name).inc(int(missed))
+            requests, misses = self._deadline_counters(job.caller.tenant.name)
+            requests.inc()
+            misses.inc(int(missed))
         log.info(
             "request_done",
             request_id=job.request.request_id,
@@ -80,6 +82,16 @@ class Accounts:
             cached_tokens=job.cached_tokens,
             seconds=round(now - job.arrival, 4),
         )
+
+
+    def _deadline_counters(self, tenant: str) -> tuple[Any, Any]:
+        """The tenant's (deadline requests, deadline misses) counters."""
+        counters = self._deadlines.get(tenant)
+        if counters is None:
+            m = self._metrics
+            counters = self._deadlines[tenant] = (m.deadline_requests.labels(tenant),
+                                                  m.deadline_misses.labels(tenant))
+        return counters
 
 
 def usage(job: Job) -> inference_pb2.Usage:
