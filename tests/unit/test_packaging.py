@@ -4,7 +4,6 @@ with the CUDA torch the GPU image installs."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tomllib
