@@ -173,10 +173,8 @@ class IncrementalDetokenizer:
         """What `ids` add to the context's text."""
         if not self._context:
             return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
-        # Two decodes, not decode_batch: its thread pool costs several times the decoding
-        # of a few dozen ids (and spins on the router's cores while it waits).
-        before = self._tokenizer.decode(self._context, skip_special_tokens=self._skip_special)
-        after = self._tokenizer.decode(self._context + ids, skip_special_tokens=self._skip_special)
+        before, after = self._tokenizer.decode_batch([self._context, self._context + ids],
+                                                     skip_special_tokens=self._skip_special)
         if after.startswith(before):
             return after[len(before):]
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
