@@ -193,8 +193,8 @@ class Dispatcher:
             if room(e) > 0 and (not adapter or e.has_adapter(adapter)) and e.fits(ticket.cost)
             and e.address not in ticket.avoid
         ]
-        if not open_:
-            return None
+        if len(open_) < 2:  # nothing to weigh (one engine: no prompt hashed for prefix scores)
+            return open_[0] if open_ else None
         weight = self._prefix_weight
         return max(
             open_,
