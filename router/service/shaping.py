@@ -42,7 +42,8 @@ class Shaper:
         assert detok is not None and stop is not None, "start(job) comes first"
         if out.token_ids and job.first_token is None:
             job.first_token = time.monotonic()
-        ids, text = out.token_ids, ""
+        ids: Sequence[int] = out.token_ids
+        text = ""
         # A stop token (EOS, stop_token_ids) ends the output: its id is sent, its text is not
         # part of the text (vLLM's rule; a special token's is skipped anyway).
         shown = len(ids) - (out.finish_reason == STOP)
