@@ -7,7 +7,9 @@ the device never waits for the GIL held by the server's gRPC and asyncio work. E
 command is plain picklable data.
 
 The LoRA manager belongs to this loop: adapter calls run here, between steps, so they
-never race a step that uses the device slots.
+never race a step that uses the device slots. A structured-output format compiles on a
+thread beside the loop (xgrammar releases the GIL), so a schema that takes seconds to
+compile delays only its own request; the request is added once its grammar is cached.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import collections
 import queue
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -111,6 +114,10 @@ class StepLoop:
     _embeds: collections.deque[Call] = field(default_factory=collections.deque)  # one per step
     _refused: list[Delivery] = field(default_factory=list)  # adds refused by this drain
     _stats_at: float = 0.0  # when the outlet last got the engine's stats
+    # structured requests whose format compiles on the grammar thread, in arrival order:
+    # request id -> (the request, its compile, aborted meanwhile)
+    _compiling: dict[str, tuple[EngineRequest, Future, bool]] = field(default_factory=dict)
+    _grammar_pool: ThreadPoolExecutor | None = None  # started by the first structured request
 
     def run(self) -> None:
         """Until a None command (or a closed inbox); a crash is reported, not raised."""
@@ -123,12 +130,13 @@ class StepLoop:
             checked = -1  # the step count at the last integrity check
             while True:
                 idle = not engine.has_unfinished() and not self._embeds
-                if idle and not self._loads and checked != engine.num_steps:
+                pending = bool(self._loads or self._compiling)  # finishing off the loop
+                if idle and not pending and checked != engine.num_steps:
                     if not self._drain(timeout=IDLE_CHECK_AFTER_S):
                         engine.check_integrity()
                         checked = engine.num_steps
                     continue
-                self._drain(timeout=None if idle and not self._loads else 0.0)
+                self._drain(timeout=None if idle and not pending else 0.0)
                 self.heartbeat.begin()
                 if self._embeds:  # one embedding batch between two generation steps
                     self._run_embed(self._embeds.popleft())
@@ -138,8 +146,10 @@ class StepLoop:
                 self._publish(outputs, not engine.has_unfinished())
                 if self._loads:
                     self._poll_loads()
-                if engine.num_steps == steps and (engine.has_unfinished() or self._loads):
-                    # waiting on a batch window, an adapter load or a busy adapter slot
+                if self._compiling:
+                    self._poll_compiles()
+                if engine.num_steps == steps and (engine.has_unfinished() or self._loads or self._compiling):
+                    # waiting on a batch window, an adapter load, a busy adapter slot or a compile
                     self._drain(timeout=IDLE_POLL_S)
         except _Stop:
             return
@@ -149,6 +159,8 @@ class StepLoop:
             self.outlet.crashed(exc)
         finally:
             stacks.stop()
+            if self._grammar_pool is not None:
+                self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def _drain(self, timeout: float | None) -> bool:
         """Applies the queued commands, waiting up to `timeout` s for the first (0: not at
@@ -163,10 +175,13 @@ class StepLoop:
                 cmd = self.inbox.get_nowait()
             except queue.Empty:
                 break
+        self._flush_refused()
+        return True
+
+    def _flush_refused(self) -> None:
         if self._refused:  # at once, not with the next step's outputs
             refused, self._refused = self._refused, []
             self._publish(refused, not self.engine.has_unfinished())
-        return True
 
     def _publish(self, outputs: list[Delivery], settled: bool) -> None:
         """Hands `outputs` over, with the engine's stats when they are due."""
@@ -181,9 +196,12 @@ class StepLoop:
         if cmd is None:
             raise _Stop
         if isinstance(cmd, Abort):
-            self.engine.abort(cmd.request_id)
+            self._abort(cmd.request_id)
         elif isinstance(cmd, EngineRequest):
-            self._add(cmd)
+            if cmd.params.structured_output is None:
+                self._add(cmd)
+            else:
+                self._compile(cmd)
         elif cmd.op == "embed":
             self._embeds.append(cmd)
         else:
@@ -198,6 +216,38 @@ class StepLoop:
             log.exception("add_request_failed", request_id=request.request_id)
             error = RuntimeError(f"the engine could not admit the request: {exc!r}")
             self._refused.append(Refused(request.request_id, error))
+
+    def _abort(self, request_id: str) -> None:
+        compiling = self._compiling.get(request_id)
+        if compiling is not None:  # added when compiled, then aborted: one way to end
+            self._compiling[request_id] = (*compiling[:2], True)
+        else:
+            self.engine.abort(request_id)
+
+    # ---- structured output: formats compile beside the loop ------------------------
+
+    def _compile(self, request: EngineRequest) -> None:
+        if self._grammar_pool is None:
+            self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="omnibus-grammar")
+        fmt = request.params.structured_output
+        self._compiling[request.request_id] = (
+            request, self._grammar_pool.submit(self.engine.runner.compile_format, fmt), False)
+
+    def _poll_compiles(self) -> None:
+        """Adds the requests whose format has compiled (the engine finds it in the grammar
+        cache), in arrival order; refuses those whose format does not compile."""
+        for request_id, (request, compiled, aborted) in list(self._compiling.items()):
+            if not compiled.done():
+                break  # arrival order: a later one waits for the one before it
+            del self._compiling[request_id]
+            error = compiled.exception()
+            if isinstance(error, ValueError):
+                self._refused.append(Refused(request_id, error))
+                continue
+            self._add(request)  # another error raises again there, and is refused there
+            if aborted:
+                self.engine.abort(request_id)
+        self._flush_refused()
 
     def _run_embed(self, cmd: Call) -> None:
         try:

@@ -200,13 +200,22 @@ class ModelRunner:
 
     def grammar(self, fmt: StructuredOutput, emitted: list[int] | tuple[int, ...] = ()) -> GrammarMatcher:
         """A matcher for a structured-output request (past `emitted`, a continuation's
-        output so far). The first one reads the tokenizer's vocabulary. ValueError when
-        the format does not compile."""
+        output so far); the format compiles now unless compile_format cached it. ValueError
+        when the format does not compile."""
+        return self._grammars().matcher(fmt, emitted)
+
+    def compile_format(self, fmt: StructuredOutput) -> None:
+        """Compiles `fmt` into the grammar cache, so that grammar() finds it there: what
+        the step loop runs on its grammar thread (the compiler releases the GIL). The first
+        call reads the tokenizer's vocabulary. ValueError when the format does not compile."""
+        self._grammars().compile(fmt)
+
+    def _grammars(self) -> Grammars:
         if self.grammars is None:
             mc = self.model_config
             self.grammars = Grammars(self.config.model, mc.vocab_size, mc.eos_token_ids,
                                      self.config.structured_max_whitespace)
-        return self.grammars.matcher(fmt, emitted)
+        return self.grammars
 
     def _grammar_masks(self, plan: SchedulerOutput) -> GrammarMask | None:
         """The step's grammar masks, when a sampled row has a grammar (None otherwise, and
