@@ -147,7 +147,7 @@ async def test_the_router_keys_an_adapter_prompt_as_the_engine_caches_it(setup):
     config = RouterConfig(model="m", engines=("127.0.0.1:1",))
     client = EngineClient(config.engines[0], config, lambda: None)
     try:
-        client._on_report(report)
+        client.take_report(report)
         shares = [Ticket(0, 1, 0.0, adapter=a, prompt_ids=prompt).prefix_share(client)
                   for a in ("a-r2", "b-r8", "")]
     finally:
