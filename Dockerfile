@@ -16,6 +16,7 @@ WORKDIR /src
 FROM base AS wheel
 COPY pyproject.toml README.md ./
 COPY protos protos
+COPY common common
 COPY router router
 COPY engine engine
 COPY kernels kernels

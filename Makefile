@@ -38,14 +38,14 @@ system-deps:
 
 # The type check, then the whole CPU suite (Triton kernels run under the interpreter).
 test: setup system-deps
-	$(PY) scripts/typecheck.py
+	$(PY) -m mypy --config-file pyproject.toml
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
 
 # mypy, strict on engine core and the shared rules ([tool.mypy] in pyproject.toml; about
 # 20 s on 2 cores with no cache in build/mypy-cache, 1 s with one; docs/testing.md).
 .PHONY: typecheck
 typecheck: setup
-	$(PY) scripts/typecheck.py
+	$(PY) -m mypy --config-file pyproject.toml
 
 # The fuzz suite with many fresh examples per RPC (`make test` replays a fixed set).
 FUZZ_EXAMPLES ?= 1000

@@ -1,4 +1,4 @@
-"""bench/fairness.py's in-process noisy-neighbour study at a tiny size: it runs both
+"""bench/omnibus/bench/fairness.py's in-process noisy-neighbour study at a tiny size: it runs both
 step budgets, counts B's requests and leaves nothing unaccounted (counts, never timings)."""
 
 from __future__ import annotations

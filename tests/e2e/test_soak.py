@@ -1,4 +1,4 @@
-"""A short soak (bench/soak.py): router + 2 null-model engines under the mixed workload
+"""A short soak (bench/omnibus/bench/soak.py): router + 2 null-model engines under the mixed workload
 (streams, client cancels, deadlines, Embed, overload bursts) for ~20 s; no growth past
 the tolerances, every KV block free at the end, every call an expected status.
 `make soak DURATION=600` runs the long one."""

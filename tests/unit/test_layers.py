@@ -12,7 +12,11 @@ The rules (docs/testing.md#layers):
 
 A chain counts: a module "imports" whatever the modules it imports load in turn, including
 each package's `__init__`. Module names come from pyproject's package-dir mapping, so
-`router/x.py` is `omnibus.router.x`, as installed.
+`router/omnibus/router/x.py` is `omnibus.router.x`, as installed.
+
+The source layout (docs/testing.md#source-layout) is checked here too: every file's path
+under its source root is its import name, and every `omnibus.*` import in the tree (tests
+and scripts included) resolves by path alone, as a type checker or editor resolves it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import re
+import subprocess
 import sys
 import tomllib
 from collections.abc import Callable, Iterable
@@ -94,14 +99,15 @@ def parse_imports(module: str, path: Path, modules: dict[str, Path]) -> list[Imp
                 parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
             subs = [f"{base}.{alias.name}" for alias in node.names]
-            names = [base] + [name for name in subs if name in modules]
+            # `omnibus` itself is a namespace (no module): `from omnibus import kernels`
+            names = [base] * (base != "omnibus") + [name for name in subs if name in modules]
         else:
             continue
         for name in names:
             top = name.partition(".")[0]
             if top in sys.stdlib_module_names or top == "__future__":
                 continue
-            target = name if top in modules else top
+            target = name if top == "omnibus" or top in modules else top
             found.append(Import(module, path, node.lineno, target, runtime))
     return found
 
@@ -168,8 +174,7 @@ def within(*packages: str) -> Callable[[str], bool]:
 
 
 def other_omnibus(*packages: str) -> Callable[[str], bool]:
-    """An omnibus module outside `packages` (the root package `omnibus` aside: it holds
-    only the version, and every module loads it)."""
+    """An omnibus module outside `packages`."""
     return lambda t: t.startswith("omnibus.") and not within(*packages)(t)
 
 
@@ -226,7 +231,7 @@ def test_engine_imports_no_router():
 
 def test_shared_rules_import_only_the_generated_code_and_base_dependencies():
     check("the shared rules import more than omnibus.v1 and the base install",
-          lambda m: m == "omnibus" or within("omnibus.common")(m),
+          within("omnibus.common"),
           lambda t: other_omnibus("omnibus.common", "omnibus.v1")(t) or beyond_base(t))
 
 
@@ -330,3 +335,84 @@ def test_a_violation_names_the_file_line_and_the_chain(tmp_path: Path):
     ]
     everywhere = graph.violations(lambda m: True, torch, type_checking=False)
     assert everywhere == ["top/c.py:2 imports torch"]
+
+
+# ---- the source layout: import names and file paths agree ----------------------------------
+
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SOURCE_ROOTS = [ROOT / r for r in PYPROJECT["tool"]["pytest"]["ini_options"]["pythonpath"]]
+
+
+def by_path(module: str) -> list[Path]:
+    """The files a path-based tool finds for `module` under the source roots."""
+    rel = Path(*module.split("."))
+    return [f for root in SOURCE_ROOTS
+            for f in (root / rel.with_suffix(".py"), root / rel / "__init__.py") if f.is_file()]
+
+
+def test_every_tool_reads_the_same_source_roots():
+    # pytest's pythonpath, mypy's mypy_path and pyright's extraPaths name the same roots
+    tools = PYPROJECT["tool"]
+    assert tools["mypy"]["mypy_path"].split(":") == tools["pytest"]["ini_options"]["pythonpath"]
+    assert tools["pyright"]["extraPaths"] == tools["pytest"]["ini_options"]["pythonpath"]
+
+
+def test_every_module_lives_at_the_path_its_name_says():
+    misplaced = [f"{name}: {path.relative_to(ROOT)}" for name, path in GRAPH.modules.items()
+                 if by_path(name) != [path]]
+    assert not misplaced, "modules whose path under the roots is not their name:\n  " + \
+        "\n  ".join(misplaced)
+
+
+def test_omnibus_is_a_namespace_and_no_top_level_folder_a_package():
+    # a regular omnibus/__init__.py in one root would hide the other roots' parts, and a
+    # top-level package (engine/__init__.py) would let its files load under a second name
+    inits = [root / "omnibus" / "__init__.py" for root in SOURCE_ROOTS] + [
+        root / "__init__.py" for root in SOURCE_ROOTS]
+    assert not [str(i.relative_to(ROOT)) for i in inits if i.exists()]
+
+
+def _omnibus_imports(path: Path) -> Iterable[tuple[int, str]]:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names if a.name.startswith("omnibus."))
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("omnibus"):
+            # `from omnibus.x import y`: y is a module or a name in omnibus.x; x must resolve
+            yield node.lineno, node.module if node.module != "omnibus" else f"omnibus.{node.names[0].name}"
+
+
+def test_every_omnibus_import_in_the_tree_resolves_by_path_to_one_file():
+    files = [p for folder in [*SOURCE_ROOTS, ROOT / "tests", ROOT / "scripts"]
+             for p in folder.rglob("*.py") if "__pycache__" not in p.parts]
+    unresolved = [f"{path.relative_to(ROOT)}:{line} imports {name} ({len(by_path(name))} files)"
+                  for path in files for line, name in _omnibus_imports(path)
+                  if len(by_path(name)) != 1]
+    assert len(files) > 200 and not unresolved, "\n  ".join(unresolved)
+
+
+def test_no_file_loads_under_two_names():
+    # every module of the distribution imported in one interpreter started at the repository
+    # root (so the root is on sys.path, as for `python -m` there): each file has one name,
+    # and none is importable by its name without `omnibus.` (as `engine.engine` was)
+    names = sorted(m for m in GRAPH.modules
+                   if not m.startswith("omnibus.bench") and not m.endswith("__main__"))
+    roots = [str(r) for r in SOURCE_ROOTS]
+    code = (f"import importlib, sys\nsys.path[1:1] = {roots!r}\n"
+            f"for m in {names!r}: importlib.import_module(m)\n"
+            "files = {}\n"
+            "for name, mod in list(sys.modules.items()):\n"
+            "    f = getattr(mod, '__file__', None)\n"
+            f"    if f and f.startswith({tuple(roots)!r}): files.setdefault(f, []).append(name)\n"
+            "twice = [v for v in files.values() if len(v) > 1]\n"
+            # the names a file had before the source roots: engine.core.scheduler for
+            # omnibus.engine.core.scheduler, from the repository root
+            "import importlib.util as u\n"
+            "short = [m.split('.', 1)[1] for m in sys.modules if m.startswith('omnibus.')]\n"
+            "def found(n):\n"
+            "    try: spec = u.find_spec(n)\n"
+            "    except ModuleNotFoundError: return False  # its parent is no package\n"
+            "    return spec is not None and spec.origin is not None  # a file, not a namespace\n"
+            "print(twice + [n for n in short if found(n)])\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"

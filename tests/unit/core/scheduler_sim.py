@@ -161,7 +161,7 @@ class SimConfig:
     num_requests: int = 40
     arrival_steps: int = 60  # arrivals spread over these steps (a flood at step 0 too)
     step_seconds: float = 0.01  # simulated time of one step
-    speculative: bool = False  # n-gram speculation (engine/spec)
+    speculative: bool = False  # n-gram speculation (engine/omnibus/engine/spec)
 
     @staticmethod
     def random(seed: int) -> "SimConfig":

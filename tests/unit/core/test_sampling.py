@@ -1,4 +1,4 @@
-"""engine/sampling.py: validation, filters, seeded determinism, penalties, logprobs."""
+"""engine/omnibus/engine/worker/sampling.py: validation, filters, seeded determinism, penalties, logprobs."""
 
 from __future__ import annotations
 

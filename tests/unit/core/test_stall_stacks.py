@@ -115,7 +115,7 @@ async def test_a_stalled_step_on_a_thread_logs_its_stack_once_per_stall() -> Non
 
 
 def _hung_core(shared, log_path: str) -> None:  # type: ignore[no-untyped-def]
-    """The step loop's process (as engine/serving/core.py's), logging JSON lines to a file."""
+    """The step loop's process (as engine/omnibus/engine/serving/core.py's), logging JSON lines to a file."""
     from omnibus.common.logs import configure_logging
 
     os.dup2(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)

@@ -1,4 +1,4 @@
-"""The shared limits store (router/admission/store.py) against a real redis-server:
+"""The shared limits store (router/omnibus/router/admission/store.py) against a real redis-server:
 two routers' stores share one tenant's cap and budget, a crashed router's leases
 expire while a live router's are renewed (and added again after Redis restarts empty),
 and a store that is down fails open (counting what the router already runs) or closed
