@@ -147,6 +147,12 @@ gpu-report: setup
 
 # Speculative decoding: n-gram vs off at batch 1/4/64 on repetitive, plain and echo-ceiling
 # workloads, in one process (~5 min on 2 cores).
+# Structured output's grammar engines on the host: compile and per-token mask time,
+# xgrammar (the engine's) beside llguidance, at 2,048 and 32,000 ids (docs/benchmarks/grammar.md).
+.PHONY: bench-grammar
+bench-grammar: setup
+	$(PY) -m omnibus.bench.grammar --out docs/benchmarks/grammar.md
+
 bench-spec: setup
 	$(PY) -m omnibus.bench.speculative --out docs/benchmarks/speculative.md
 
