@@ -261,7 +261,7 @@ def test_raw_sse_is_what_the_openai_api_sends(cluster):
 
 def test_n_choices_draw_from_seeds_of_their_own(cluster):
     """Choice i had seed + i, the single choice of seed + i: adjacent seeds shared samples."""
-    from omnibus.router.http.openai_schema import choice_seed
+    from omnibus.router.http.v1_requests import choice_seed
 
     def grpc_text(seed: int) -> str:
         request = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(

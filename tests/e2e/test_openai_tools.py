@@ -134,8 +134,8 @@ def served(tmp_path_factory) -> Iterator[Served]:
 
 def test_the_router_renders_tools_and_tool_turns_as_transformers(served):
     ours = ChatTemplate(TOOL_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
-    from omnibus.router.http import openai_schema as oa
-    body = oa.parse(oa.ChatBody, json.dumps({"model": MODEL, "messages": HISTORY, "tools": TOOLS}).encode())
+    from omnibus.router.http import bodies
+    body = bodies.parse(bodies.ChatBody, json.dumps({"model": MODEL, "messages": HISTORY, "tools": TOOLS}).encode())
     text = ours.render([m.for_template(i) for i, m in enumerate(body.messages)], True, TOOLS)
     assert served.tokenizer(text, add_special_tokens=False)["input_ids"] == served.prompt(HISTORY)
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>' in text

@@ -170,20 +170,20 @@ async def test_an_empty_embeddings_input_says_so(http):
 def test_harmless_openai_fields_are_accepted_and_a_negative_seed_is_int64():
     from omnibus.v1 import inference_pb2 as pb
 
-    from omnibus.router.http import openai_schema as oa
+    from omnibus.router.http import bodies, v1_requests
     from omnibus.router.service.errors import RequestError
 
-    body = oa.parse(oa.ChatBody, json.dumps({
+    body = bodies.parse(bodies.ChatBody, json.dumps({
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "store": False,
         "metadata": {"k": "v"}, "service_tier": "auto", "prompt_cache_key": "x",
         "safety_identifier": "u1", "stream": True,
         "stream_options": {"include_usage": True, "include_obfuscation": False},
         "seed": -1}).encode())
-    (one,) = oa.fan_out(body, [pb.GenerateRequest()], 8, "r", 0)
+    (one,) = v1_requests.fan_out(body, [pb.GenerateRequest()], 8, "r", 0)
     assert one.sampling.seed == 2**64 - 1
     body.n, body.seed = 2, -(2**63) - 1
     with pytest.raises(RequestError, match=r"seed must be in \[-9223372036854775808, 18446744073709551615\]"):
-        oa.fan_out(body, [pb.GenerateRequest()], 8, "r", 0)
+        v1_requests.fan_out(body, [pb.GenerateRequest()], 8, "r", 0)
     body.top_logprobs, body.logprobs = 21, True
     with pytest.raises(RequestError) as err:
         body.logprob_count

@@ -57,10 +57,10 @@ async def test_formats_reach_the_engine_as_structured_output(setup, body, fields
 def test_a_schemas_key_order_is_kept():
     # properties are generated in the schema's order: the text keeps it
     schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}}
-    from omnibus.router.http import openai_schema as oa
-    body = oa.parse(oa.ChatBody, json.dumps({**CHAT, "response_format": {
+    from omnibus.router.http import bodies, v1_requests
+    body = bodies.parse(bodies.ChatBody, json.dumps({**CHAT, "response_format": {
         "type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}).encode())
-    fmt, field = oa.structured_output(body)
+    fmt, field = v1_requests.structured_output(body)
     assert (fmt.json_schema, field) == ('{"type": "object", "properties": {"z": {"type": "integer"}, '
                                         '"a": {"type": "string"}}}', "response_format")
 

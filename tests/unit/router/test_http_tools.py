@@ -16,7 +16,7 @@ import pytest
 from omnibus.v1 import engine_pb2, inference_pb2
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from omnibus.router.http import openai_schema as oa
+from omnibus.router.http import bodies, v1_requests
 from omnibus.router.http.chat_template import ChatTemplate
 from tests.unit.router import inprocess
 from tests.unit.router.inprocess import refusal
@@ -296,7 +296,7 @@ async def test_tool_turns_reach_the_template_with_their_arguments_as_objects(set
     router, client = setup
     template = ChatTemplate("{% for m in messages %}{% for c in m.tool_calls or [] %}"
                             "{{ c.function.arguments.city }} {% endfor %}{{ m.tool_call_id }} {% endfor %}", {})
-    body = oa.parse(oa.ChatBody, json.dumps({**CHAT, "messages": [
+    body = bodies.parse(bodies.ChatBody, json.dumps({**CHAT, "messages": [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "Sunny"}]}).encode())  # fmt: skip
@@ -330,16 +330,16 @@ GRAMMAR = 'root ::= "yes" | "no"'
     ({"guided_grammar": GRAMMAR}, {"grammar": GRAMMAR}, "guided_grammar"),
     ({"structured_outputs": {"json_object": False, "regex": "a"}}, {"regex": "a"}, "structured_outputs"),
 ])  # fmt: skip
-@pytest.mark.parametrize("kind", [oa.ChatBody, oa.CompletionBody])
+@pytest.mark.parametrize("kind", [bodies.ChatBody, bodies.CompletionBody])
 def test_regex_choice_and_grammar_become_the_proto_fields(kind, fields, expected, field):
-    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]} if kind is oa.ChatBody else {
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]} if kind is bodies.ChatBody else {
         "model": "m", "prompt": "x"}
-    body = oa.parse(kind, json.dumps({**base, **fields}).encode())
-    fmt, named = oa.structured_output(body)
+    body = bodies.parse(kind, json.dumps({**base, **fields}).encode())
+    fmt, named = v1_requests.structured_output(body)
     which = fmt.WhichOneof("format")
     value = list(fmt.choice.options) if which == "choice" else getattr(fmt, which)
     assert ({which: value}, named) == (expected, field)
-    params = oa.sampling(body, 4, None)
+    params = v1_requests.sampling(body, 4, None)
     assert params.structured_output == fmt
 
 
@@ -364,7 +364,7 @@ def test_regex_choice_and_grammar_become_the_proto_fields(kind, fields, expected
 def test_bad_regex_choice_and_grammar_are_refused_naming_the_field(fields, param, message):
     from omnibus.router.service.errors import RequestError
     with pytest.raises(RequestError) as err:
-        body = oa.parse(oa.CompletionBody, json.dumps({"model": "m", "prompt": "x", **fields}).encode())
-        oa.structured_output(body)
+        body = bodies.parse(bodies.CompletionBody, json.dumps({"model": "m", "prompt": "x", **fields}).encode())
+        v1_requests.structured_output(body)
     assert err.value.param == param
     assert err.value.message.startswith(message), err.value.message

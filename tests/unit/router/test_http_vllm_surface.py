@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from omnibus.v1 import inference_pb2
 
-from omnibus.router.http import openai_schema as oa
+from omnibus.router.http import v1_requests
 from omnibus.router.http.app import OpenAIFront
 from omnibus.router.http.chat_template import ChatTemplate
 from omnibus.router.service.errors import RequestError
@@ -271,11 +271,11 @@ async def test_max_prompt_tokens_names_the_prompt_of_a_batch_over_it(tmp_path):
 def test_choice_seeds_are_not_the_next_seeds_and_never_collide():
     """Choice i of seed S had seed S + i: the single choice of seed S + i, so requests with
     adjacent seeds shared samples."""
-    seeds = {oa.choice_seed(s % 2**64, j) for s in range(-100, 1000) for j in range(8)}
+    seeds = {v1_requests.choice_seed(s % 2**64, j) for s in range(-100, 1000) for j in range(8)}
     assert len(seeds) == 1100 * 8  # no two (seed, choice) pairs share a seed
-    assert oa.choice_seed(40, 0) == 40  # choice 0 is the request's seed, as with n=1
-    assert oa.choice_seed(40, 1) not in range(-100, 2000)
-    assert oa.choice_seed(2**64 - 1, 3) == oa.choice_seed(2**64 - 1, 3) < 2**64  # reproducible, a uint64
+    assert v1_requests.choice_seed(40, 0) == 40  # choice 0 is the request's seed, as with n=1
+    assert v1_requests.choice_seed(40, 1) not in range(-100, 2000)
+    assert v1_requests.choice_seed(2**64 - 1, 3) == v1_requests.choice_seed(2**64 - 1, 3) < 2**64  # reproducible, a uint64
 
 
 async def test_n_choices_get_seeds_derived_from_the_request_seed(setup):
@@ -285,7 +285,7 @@ async def test_n_choices_get_seeds_derived_from_the_request_seed(setup):
     by_prompt = {}
     for r in router.engine.requests:
         by_prompt.setdefault(tuple(r.prompt_token_ids), set()).add(r.sampling.seed)
-    expected = {7, oa.choice_seed(7, 1), oa.choice_seed(7, 2)}
+    expected = {7, v1_requests.choice_seed(7, 1), v1_requests.choice_seed(7, 2)}
     assert by_prompt == {(1,): expected, (2,): expected}  # each prompt as a request of its own
 
 

@@ -65,7 +65,7 @@ def offsets(tokenizer, ids: list[int]) -> tuple[list[int], str]:
     """text_offset of completions logprobs for `ids`, and the text the router streams."""
     from omnibus.v1 import inference_pb2 as pb
 
-    from omnibus.router.http.openai_schema import Choice, CompletionShape
+    from omnibus.router.http.shapes import Choice, CompletionShape
     from omnibus.router.text.detokenizer import IncrementalDetokenizer
 
     shape = CompletionShape(0, False, TokenBytes(tokenizer), lambda: IncrementalDetokenizer(tokenizer))
@@ -95,7 +95,7 @@ def test_completion_top_logprobs_always_hold_the_sampled_token():
     with logprobs 0 and when it is not among the alternatives."""
     from omnibus.v1 import inference_pb2 as pb
 
-    from omnibus.router.http.openai_schema import Choice, CompletionShape
+    from omnibus.router.http.shapes import Choice, CompletionShape
     from omnibus.router.text.detokenizer import IncrementalDetokenizer
 
     a, b, c = (BPE.token_to_id(t) for t in "abc")

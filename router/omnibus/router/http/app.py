@@ -3,7 +3,8 @@
 own event loop, and what vLLM-class clients probe beside them: /health, /version,
 /metrics, /tokenize, /detokenize and /tokenizer_info.
 
-Each endpoint turns the body into omnibus.v1 requests (openai_schema.py) and calls the
+Each endpoint reads its body (bodies.py), turns it into omnibus.v1 requests
+(v1_requests.py), shapes the replies as OpenAI's JSON (shapes.py) and calls the
 router's Pipeline, the one the gRPC service calls: the same authentication (the
 `Authorization: Bearer` header), adapter permission, validation, admission, queues,
 engine routing, detokenization and stop strings. A RequestError becomes the HTTP status
@@ -43,7 +44,7 @@ from omnibus.router.admission.auth import Tenant
 from omnibus.router.admission.validation import check_request_id
 from omnibus.router.config import RouterConfig
 from omnibus.router.dispatch.adapters import ADAPTER_HEADER
-from omnibus.router.http import openai_schema as oa
+from omnibus.router.http import bodies, shapes, v1_requests
 from omnibus.router.http import responses as rs
 from omnibus.router.http.chat_template import ChatTemplate
 from omnibus.router.http.chat_template import tokenizer_info as read_tokenizer_info
@@ -77,7 +78,7 @@ _STREAMING = web.RequestKey("omnibus.streaming", bool)  # set on a request once 
 _MAX_BODY = web.AppKey("omnibus.max_body", int)  # the request body limit, bytes
 _REQUEST_ID = web.RequestKey("omnibus.request_id", str)  # the request's id, echoed in x-request-id
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Prepared = tuple[list[pb.GenerateRequest], "oa.CompletionShape | oa.ChatShape"]  # prompts, shape
+Prepared = tuple[list[pb.GenerateRequest], "shapes.CompletionShape | shapes.ChatShape"]  # prompts, shape
 
 
 def http_status(code: grpc.StatusCode) -> tuple[int, str]:
@@ -236,7 +237,7 @@ class OpenAIFront:
         the special tokens the tokenizer adds, unless add_special_tokens is false), or
         chat messages' as /v1/chat/completions gets them."""
         try:
-            body = await self._tokenizer_body(request, oa.TokenizeBody)
+            body = await self._tokenizer_body(request, bodies.TokenizeBody)
             if body.messages is not None:
                 ids = await self._chat_prompt(body, body.add_generation_prompt is not False,
                                               body.add_special_tokens is True)
@@ -256,7 +257,7 @@ class OpenAIFront:
         """vLLM's POST /detokenize: the text of token ids, special tokens included (as
         transformers' decode)."""
         try:
-            body = await self._tokenizer_body(request, oa.DetokenizeBody)
+            body = await self._tokenizer_body(request, bodies.DetokenizeBody)
             if body.tokens:  # ids the model has, as a prompt's are checked
                 try:
                     check_token_ids(body.tokens, self._pipeline.limits.vocab_size, "tokens")
@@ -282,7 +283,7 @@ class OpenAIFront:
         """A /tokenize or /detokenize body from a caller with a key, its `model` (if set)
         the base model or an adapter the caller may use: they share the tokenizer."""
         tenant = self._pipeline.authenticate(_metadata(request))
-        body = oa.parse(kind, await request.read())
+        body = bodies.parse(kind, await request.read())
         if body.model is not None:
             self._adapter(body.model, request.headers.get(ADAPTER_HEADER), tenant)
         return body
@@ -329,10 +330,10 @@ class OpenAIFront:
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generation(request, oa.CompletionBody, self._completion_request)
+        return await self._generation(request, bodies.CompletionBody, self._completion_request)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generation(request, oa.ChatBody, self._chat_request)
+        return await self._generation(request, bodies.ChatBody, self._chat_request)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/responses: the chat request a Responses body makes (responses.py),
@@ -343,7 +344,7 @@ class OpenAIFront:
             chat = body.chat_body()
             prompts, _ = await self._chat_request(chat)
             priority = self._priority(request, chat.priority)
-            requests = oa.fan_out(chat, prompts, 1, request_id, priority)
+            requests = v1_requests.fan_out(chat, prompts, 1, request_id, priority)
         except RequestError as err:
             return error_response(self._pipeline.refused(rs.as_sent(err), request_id))
         reply = rs.Reply(body, request_id)
@@ -361,8 +362,8 @@ class OpenAIFront:
     async def embeddings(self, request: web.Request) -> web.Response:
         request_id = _request_id(request)
         try:
-            caller, body = await self._start(request, oa.EmbeddingBody, request_id)
-            embed = oa.embed_request(body, request_id, self._priority(request, body.priority))
+            caller, body = await self._start(request, bodies.EmbeddingBody, request_id)
+            embed = v1_requests.embed_request(body, request_id, self._priority(request, body.priority))
         except RequestError as err:
             return error_response(self._pipeline.refused(err, request_id))
         try:
@@ -386,9 +387,9 @@ class OpenAIFront:
         and resolves `model`."""
         tenant = self._pipeline.authenticate(_metadata(request), request_id)
         check_request_id(request_id, REQUEST_ID_HEADER)  # before any protobuf field holds it
-        body = oa.parse(kind, await request.read())
+        body = bodies.parse(kind, await request.read())
         header = request.headers.get(ADAPTER_HEADER)
-        if kind is oa.EmbeddingBody and body.model != self._pipeline.limits.model_id:
+        if kind is bodies.EmbeddingBody and body.model != self._pipeline.limits.model_id:
             # Embeddings come from the base model: `model` names it or nothing here.
             if body.model in {a.id for a in self._pipeline.list_models(tenant).adapters}:
                 self._pipeline.check_embedding_adapter(body.model, "set model to the base model", "model")
@@ -430,16 +431,16 @@ class OpenAIFront:
             caller, body = await self._start(request, kind, request_id)
             prompts, shape = await prepare(body)
             priority = self._priority(request, body.priority)
-            requests = oa.fan_out(body, prompts, self._config.max_n, request_id, priority)
+            requests = v1_requests.fan_out(body, prompts, self._config.max_n, request_id, priority)
         except RequestError as err:
             return error_response(self._pipeline.refused(err, request_id))
         return await self._generate(request, shape, body, requests, caller, request_id)
 
-    async def _completion_request(self, body: oa.CompletionBody) -> Prepared:
+    async def _completion_request(self, body: bodies.CompletionBody) -> Prepared:
         # The cap on the inputs of one embeddings request caps a batch's prompts too.
-        prompts = oa.completion_prompts(body.prompt, self._config.max_embed_inputs)
-        logprobs = None if body.logprobs is None else oa.check_logprobs(body.logprobs, "logprobs")
-        sampling = oa.sampling(body, 1 if body.prompt_only else body.max_tokens, logprobs)
+        prompts = v1_requests.completion_prompts(body.prompt, self._config.max_embed_inputs)
+        logprobs = None if body.logprobs is None else bodies.check_logprobs(body.logprobs, "logprobs")
+        sampling = v1_requests.sampling(body, 1 if body.prompt_only else body.max_tokens, logprobs)
         if body.echo and logprobs is not None:  # the prompt's tokens scored too (vLLM's prompt_logprobs)
             sampling.prompt_logprobs = sampling.logprobs
         detokenizers, echoes = [], []
@@ -454,10 +455,10 @@ class OpenAIFront:
                 detokenizers.append(functools.partial(self._pipeline.detokenizer, ids))
             if body.echo:
                 text = prompt.text if is_text else await asyncio.to_thread(self._decoded, ids)
-                echoes.append(oa.Echo(text, ids if logprobs is not None else []))
-        shape = oa.CompletionShape(logprobs, body.return_token_ids, self._token_bytes,
-                                   detokenizers or self._pipeline.detokenizer,
-                                   echoes if body.echo else None, self._pipeline.detokenizer)
+                echoes.append(shapes.Echo(text, ids if logprobs is not None else []))
+        shape = shapes.CompletionShape(logprobs, body.return_token_ids, self._token_bytes,
+                                       detokenizers or self._pipeline.detokenizer,
+                                       echoes if body.echo else None, self._pipeline.detokenizer)
         return prompts, shape
 
     def _decoded(self, ids: list[int]) -> str:
@@ -465,7 +466,7 @@ class OpenAIFront:
         detokenizer = self._pipeline.detokenizer()
         return detokenizer.push(ids) + detokenizer.flush()
 
-    async def _chat_request(self, body: oa.ChatBody) -> Prepared:
+    async def _chat_request(self, body: bodies.ChatBody) -> Prepared:
         ids = await self._chat_prompt(body)
         # The newer name; 0 is refused, not unset. The Validator checks it as max_tokens, and
         # its refusals are named as sent (_as_sent).
@@ -474,16 +475,16 @@ class OpenAIFront:
             max_tokens = self._pipeline.default_max_tokens(len(ids))
         logprobs = body.logprob_count
         prompt = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
-        prompt.sampling.CopyFrom(oa.sampling(body, max_tokens, logprobs))
+        prompt.sampling.CopyFrom(v1_requests.sampling(body, max_tokens, logprobs))
         tools = body.tool_spec()
         if tools is not None and tools.choice != "none":  # calls come back as tool_calls
             parser = PARSERS[self._config.tool_call_parser]
-            return [prompt], oa.ToolChatShape(logprobs, body.return_token_ids, self._token_bytes,
-                                              tools, parser)
-        return [prompt], oa.ChatShape(logprobs, body.return_token_ids, self._token_bytes)
+            return [prompt], shapes.ToolChatShape(logprobs, body.return_token_ids,
+                                                  self._token_bytes, tools, parser)
+        return [prompt], shapes.ChatShape(logprobs, body.return_token_ids, self._token_bytes)
 
     async def _chat_prompt(
-        self, body: oa.ChatBody | oa.TokenizeBody, generation_prompt: bool = True,
+        self, body: bodies.ChatBody | bodies.TokenizeBody, generation_prompt: bool = True,
         special_tokens: bool = False,
     ) -> list[int]:
         if self._chat is None:
@@ -507,13 +508,13 @@ class OpenAIFront:
     async def _generate(
         self,
         request: web.Request,
-        shape: oa.CompletionShape | oa.ChatShape,
+        shape: shapes.CompletionShape | shapes.ChatShape,
         body: Any,
         requests: list[pb.GenerateRequest],
         caller: Caller,
         request_id: str,
     ) -> web.StreamResponse:
-        choices = [oa.Choice(i, i // body.n) for i in range(len(requests))]
+        choices = [shapes.Choice(i, i // body.n) for i in range(len(requests))]
         head = {"id": shape.id_prefix + request_id, "created": int(time.time()), "model": body.model}
         prompt_tokens: list[int] = []  # each choice's, once admitted
         merged = self._pipeline.generate_choices(requests, caller, body.n, prompt_tokens.extend)
@@ -528,13 +529,13 @@ class OpenAIFront:
                     return error_response(_as_sent(err, body, len(requests) // body.n))
                 return web.json_response({
                     **head, "object": shape.object, "choices": [shape.choice(c) for c in choices],
-                    "usage": oa.total_usage(choices),
+                    "usage": shapes.total_usage(choices),
                 }, headers={REQUEST_ID_HEADER: request_id})  # fmt: skip
             try:
                 first = await _first_of_each(merged, len(requests))
             except RequestError as err:
                 return error_response(_as_sent(err, body, len(requests) // body.n))
-            options = body.stream_options or oa.StreamOptions()
+            options = body.stream_options or bodies.StreamOptions()
             continuous = prompt_tokens if options.continuous_usage_stats else None
             events = _sse_events(shape, head, choices, first, merged, options.include_usage,
                                  continuous)
@@ -553,7 +554,7 @@ def _as_sent(err: RequestError, body: Any, prompts: int) -> RequestError:
         err.param = "max_completion_tokens"
         err.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", err.message)
     if err.param == "structured_output":  # the schema, as the Validator or an engine refused it
-        fmt = oa.structured_output(body)
+        fmt = v1_requests.structured_output(body)
         if fmt is not None:
             err.param = fmt[1]
             err.message = re.sub(r"^structured_output\b", fmt[1], err.message)
@@ -599,9 +600,9 @@ async def _all(
 
 
 async def _sse_events(
-    shape: oa.CompletionShape | oa.ChatShape,
+    shape: shapes.CompletionShape | shapes.ChatShape,
     head: dict[str, Any],
-    choices: list[oa.Choice],
+    choices: list[shapes.Choice],
     first: list[tuple[int, pb.GenerateResponse]],
     merged: AsyncIterator[tuple[int, pb.GenerateResponse]],
     include_usage: bool,
@@ -621,7 +622,7 @@ async def _sse_events(
 
     chunk = {**head, "object": shape.chunk_object}
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
-    prompt_tokens = 0 if continuous is None else oa.prompt_total(choices, continuous)
+    prompt_tokens = 0 if continuous is None else shapes.prompt_total(choices, continuous)
     sent = 0  # tokens of every choice so far
     async for index, response in rest():
         choice = choices[index]
@@ -630,11 +631,11 @@ async def _sse_events(
         started.add(index)
         if continuous is not None:
             sent += len(response.token_ids)
-            extra = {"usage": oa.usage_so_far(prompt_tokens, sent)}
+            extra = {"usage": shapes.usage_so_far(prompt_tokens, sent)}
         for part in parts:
             yield {**chunk, "choices": [part], **extra}
     if include_usage:
-        yield {**chunk, "choices": [], "usage": oa.total_usage(choices)}
+        yield {**chunk, "choices": [], "usage": shapes.total_usage(choices)}
 
 
 async def _send_sse(

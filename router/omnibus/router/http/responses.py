@@ -20,8 +20,8 @@ from typing import Any, Literal
 import grpc
 from omnibus.v1 import inference_pb2 as pb
 
-from omnibus.router.http import openai_schema as oa
-from omnibus.router.http.openai_schema import Int32, _Strict
+from omnibus.router.http import bodies, shapes
+from omnibus.router.http.bodies import Int32, Strict
 from omnibus.router.service.errors import RequestError, invalid
 
 _ROLES = ("user", "system", "developer", "assistant")
@@ -36,12 +36,12 @@ _STATUS = {"stop": "completed", "length": "incomplete", "abort": "failed"}  # by
 _INCOMPLETE = {"reason": "max_output_tokens"}  # the one way a response ends incomplete here
 
 
-class TextConfig(_Strict):
+class TextConfig(Strict):
     format: dict[str, Any] | None = None  # text, json_object or json_schema (flat, as OpenAI's)
 
 
-class ResponsesBody(_Strict):
-    """A POST /v1/responses body; unknown fields are refused by name (_Strict)."""
+class ResponsesBody(Strict):
+    """A POST /v1/responses body; unknown fields are refused by name (Strict)."""
 
     model: str
     input: str | list[Any]
@@ -80,20 +80,20 @@ class ResponsesBody(_Strict):
             return "input", "input must be a non-empty string or a non-empty list of messages"
         return None
 
-    def chat_body(self) -> oa.ChatBody:
+    def chat_body(self) -> bodies.ChatBody:
         """The chat request of the same messages and settings."""
         items = [self.input] if isinstance(self.input, str) else self.input
         messages = [_message(item, i, isinstance(self.input, str)) for i, item in enumerate(items)]
         if self.instructions is not None:
-            messages.insert(0, oa.ChatMessage(role="system", content=self.instructions))
-        return oa.ChatBody(
+            messages.insert(0, bodies.ChatMessage(role="system", content=self.instructions))
+        return bodies.ChatBody(
             model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p, seed=self.seed, stream=self.stream,
             response_format=self._response_format(), priority=self.priority, user=self.user,
         )  # fmt: skip
 
     def _response_format(self) -> dict[str, Any] | None:
-        """text.format as chat's response_format, whose rules (openai_schema) check it: the
+        """text.format as chat's response_format, whose rules (structured.py) check it: the
         json_schema settings sit one level down there."""
         fmt = None if self.text is None else self.text.format
         if fmt is None or fmt.get("type") != "json_schema":
@@ -101,10 +101,10 @@ class ResponsesBody(_Strict):
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
-def _message(item: object, index: int, bare: bool) -> oa.ChatMessage:
+def _message(item: object, index: int, bare: bool) -> bodies.ChatMessage:
     """Input item `index` (a bare string input: a user message) as a chat message."""
     if bare:
-        return oa.ChatMessage(role="user", content=item)
+        return bodies.ChatMessage(role="user", content=item)
     where = f"input.{index}"
     if not isinstance(item, dict):
         raise invalid(f"{where} must be a message object with role and content", where)
@@ -119,7 +119,7 @@ def _message(item: object, index: int, bare: bool) -> oa.ChatMessage:
     if role not in _ROLES:
         raise invalid(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}",
                       f"{where}.role")
-    return oa.ChatMessage(role=role, content=_content(item.get("content"), f"{where}.content"))
+    return bodies.ChatMessage(role=role, content=_content(item.get("content"), f"{where}.content"))
 
 
 def _content(content: object, where: str) -> str | list[dict[str, str]]:
@@ -172,7 +172,7 @@ class Reply:
         self.id = "resp_" + request_id
         self.item_id = "msg_" + request_id
         self.created_at = int(time.time())
-        self.choice = oa.Choice(0)
+        self.choice = shapes.Choice(0)
         self.error: RequestError | None = None  # set once the stream failed
         self._body = body
 
