@@ -1,5 +1,5 @@
-"""Structured output's regex, choice and grammar formats over the router's gRPC API and a
-real engine worker (the session's shared router and engine): the output is what
+"""Structured output's regex, choice and grammar (EBNF and Lark) formats over the router's
+gRPC API and a real engine worker (the session's shared router and engine): the output is what
 transformers with xgrammar's logits processor gives (token-exact), and a format either
 side refuses is INVALID_ARGUMENT with a message saying what to fix: the router's checks
 (empty texts, empty options) and the engine's grammar compiler (a regex or grammar it
@@ -13,7 +13,7 @@ from omnibus.v1 import inference_pb2 as pb
 from omnibus.v1 import inference_pb2_grpc
 
 from tests.oracle.test_structured import Oracle
-from tests.oracle.test_structured_formats import GRAMMAR, REGEX, escaped_choice
+from tests.oracle.test_structured_formats import GRAMMAR, LARK, REGEX, escaped_choice
 
 pytest.importorskip("xgrammar")
 
@@ -23,6 +23,7 @@ FORMATS = {
     "regex": pb.StructuredOutput(regex=REGEX),
     "choice": pb.StructuredOutput(choice=pb.Choices(options=OPTIONS)),
     "grammar": pb.StructuredOutput(grammar=GRAMMAR),
+    "lark": pb.StructuredOutput(grammar=LARK),  # the oracle compiles GRAMMAR, its EBNF
 }
 
 
@@ -38,6 +39,7 @@ def served(tiny_model, shared_router):
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=oracle.hf.config.vocab_size, stop_token_ids=[2]))
     oracle.grammars.update({"regex": compiler.compile_regex(REGEX), "grammar": compiler.compile_grammar(GRAMMAR),
+                            "lark": compiler.compile_grammar(GRAMMAR),
                             "choice": compiler.compile_grammar(escaped_choice(OPTIONS))})
     with grpc.insecure_channel(shared_router.address) as channel:
         yield inference_pb2_grpc.InferenceStub(channel), oracle
@@ -70,6 +72,8 @@ def test_each_format_is_token_exact_through_the_router(served, kind):
      'EBNF parser error at line 1, column 14: Rule "tail" is not defined'),
     (pb.StructuredOutput(grammar="root ::= root"), "structured_output: no token can start the output under "
      "this EBNF grammar (does every rule it needs reach a string?)"),
+    (pb.StructuredOutput(grammar='start: "a" tail'), "structured_output: the Lark grammar cannot be used: "
+     "line 1: tail is used but not defined (or imported from common)"),
 ])  # fmt: skip
 def test_a_bad_format_is_invalid_argument_saying_what_to_fix(served, fmt, message):
     stub, _ = served

@@ -1,9 +1,11 @@
 """Structured output beyond JSON is token-exact too: greedy output under a regex, a choice of
-strings and an EBNF grammar equals transformers' `generate` with xgrammar's Hugging Face
-logits processor, token for token, alone and batched with free requests. A choice's
+strings, an EBNF grammar and the same grammar in Lark (the engine converts it; the oracle
+compiles the hand-written EBNF) equals transformers' `generate` with xgrammar's Hugging
+Face logits processor, token for token, alone and batched with free requests. A choice's
 options reach the grammar as their exact text (quotes, backslashes, newlines, non-ASCII);
 the oracle builds its choice grammar by another spelling (every character a \\U escape).
-A regex or grammar xgrammar cannot compile, or one no output can start, is a ValueError
+A regex or grammar xgrammar cannot compile, Lark outside the subset the engine converts
+(tests/unit/test_lark.py), or a format no output can start, is a ValueError
 naming structured_output (INVALID_ARGUMENT on gRPC: tests/e2e/test_structured_grpc.py);
 one that dead-ends mid-output ends the request there."""
 
@@ -27,6 +29,18 @@ GRAMMAR = "\n".join([
     'value ::= number | "\\"" [a-z ]{0,8} "\\"" | "[" number ("," number){0,2} "]"',
     'number ::= "-"? [0-9]{1,3}',
 ])
+# GRAMMAR in Lark (regex terminals, an import, [ ] for {0,2}, modifiers and an alias): the
+# engine converts it, the oracle compiles GRAMMAR as written.
+LARK = "\n".join([
+    "// a let statement",
+    '?start: "let " NAME " = " value ";"',
+    "NAME: /[a-z][a-z0-9_]{0,5}/",
+    'value: number | "\\"" /[a-z ]{0,8}/ "\\""',
+    '     | "[" number ["," number ["," number]] "]"  -> array',
+    '!number: ["-"] DIGIT (DIGIT DIGIT?)?',
+    "%import common.DIGIT",
+    "%ignore \" \"",
+])
 # What GRAMMAR accepts, as a Python regex (to check the outputs by another engine).
 GRAMMAR_AS_REGEX = r'let [a-z][a-z0-9_]{0,5} = (-?[0-9]{1,3}|"[a-z ]{0,8}"|\[-?[0-9]{1,3}(,-?[0-9]{1,3}){0,2}\]);'
 # Options that need escaping in an EBNF literal, one a prefix of another, non-ASCII.
@@ -34,6 +48,7 @@ TRICKY = ('say "hi"', "back\\slash", "two\nlines\ttab", "café ☕ 日本", "\\n
 FORMATS = {
     "regex": StructuredOutput("regex", REGEX),
     "grammar": StructuredOutput("grammar", GRAMMAR),
+    "lark": StructuredOutput("grammar", LARK),
     "choice": StructuredOutput("choice", options=TRICKY),
     **{f"only{i}": StructuredOutput("choice", options=(o,)) for i, o in enumerate(TRICKY)},
 }
@@ -53,7 +68,8 @@ def oracle(tmp_path_factory):
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB,
                                                                       stop_token_ids=[EOS]))
     oracle.grammars.update({"regex": compiler.compile_regex(REGEX),
-                            "grammar": compiler.compile_grammar(GRAMMAR)})
+                            "grammar": compiler.compile_grammar(GRAMMAR),
+                            "lark": compiler.compile_grammar(GRAMMAR)})  # the EBNF LARK converts to
     for name, fmt in FORMATS.items():
         if fmt.kind == "choice":
             oracle.grammars[name] = compiler.compile_grammar(escaped_choice(fmt.options))
@@ -83,7 +99,8 @@ def run(oracle: Oracle, requests: list[tuple[list[int], str | None]]) -> list[li
 
 
 @pytest.mark.parametrize(("fmt", "pattern"), [
-    ("regex", REGEX), ("grammar", GRAMMAR_AS_REGEX), ("choice", "|".join(map(re.escape, TRICKY)))])
+    ("regex", REGEX), ("grammar", GRAMMAR_AS_REGEX), ("lark", GRAMMAR_AS_REGEX),
+    ("choice", "|".join(map(re.escape, TRICKY)))])
 def test_greedy_output_matches_xgrammar_in_transformers_and_follows_the_format(oracle, fmt, pattern):
     for tokens in run(oracle, [(p, fmt) for p in PROMPTS]):
         assert tokens[-1] == EOS  # each format is bounded: every output ends well before MAX_TOKENS
@@ -124,6 +141,11 @@ def test_choice_grammar_accepts_exactly_its_options(engine):
      'EBNF parser error at line 1, column 10: Rule "word" is not defined'),
     (StructuredOutput("grammar", "root ::= root"), "structured_output: no token can start the output under "
      "this EBNF grammar (does every rule it needs reach a string?)"),
+    (StructuredOutput("grammar", "start: /a(?=b)/"), "structured_output: the Lark grammar cannot be used: line 1, "
+     "in start: /a(?=b)/ has a (? group (lookaround, flags or a named group) at position 2; only characters, "
+     "classes, groups, | and the quantifiers ? * + {n,m} convert to EBNF"),
+    (StructuredOutput("grammar", "start: start"), "structured_output: no token can start the output under "
+     "this Lark grammar (does every rule it needs reach a string?)"),
 ])  # fmt: skip
 def test_a_format_xgrammar_cannot_use_is_a_value_error_naming_structured_output(engine, fmt, message):
     with pytest.raises(ValueError) as err:

@@ -12,8 +12,9 @@ one bitmask row per structured row and sets the logits of the tokens the grammar
 allow to -inf; rows of other requests are untouched.
 
 Formats (omnibus.common.sampling.StructuredOutput): a JSON schema, any JSON object, a
-regular expression, a choice of strings (an EBNF alternation of their exact text) and an
-EBNF grammar (xgrammar's GBNF dialect, rule `root`).
+regular expression, a choice of strings (an EBNF alternation of their exact text) and a
+grammar: EBNF (xgrammar's GBNF dialect, rule `root`) when it has a `::=`, else Lark,
+converted to EBNF first (engine/omnibus/engine/worker/lark.py), as vLLM does.
 
 The engine never tokenizes text here: the tokenizer is read only for its vocabulary
 (each token's bytes), which the grammar engine needs to know which tokens fit.
@@ -30,6 +31,7 @@ import structlog
 import torch
 
 from omnibus.common.sampling import StructuredOutput
+from omnibus.engine.worker.lark import ebnf_literal, is_lark, lark_to_ebnf
 
 log = structlog.get_logger(__name__)
 
@@ -78,13 +80,14 @@ class Grammars:
         text (a regex and an EBNF grammar of the same text are different entries), so a
         format compiles once while it stays in CACHE_BYTES. ValueError naming
         structured_output when the grammar engine refuses it."""
+        ebnf = lark_to_ebnf(fmt.schema) if _is_lark(fmt) else fmt.schema  # refuses Lark it cannot convert
         try:
-            return self._compile(fmt)
+            return self._compile(fmt, ebnf)
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError for a bad format
-            reason = _first_line(exc)
-            raise ValueError(f"structured_output: the {_NAMES[fmt.kind]} does not compile: {reason}") from None
+            what = "Lark grammar, converted to EBNF," if _is_lark(fmt) else _NAMES[fmt.kind]
+            raise ValueError(f"structured_output: the {what} does not compile: {_first_line(exc)}") from None
 
-    def _compile(self, fmt: StructuredOutput) -> Any:
+    def _compile(self, fmt: StructuredOutput, ebnf: str) -> Any:
         ws = self.max_whitespace
         if fmt.kind == "json_object":
             return self._compiler.compile_json_schema(_ANY_OBJECT, strict_mode=False, max_whitespace_cnt=ws)
@@ -94,7 +97,7 @@ class Grammars:
             return self._compiler.compile_regex(fmt.schema)
         if fmt.kind == "choice":
             return self._compiler.compile_grammar(choice_grammar(fmt.options))
-        return self._compiler.compile_grammar(fmt.schema)  # "grammar": EBNF, rule root
+        return self._compiler.compile_grammar(ebnf)  # "grammar": EBNF, rule root
 
     def matcher(self, fmt: StructuredOutput, emitted: Sequence[int] = ()) -> GrammarMatcher:
         """A fresh matcher for one request, advanced past `emitted` (a continuation's
@@ -108,7 +111,7 @@ class Grammars:
         if not self._any_allowed(matcher):
             where = "follow the continuation's output" if emitted else "start the output"
             hint = " (does every rule it needs reach a string?)" if fmt.kind == "grammar" else ""
-            raise ValueError(f"structured_output: no token can {where} under this {_NAMES[fmt.kind]}{hint}")
+            raise ValueError(f"structured_output: no token can {where} under this {_name(fmt)}{hint}")
         return matcher
 
     def _any_allowed(self, matcher: GrammarMatcher) -> bool:
@@ -205,22 +208,16 @@ def _bits(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:
 def choice_grammar(options: Sequence[str]) -> str:
     """An EBNF grammar whose sentences are exactly `options`: `root ::= "a" | "b"`, each
     option a string literal of its exact text."""
-    return "root ::= " + " | ".join(_literal(o) for o in options)
+    return "root ::= " + " | ".join(ebnf_literal(o) for o in options)
 
 
-def _literal(text: str) -> str:
-    """`text` as an EBNF string literal: quote and backslash escaped, and every character
-    that is not printable (controls, line and paragraph separators, format characters) as
-    a \\u or \\U escape, so no raw control character reaches the grammar's lexer."""
-    out = []
-    for c in text:
-        if c in '"\\':
-            out.append("\\" + c)
-        elif c.isprintable():
-            out.append(c)
-        else:
-            out.append(f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}")
-    return '"' + "".join(out) + '"'
+def _is_lark(fmt: StructuredOutput) -> bool:
+    return fmt.kind == "grammar" and is_lark(fmt.schema)
+
+
+def _name(fmt: StructuredOutput) -> str:
+    """What `fmt`'s kind is called in a refusal."""
+    return "Lark grammar" if _is_lark(fmt) else _NAMES[fmt.kind]
 
 
 def _first_line(exc: BaseException) -> str:
