@@ -85,7 +85,7 @@ class StructuredOutput:
 
     kind: str  # one of KINDS
     # The format's text: json_schema: the JSON Schema (an object or true); regex: the
-    # regular expression; grammar: the EBNF grammar (GBNF dialect, rule `root`); else "".
+    # regular expression; grammar: the grammar (EBNF, GBNF dialect, rule `root`; or Lark, rule `start`); else "".
     schema: str = ""
     options: tuple[str, ...] = ()  # choice: the strings the output may be; else ()
 
@@ -140,7 +140,7 @@ class StructuredOutput:
 
 
 # What each kind's text is, for messages.
-_WHAT = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar"}
+_WHAT = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "grammar"}
 # The size of a regex, a grammar, and a choice's options in all: the engine compiles a
 # format on its step loop, and 64 Ki characters compile in about 0.25 s on 2 slow cores
 # (a 200 Ki-character regex took 9 s, stalling every request of that engine meanwhile).

@@ -352,7 +352,7 @@ def test_regex_choice_and_grammar_become_the_proto_fields(kind, fields, expected
     ({"structured_outputs": {"choice": "a"}}, "structured_outputs.choice",
      "structured_outputs.choice must be a non-empty list of strings"),
     ({"structured_outputs": {"grammar": ["root"]}}, "structured_outputs.grammar",
-     "structured_outputs.grammar must be an EBNF grammar (rule root first), as a non-empty string"),
+     "structured_outputs.grammar must be a grammar (EBNF with rule root, or Lark with rule start), as a non-empty string"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
      "structured_outputs sets both regex and choice; set one"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice",

@@ -75,7 +75,8 @@ def structured_outputs(value: dict[str, Any]) -> pb.StructuredOutput | None:
 
 def guided(kind: str, value: object, where: str) -> pb.StructuredOutput:
     """A regex (the whole output matches it), a choice (the output is one of the strings)
-    or a grammar (EBNF, GBNF's dialect, from rule `root`). Compiling them is the engine's."""
+    or a grammar (EBNF in GBNF's dialect from rule `root`, or Lark from rule `start`).
+    Compiling them is the engine's."""
     if kind == "choice":
         if not isinstance(value, list) or not value:
             raise invalid(f"{where} must be a non-empty list of strings", where)
@@ -84,7 +85,8 @@ def guided(kind: str, value: object, where: str) -> pb.StructuredOutput:
                 raise invalid(f"{where}.{i} must be a non-empty string", f"{where}.{i}")
         return pb.StructuredOutput(choice=pb.Choices(options=value))
     if not isinstance(value, str) or not value:
-        what = "a regular expression" if kind == "regex" else "an EBNF grammar (rule root first)"
+        what = ("a regular expression" if kind == "regex"
+                else "a grammar (EBNF with rule root, or Lark with rule start)")
         raise invalid(f"{where} must be {what}, as a non-empty string", where)
     return pb.StructuredOutput(**{kind: value})
 
