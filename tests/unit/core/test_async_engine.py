@@ -104,6 +104,11 @@ async def test_a_format_compiles_beside_the_loop_holding_only_its_own_request(tm
         gone = asyncio.ensure_future(_collect(aengine, "gone", structured))
         assert len(await _collect(aengine, "free", free)) == 8  # while both compiles are held
         assert not held.done() and not gone.done()
+        for _ in range(500):  # the router's load view counts them as waiting
+            if (aengine.stats().num_waiting, aengine.stats().num_running) == (2, 0):
+                break
+            await asyncio.sleep(0.01)
+        assert aengine.stats().num_waiting == 2 and aengine.stats().num_running == 0
         gone.cancel()  # the client leaves while its format compiles: an abort
         await asyncio.sleep(0.05)
         release.set()

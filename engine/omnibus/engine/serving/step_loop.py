@@ -18,7 +18,7 @@ import collections
 import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import structlog
@@ -143,7 +143,7 @@ class StepLoop:
                 steps = engine.num_steps
                 outputs = engine.step()
                 self.heartbeat.end()
-                self._publish(outputs, not engine.has_unfinished())
+                self._publish(outputs, self._settled())
                 if self._loads:
                     self._poll_loads()
                 if self._compiling:
@@ -181,14 +181,21 @@ class StepLoop:
     def _flush_refused(self) -> None:
         if self._refused:  # at once, not with the next step's outputs
             refused, self._refused = self._refused, []
-            self._publish(refused, not self.engine.has_unfinished())
+            self._publish(refused, self._settled())
+
+    def _settled(self) -> bool:
+        """No work left: none in the engine, none compiling its format."""
+        return not self.engine.has_unfinished() and not self._compiling
 
     def _publish(self, outputs: list[Delivery], settled: bool) -> None:
-        """Hands `outputs` over, with the engine's stats when they are due."""
+        """Hands `outputs` over, with the engine's stats when they are due. A request
+        whose format compiles counts as waiting: admitted here, not yet scheduled."""
         stats = None
         now = time.monotonic()
         if settled or now - self._stats_at >= STATS_EVERY_S:
             self._stats_at, stats = now, self.engine.stats()
+            if self._compiling:
+                stats = replace(stats, num_waiting=stats.num_waiting + len(self._compiling))
         if outputs or stats is not None:
             self.outlet.step(outputs, stats, settled)
 
