@@ -109,10 +109,17 @@ def load_hf(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation of one prompt with transformers, never stopping at EOS
-    (the engine's counterpart is `ignore_eos=True`)."""
-    model.generation_config.eos_token_id = None
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, grammar=None, eos: int | None = None) -> list[int]:
+    """Greedy continuation of one prompt with transformers, never stopping at EOS (the
+    engine's counterpart is `ignore_eos=True`); with `grammar` (an xgrammar compiled
+    grammar), under xgrammar's Hugging Face logits processor, stopping at `eos`."""
+    kw: dict = {}
+    if grammar is None:
+        model.generation_config.eos_token_id = None
+    else:
+        import xgrammar
+
+        kw = dict(eos_token_id=eos, logits_processor=[xgrammar.contrib.hf.LogitsProcessor(grammar)])
     ids = torch.tensor([prompt])
     out = model.generate(
         ids,
@@ -120,5 +127,6 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=0,
+        **kw,
     )
     return out[0, len(prompt):].tolist()

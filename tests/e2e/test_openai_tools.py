@@ -21,11 +21,10 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 import transformers
 
 from omnibus.router.http.chat_template import ChatTemplate
-from tests.checkpoints import load_hf
+from tests.checkpoints import hf_greedy, load_hf
 from tests.grpc_helpers import ServerProcess, engine_process, free_port, router_process, tiny_checkpoint
 
 xgr = pytest.importorskip("xgrammar")
@@ -89,17 +88,9 @@ class Served:
         """transformers' greedy output: under xgrammar's processor for `schema` (a JSON
         schema or a compiled grammar; to EOS), or free (ignoring EOS, as max_tokens cuts
         the router's)."""
-        ids = torch.tensor([prompt])
-        kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-        if schema is None:
-            self.hf.generation_config.eos_token_id = None
-            kw.update(eos_token_id=None)
-        else:
-            grammar = schema if not isinstance(schema, dict) else self.compiler.compile_json_schema(
-                json.dumps(schema, ensure_ascii=False), max_whitespace_cnt=WHITESPACE)
-            kw.update(eos_token_id=EOS, logits_processor=[xgr.contrib.hf.LogitsProcessor(grammar)])
-        out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-        return out[0, len(prompt):].tolist()
+        grammar = schema if not isinstance(schema, dict) else self.compiler.compile_json_schema(
+            json.dumps(schema, ensure_ascii=False), max_whitespace_cnt=WHITESPACE)
+        return hf_greedy(self.hf, prompt, max_tokens, grammar, EOS)
 
     def text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)  # as the router's text

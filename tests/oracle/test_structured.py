@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from omnibus.common.sampling import StructuredOutput
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import Engine
 from omnibus.engine.worker.sampling import SamplingParams
-from tests.checkpoints import load_hf, make_checkpoint
+from tests.checkpoints import hf_greedy, load_hf, make_checkpoint
 from tests.oracle.test_speculative import KnowingProposer
 
 xgr = pytest.importorskip("xgrammar")
@@ -59,16 +58,8 @@ class Oracle:
         processor for `fmt`; without, ignoring EOS (as `ignore_eos`)."""
         key = (tuple(prompt), fmt)
         if key not in self._memo:
-            ids = torch.tensor([prompt])
-            kw = dict(max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-            if fmt is None:
-                self.hf.generation_config.eos_token_id = None
-                kw.update(eos_token_id=None)
-            else:
-                kw.update(eos_token_id=EOS,
-                          logits_processor=[xgr.contrib.hf.LogitsProcessor(self.grammars[fmt])])
-            out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-            self._memo[key] = out[0, len(prompt):].tolist()
+            grammar = None if fmt is None else self.grammars[fmt]
+            self._memo[key] = hf_greedy(self.hf, prompt, MAX_TOKENS, grammar, EOS)
         return self._memo[key]
 
     def text(self, tokens: list[int]) -> str:

@@ -40,26 +40,22 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["name", "kind", "age", "ok"], "additionalProperties": False}
 FORMATS = {"schema": json.dumps(SCHEMA), "json_object": '{"type": "object"}'}
 SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+STOP = 2  # "</s>", the end token of bench-host's tokenizer (ids 0-2: <unk>, <s>, </s>)
 
 
 def tokenizer(folder: Path, vocab_size: int) -> Path:
-    """A byte-level BPE tokenizer of `vocab_size` ids trained on synthetic words, numbers
-    and JSON punctuation; returns its tokenizer.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """bench-host's byte-level BPE tokenizer of `vocab_size` ids, trained here on synthetic
+    words, numbers and JSON punctuation (varied enough to reach 32,000 merges); returns its
+    folder."""
+    from omnibus.bench.host import build_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     rng = random.Random(0)
     words = ["".join(rng.choices(SYLLABLES, k=rng.randint(1, 4))) for _ in range(60_000)]
     corpus = [json.dumps({rng.choice(words): rng.choice(words), "n": rng.randint(0, 10**rng.randint(1, 6)),
                           "l": rng.sample(words, 3)}) + " " + " ".join(rng.sample(words, 12))
               for _ in range(40_000)]
-    tok.train_from_iterator(corpus, trainer=trainer)
-    path = folder / f"tokenizer-{vocab_size}.json"
-    tok.save(str(path))
+    path = folder / f"tokenizer-{vocab_size}"
+    build_tokenizer(path, vocab_size, corpus)
     return path
 
 
@@ -71,8 +67,8 @@ class XGrammar:
         from transformers import PreTrainedTokenizerFast
 
         self.xgr = xgr
-        hf = PreTrainedTokenizerFast(tokenizer_file=str(path))
-        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=[0])
+        hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=[STOP])
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.mask = xgr.allocate_token_bitmask(1, vocab)
 
@@ -102,8 +98,8 @@ class LLGuidance:
         from transformers import PreTrainedTokenizerFast
 
         self.ll = llguidance
-        hf = PreTrainedTokenizerFast(tokenizer_file=str(path))
-        self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=0)
+        hf = PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+        self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=STOP)
         self.mask = llguidance.torch.allocate_token_bitmask(1, vocab)
 
     def compile(self, schema: str, strict: bool) -> object:
@@ -140,7 +136,7 @@ def walk(engine, compiled, vocab: int, fills: int, seed: int) -> list[float]:
         row = engine.fill(matcher)
         times.append((time.perf_counter() - t0) * 1e6)
         ids = allowed(row, vocab)
-        choices = [t for t in ids if t != 0] or ids
+        choices = [t for t in ids if t != STOP] or ids
         if not engine.consume(matcher, rng.choice(choices)):
             matcher = engine.matcher(compiled)
     return times
@@ -153,7 +149,7 @@ def measure(vocab_sizes: list[int], fills: int) -> dict:
             path = tokenizer(Path(tmp), size)
             from tokenizers import Tokenizer
 
-            vocab = Tokenizer.from_file(str(path)).get_vocab_size()
+            vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
             for fmt, schema in FORMATS.items():
                 for cls in (XGrammar, LLGuidance):
                     engine = cls(path, vocab)

@@ -111,9 +111,9 @@ def build_model(path: Path, vocab_size: int = 2048) -> Path:
     return path
 
 
-def build_tokenizer(path: Path, vocab_size: int = 2048) -> int:
+def build_tokenizer(path: Path, vocab_size: int = 2048, corpus: list[str] | None = None) -> int:
     """Writes path/tokenizer.json (byte-level BPE of at most `vocab_size` ids, trained on
-    a synthetic corpus); returns its vocabulary size."""
+    `corpus`, by default a synthetic one of WORDS); returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -124,9 +124,10 @@ def build_tokenizer(path: Path, vocab_size: int = 2048) -> int:
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    rng = random.Random(0)
-    corpus = [" ".join(rng.choice(WORDS) + str(rng.randrange(100)) * (rng.random() < 0.2)
-                       for _ in range(30)) for _ in range(2000)]
+    if corpus is None:
+        rng = random.Random(0)
+        corpus = [" ".join(rng.choice(WORDS) + str(rng.randrange(100)) * (rng.random() < 0.2)
+                           for _ in range(30)) for _ in range(2000)]
     tok.train_from_iterator(corpus, trainer=trainer)
     tok.save(str(path / "tokenizer.json"))
     return tok.get_vocab_size()

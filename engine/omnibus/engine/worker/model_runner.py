@@ -25,7 +25,7 @@ from omnibus.engine.model.llama import ForwardBatch
 from omnibus.engine.model.loader import load_model, random_model
 from omnibus.engine.model.null import NullModel
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
-from omnibus.engine.worker.grammar import GrammarMask, GrammarMatcher, Grammars
+from omnibus.engine.worker.grammar import GrammarMatcher, Grammars
 from omnibus.engine.worker.memory import MemoryUse, kv_cache_budget, lora_stack_bytes
 from omnibus.engine.worker.sampling import (
     PromptRows, SampledBatch, Sampler, SamplerOutput, prompt_logprobs)
@@ -217,19 +217,20 @@ class ModelRunner:
                                      self.config.structured_max_whitespace)
         return self.grammars
 
-    def _grammar_masks(self, plan: SchedulerOutput) -> GrammarMask | None:
-        """The step's grammar masks, when a sampled row has a grammar (None otherwise, and
-        at once while no structured request ever came)."""
-        if self.grammars is None:
-            return None
-        rows: list[tuple[int, GrammarMatcher]] = []
+    @staticmethod
+    def _sampled_rows(plan: SchedulerOutput) -> tuple[list[Sequence], list[tuple[int, GrammarMatcher]]]:
+        """The sequences that sample this step, and (logits row, matcher) of those with a
+        grammar (never speculated: one row each; a speculated one has 1 + guesses rows)."""
+        rows: list[Sequence] = []
+        masked: list[tuple[int, GrammarMatcher]] = []
         row = 0
         for item in plan.scheduled:
             if item.samples:
-                if item.seq.grammar is not None:  # never speculated: one row
-                    rows.append((row, item.seq.grammar))
+                rows.append(item.seq)
+                if item.seq.grammar is not None:
+                    masked.append((row, item.seq.grammar))
                 row += 1 + len(item.guess)
-        return self.grammars.fill(row, rows) if rows else None
+        return rows, masked
 
     # ---- one step ------------------------------------------------------------
 
@@ -359,9 +360,10 @@ class ModelRunner:
             hidden = self.graphs.run(batch)  # (n, hidden): decode-only, one token per sequence
         else:
             hidden = self.model(batch, self.kv_caches)  # (T, hidden)
-        rows = [item.seq for item in plan.scheduled if item.samples]
+        rows, masked = self._sampled_rows(plan)
         penalties = False
-        masks = self._grammar_masks(plan) if rows else None  # host work while the forward runs
+        # host work while the forward runs
+        masks = self.grammars.fill(len(batch.logits_indices), masked) if masked else None
         if rows:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab)
             if masks is not None:
