@@ -1,4 +1,5 @@
-"""Configuration: the model's architecture (read from config.json) and the engine's knobs.
+"""Configuration: the model's architecture (read from config.json, or a GGUF file's
+metadata) and the engine's knobs.
 
 Both are frozen dataclasses validated at construction; bad values raise ValueError
 with a message that names the field and what it accepts.
@@ -6,14 +7,15 @@ with a message that names the field and what it accepts.
 
 from __future__ import annotations
 
-import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from omnibus.common.checkpoint import architecture, context_length, field, max_positions
+from omnibus.common.model_files import DirectoryFiles, open_model
 from omnibus.engine.core.scheduler import SchedulerConfig
 from omnibus.engine.spec.proposer import PROPOSERS, SpecConfig
 
@@ -26,16 +28,23 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")  # torch dtypes, by name
 BATCHING_POLICIES = ("continuous", "dynamic", "static", "none")
 WAITING_ORDERS = ("slo", "fifo")
 CPU_MATMULS = ("onednn", "aten")
+# How projections are held and multiplied (model/linear.py). auto: as the checkpoint stores
+# them; none: every weight dequantized to the model dtype (the exact reference); int8, fp8,
+# int4: a full-precision checkpoint quantized at load (weight-only INT8 per channel, FP8
+# W8A8 per channel with per-token activations, INT4 in groups of 32).
+QUANTIZATIONS = ("auto", "none", "int8", "fp8", "int4")
 DEFAULT_MAX_BATCH_SIZE = 32  # static/dynamic batches, when max_num_seqs allows
 _SCHEDULER = {f.name: f.default for f in fields(SchedulerConfig)}  # the scheduler's own defaults
 _SPEC = {f.name: f.default for f in fields(SpecConfig)}
 SPECULATIVE_METHODS = PROPOSERS
 # transformers' num_key_value_heads when config.json has no such key (null: num_attention_heads)
 _DEFAULT_KV_HEADS = {"mistral": 8, "qwen2": 32}
+_T = TypeVar("_T")
 
 
 class ModelLoadError(ValueError):
-    """A checkpoint directory that cannot be served (missing file, bad shape, pickle...)."""
+    """A checkpoint (directory or GGUF file) that cannot be served (missing file, bad
+    shape, pickle...)."""
 
 
 @dataclass(frozen=True)
@@ -81,19 +90,23 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        file = path / "config.json"
-        if not file.is_file():
-            raise ModelLoadError(f"{path} is not a model directory: config.json not found")
+        """The architecture of the model directory or GGUF file `path` (its config and
+        generation config, omnibus.common.model_files). ModelLoadError naming the file
+        and the reason when it cannot be served."""
+        files = _read(lambda: open_model(path))
+        raw = _read(files.config)
         try:
-            raw = json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(f"{file} is not valid JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ModelLoadError(f"{file} is not a JSON object")
-        cfg = cls.from_dict(raw)
-        generation = _generation_eos(path / "generation_config.json")
-        return cfg if generation is None else replace(cfg, eos_token_ids=generation)
+            cfg = cls.from_dict(raw)
+        except ModelLoadError as exc:
+            if isinstance(files, DirectoryFiles):
+                raise
+            # the rules speak of config.json: say which file's metadata it was made from
+            raise ModelLoadError(f"{path} (its metadata read as config.json): {exc}") from exc
+        generation = _read(files.generation_config)
+        if generation is None:
+            return cfg
+        source = str(files.file_for("generation_config.json"))
+        return replace(cfg, eos_token_ids=_eos_ids(generation.get("eos_token_id"), source))
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -161,28 +174,20 @@ class ModelConfig:
         return cfg
 
 
+def _read(step: Callable[[], _T]) -> _T:
+    """`step`'s model-file read, its ValueError (which names the file) a ModelLoadError."""
+    try:
+        return step()
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+
+
 def _eos_ids(value: object, source: str) -> tuple[int, ...]:
     """eos_token_id as config.json and generation_config.json hold it: an id, a list, or null."""
     values = value if isinstance(value, list) else [] if value is None else [value]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
         raise ModelLoadError(f"{source}: eos_token_id must be a token id or a list of them, got {value!r}")
     return tuple(values)
-
-
-def _generation_eos(file: Path) -> tuple[int, ...] | None:
-    """The end-of-sequence ids of generation_config.json; None when there is no such file.
-    As in transformers' generate, where the file exists its ids are the ones generation
-    stops at (none if it lists none), whatever config.json says: instruct checkpoints
-    often list their end-of-turn token only there (Llama 3's <|eot_id|>)."""
-    if not file.is_file():
-        return None
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"{file} cannot be read as JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ModelLoadError(f"{file} is not a JSON object")
-    return _eos_ids(raw.get("eos_token_id"), str(file))
 
 
 def _parse_rope(raw: dict, max_positions: int) -> tuple[float, RopeScaling]:
@@ -228,7 +233,7 @@ def _parse_rope(raw: dict, max_positions: int) -> tuple[float, RopeScaling]:
 class EngineConfig:
     """Everything an engine worker is started with."""
 
-    model: str  # path of a Hugging Face checkpoint directory
+    model: str  # path of a Hugging Face checkpoint directory or a .gguf file
     device: str = "cpu"  # "cpu" or "cuda[:N]"
     dtype: str = "auto"  # "auto" (the checkpoint's) | "float32" | "bfloat16" | "float16"
     block_size: int = 16  # tokens per KV block
@@ -267,6 +272,7 @@ class EngineConfig:
     # CPU float32 linear layers: "onednn" packs each weight once at load into oneDNN's
     # layout and multiplies with it (model/cpu_linear.py); "aten": torch's default linear
     cpu_matmul: str = "onednn"
+    quantization: str = "auto"  # QUANTIZATIONS above
     # Speculative decoding (engine/omnibus/engine/spec): None never; "ngram" guesses each decode's next
     # tokens from earlier matches of its last tokens (prompt lookup), and the step scores
     # them all; kept only where the model itself picks them (the output is unchanged)
@@ -309,6 +315,7 @@ class EngineConfig:
         _check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras ({self.max_loras})", self.max_cpu_loras)
         _check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "in [1, 512]", self.max_lora_rank)
         _check(self.cpu_matmul in CPU_MATMULS, "cpu_matmul", " or ".join(CPU_MATMULS), self.cpu_matmul)
+        _check(self.quantization in QUANTIZATIONS, "quantization", " | ".join(QUANTIZATIONS), self.quantization)
         self.spec_config()  # ValueError naming the flag
         _check(self.batch_window_ms is None or 0 <= self.batch_window_ms < math.inf, "batch_window_ms",
                "finite and >= 0", self.batch_window_ms)

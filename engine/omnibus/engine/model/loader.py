@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
 
 import structlog
 import torch
 from safetensors import SafetensorError, safe_open
 
 from omnibus.engine.config import ModelConfig, ModelLoadError
+from omnibus.engine.model.linear import Linear
 from omnibus.engine.model.llama import LlamaForCausalLM
+from omnibus.engine.model.quant.weights import DenseWeight, Weight, WeightFormatError
 
 # checkpoint projection -> (fused parameter, index of the slice it fills)
 _FUSED = {
@@ -58,6 +62,54 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise ModelLoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
+@dataclass(frozen=True)
+class WeightSource:
+    """Where a model's weights come from: `tensors()` yields (Hugging Face name, tensor or
+    decoded weight) pairs; `quantized` says the projections bring their own storage."""
+
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor | Weight]]]
+    quantized: bool
+
+
+def open_weights(path: Path, cfg: ModelConfig, quantization: str = "auto") -> WeightSource:
+    """A GGUF file, or a safetensors directory (decoded as config.json's quantization_config
+    says). `quantization` "none" asks for every weight dequantized."""
+    if path.suffix == ".gguf":
+        from omnibus.engine.model.formats.gguf import gguf_weights
+
+        return WeightSource(lambda: gguf_weights(path, cfg, quantization == "none"), True)
+    files = checkpoint_files(path)
+    plain = lambda: safetensors_tensors(files)  # noqa: E731
+    qconfig = _quantization_config(path)
+    if qconfig is None:
+        return WeightSource(plain, False)
+    from omnibus.engine.model.formats import decoder_for
+
+    decode = decoder_for(qconfig, path)
+    return WeightSource(lambda: decode(plain(), qconfig, cfg), True)
+
+
+def _quantization_config(path: Path) -> dict | None:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # ModelConfig.from_dir has already refused an unreadable config.json
+    qconfig = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if qconfig is not None and not isinstance(qconfig, dict):
+        raise ModelLoadError(f"{path / 'config.json'}: quantization_config must be an object")
+    return qconfig
+
+
+def safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as exc:  # truncated or corrupt: name the file
+            raise ModelLoadError(f"{file} is not a readable safetensors file: {exc}") from exc
+
+
 def _target(name: str) -> tuple[str, int | None]:
     """Map a checkpoint tensor name to our parameter name and fused slice index."""
     name = name.removeprefix("model.")
@@ -87,13 +139,24 @@ def _fused_slices(model: LlamaForCausalLM, fused: str) -> list[int]:
     return [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
 
 
-def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int) -> LlamaForCausalLM:
-    """The model with uninitialized weights, allocated once on `device`."""
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
+                quantized: bool = False) -> LlamaForCausalLM:
+    """The model with uninitialized weights, allocated once on `device`. `quantized`: the
+    checkpoint brings its projections' own (smaller) storage, so their dense weights are
+    never allocated."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_len)
     # dtype first, on meta (free): materializing in float32 and converting after would
     # transiently hold the whole model in float32 on the device (32 GB at 8B).
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if quantized:
+        for layer in linears:
+            if layer is not model.lm_head or not cfg.tie_word_embeddings:
+                layer.defer()
+    model = model.to_empty(device=device)
+    for layer in linears:
+        layer.home = (dtype, device)
     model.rope = type(model.rope)(cfg, max_len).to(device)  # buffers are computed, not loaded
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -101,43 +164,91 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
 
 
 def load_model(cfg: ModelConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
-               max_len: int) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint."""
+               max_len: int, quantization: str = "auto") -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint:
+    a safetensors directory (full precision, or quantized as its config.json's
+    quantization_config says) or a GGUF file. `quantization`: EngineConfig.quantization."""
     path = Path(path)
-    files = checkpoint_files(path)
-    model = empty_model(cfg, dtype, device, max_len)
-
-    def tensors():
-        for file in files:
-            try:
-                with safe_open(str(file), framework="pt", device="cpu") as f:
-                    for name in f.keys():
-                        yield name, f.get_tensor(name)
-            except (SafetensorError, OSError) as exc:  # truncated or corrupt: name the file
-                raise ModelLoadError(f"{file} is not a readable safetensors file: {exc}") from exc
-
-    load_weights(model, tensors(), str(path))
+    source = open_weights(path, cfg, quantization)
+    model = empty_model(cfg, dtype, device, max_len, quantized=source.quantized)
+    load_weights(model, source.tensors(), str(path))
+    finish_linears(model, quantization)
     return model
 
 
-def load_weights(model: LlamaForCausalLM, tensors, source: str = "state dict") -> None:
-    """Fill every parameter from (HF name, tensor) pairs; refuse unknown, misshapen or missing ones."""
+def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Tensor | Weight]],
+                 source: str = "state dict") -> None:
+    """Fill every parameter from (HF name, tensor) pairs; refuse unknown, misshapen or missing
+    ones. A projection's weight may come decoded (`quant.weights`: a quantized format's
+    reader decodes its packed tensors first); everything else is a plain tensor."""
     params = dict(model.named_parameters())
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     loaded: set[str] = set()
     head = None  # a tied model's stored lm_head.weight, settled once the embeddings are in
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
-        if model.cfg.tie_word_embeddings and _target(name)[0] == "lm_head.weight":
-            head = tensor
+        target, idx = _target(name)
+        module, _, suffix = target.rpartition(".")
+        if model.cfg.tie_word_embeddings and target == "lm_head.weight":
+            head = tensor.dequantize() if not isinstance(tensor, torch.Tensor) else tensor
+        elif suffix == "weight" and module in linears:
+            _load_linear(linears[module], name, tensor, idx, loaded)
         else:
-            _copy(model, params, name, tensor, loaded)
+            _copy(model, params, name, _plain(name, tensor), loaded)
     if head is not None:
         _tie_or_untie(model, head, loaded, source)
-    missing = [hf for name in sorted(set(params) - loaded) for hf in _checkpoint_names(name, loaded)]
+    expected = {n for n in params if n.rpartition(".")[0] not in linears or not n.endswith(".weight")}
+    tied = model.cfg.tie_word_embeddings
+    expected |= {f"{name}.weight" for name in linears if not (tied and name == "lm_head")}
+    missing = [hf for name in sorted(expected - loaded) for hf in _checkpoint_names(name, loaded)]
     if missing:
         raise ModelLoadError(f"checkpoint {source} lacks weights for: {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _plain(name: str, tensor: torch.Tensor | Weight) -> torch.Tensor:
+    """A non-projection tensor: embeddings and norms are used as tensors (a quantized
+    embedding table is dequantized)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
+
+
+def _load_linear(layer: Linear, name: str, tensor: torch.Tensor | Weight, idx: int | None,
+                 loaded: set[str]) -> None:
+    weight = DenseWeight(tensor) if isinstance(tensor, torch.Tensor) else tensor
+    module = _target(name)[0].removesuffix(".weight")
+    try:
+        layer.load(weight, idx or 0)
+    except WeightFormatError as exc:
+        raise ModelLoadError(f"shape mismatch for {name}: {exc}") from exc
+    if idx is None:
+        loaded.add(f"{module}.weight")
+        return
+    loaded.add(f"{module}.weight#{idx}")
+    if layer.complete:
+        loaded.add(f"{module}.weight")
+
+
+def finish_linears(model: torch.nn.Module, quantization: str) -> None:
+    """Settle every projection's kernel once loading is done (`Linear.finish`). The LM head
+    keeps its loaded form under --quantization int8/fp8/int4 (as vLLM leaves it), and a
+    tied one is the embedding table."""
+    cfg = model.cfg
+    dtype = model.embed_tokens.weight.dtype
+    device = model.embed_tokens.weight.device
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear):
+            continue
+        if name == "lm_head":
+            if cfg.tie_word_embeddings:
+                continue
+            mode = quantization if quantization in ("auto", "none") else "auto"
+        else:
+            mode = quantization
+        try:
+            layer.finish(mode, dtype, device)
+        except WeightFormatError as exc:
+            raise ModelLoadError(f"cannot serve {name} with --quantization {quantization}: {exc}") from exc
 
 
 def _tie_or_untie(model: LlamaForCausalLM, head: torch.Tensor, loaded: set[str], source: str) -> None:
@@ -161,7 +272,7 @@ def _tie_or_untie(model: LlamaForCausalLM, head: torch.Tensor, loaded: set[str],
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-                 seed: int = 0) -> LlamaForCausalLM:
+                 seed: int = 0, quantization: str = "auto") -> LlamaForCausalLM:
     """Random weights created on the device (benchmarks of large shapes, no checkpoint)."""
     model = empty_model(cfg, dtype, device, max_len)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -171,6 +282,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
+    finish_linears(model, quantization)
     return model
 
 

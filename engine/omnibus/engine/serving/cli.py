@@ -19,7 +19,8 @@ from typing import Any
 from omnibus.common.adapters import adapter_name_error
 from omnibus.common.cli import HelpFormatter, config_error, uint64
 from omnibus.engine.config import (
-    BATCHING_POLICIES, CPU_MATMULS, DEFAULT_MAX_BATCH_SIZE, DTYPE_NAMES, LOAD_FORMATS, SPECULATIVE_METHODS,
+    BATCHING_POLICIES, CPU_MATMULS, DEFAULT_MAX_BATCH_SIZE, DTYPE_NAMES, LOAD_FORMATS, QUANTIZATIONS,
+    SPECULATIVE_METHODS,
     WAITING_ORDERS, EngineConfig)
 from omnibus.engine.serving.batcher import BatcherConfig
 from omnibus.engine.serving.config import ServerConfig
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--host", default=_SERVER["host"], help="address to listen on (0.0.0.0: all interfaces)"
     )
     p.add_argument("--port", type=int, default=_SERVER["port"], help="gRPC port")
-    p.add_argument("--model", required=True, help="Hugging Face model directory (safetensors)")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face model directory (safetensors) or .gguf file")
     p.add_argument("--device", default=_ENGINE["device"], help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=_ENGINE["dtype"], choices=["auto", *DTYPE_NAMES],
                    help="auto: the checkpoint's dtype on CUDA, float32 on a CPU")
@@ -70,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
         "load into oneDNN's layout (1.3-6x faster than aten's per-call MKL product, most at "
         "decode batch sizes; a tied LM head keeps aten's); aten: torch's default linear "
         f"(default: {_ENGINE['cpu_matmul']})",
+    )
+    p.add_argument(
+        "--quantization", default=_ENGINE["quantization"], choices=QUANTIZATIONS,
+        help="how projections are held and multiplied. auto: as the checkpoint stores them (GGUF "
+        "Q4_0/Q4_1/Q4_K, GPTQ, AWQ and compressed-tensors on INT4/INT8/FP8 kernels); none: every "
+        "weight dequantized to --dtype (the exact reference); int8 (weight-only, per channel), "
+        "fp8 (W8A8, per channel and per token) or int4 (weight-only, groups of 32): quantize a "
+        "full-precision checkpoint at load. Embeddings and a tied LM head stay unquantized "
+        f"(default: {_ENGINE['quantization']})",
     )
     p.add_argument("--block-size", type=int, default=_ENGINE["block_size"], help="tokens per KV block")
     p.add_argument(

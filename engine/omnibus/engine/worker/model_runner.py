@@ -69,9 +69,10 @@ class ModelRunner:
             self.model = NullModel(model_config, self.device)
         elif config.load_format == "dummy":
             self.model = random_model(model_config, self.dtype, self.device, model_config.max_model_len,
-                                      config.seed or 0)
+                                      config.seed or 0, config.quantization)
         else:
-            self.model = load_model(model_config, config.model, self.dtype, self.device, model_config.max_model_len)
+            self.model = load_model(model_config, config.model, self.dtype, self.device, model_config.max_model_len,
+                                    config.quantization)
         packed = 0
         if self.device.type == "cpu" and config.cpu_matmul == "onednn":
             packed = pack_linears(self.model)

@@ -1,0 +1,150 @@
+"""Weights of a GGUF file (llama.cpp's format), as (Hugging Face name, tensor or weight) pairs.
+
+Tensors are read with the `gguf` package (memory-mapped). Projections in Q4_0, Q4_1 or
+Q4_K keep their 4-bit codes (`Int4Weight`, groups of 32: the blocks' own scales and
+minimums, exactly); every other type (F32, F16, BF16, Q8_0, Q5_*, Q6_K, ...) is dequantized
+once at load by gguf's own code, as transformers does, and logged with its cost. Under
+`--quantization none` everything is dequantized by gguf, so the weights are bit for bit
+what transformers loads from the same file.
+
+llama.cpp's converter permutes the rows of Llama's q and k projections (its rotary
+embedding pairs adjacent dimensions, Hugging Face's pairs halves); they are permuted back
+here, for the quantized codes as for dense rows.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import structlog
+import torch
+
+from omnibus.engine.config import ModelConfig, ModelLoadError
+from omnibus.engine.model.quant.weights import Int4Weight, Weight, take_rows
+
+log = structlog.get_logger(__name__)
+
+_LAYER = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_IGNORED = {"rope_freqs"}  # llama3 rope factors: the model computes them from the config
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; None for one the model computes itself."""
+    match = _BLOCK.match(name)
+    if match:
+        layer, kind, suffix = match.groups()
+        if kind in _LAYER:
+            return f"model.layers.{layer}.{_LAYER[kind]}.{suffix}"
+    else:
+        base, _, suffix = name.rpartition(".")
+        if base in _GLOBAL and suffix in ("weight", "bias"):
+            return f"{_GLOBAL[base]}.{suffix}"
+        if base in _IGNORED:
+            return None
+    raise ModelLoadError(f"unexpected tensor {name!r} in the GGUF file (not a Llama-family weight)")
+
+
+def gguf_weights(path: Path, cfg: ModelConfig, dequantize_all: bool) -> Iterator[tuple[str, torch.Tensor | Weight]]:
+    """Every tensor of the file under its Hugging Face name (see the module doc)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as exc:  # not GGUF, truncated, unreadable
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+    widened = 0
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        projection = name.endswith("_proj.weight") or name == "lm_head.weight"
+        kind = t.tensor_type.name
+        weight: torch.Tensor | Weight
+        if projection and not dequantize_all and kind in _INT4_DECODERS:
+            weight = _int4(t.data, kind, _rows(t))
+        else:
+            weight = _dequantized(gguf, t, path)
+            if kind not in ("F32", "F16", "BF16"):
+                widened += weight.numel() * 4 - int(t.n_bytes)
+        if cfg.model_type == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+            weight = _unpermute(weight, heads)
+        yield name, weight
+    if widened:
+        log.info("gguf_dequantized", file=str(path), extra_bytes=widened,
+                 detail="tensors of types without an Omnibus kernel are held dequantized in float32 at load")
+
+
+def _rows(t) -> int:
+    return int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+
+
+def _dequantized(gguf, t, path: Path) -> torch.Tensor:
+    try:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+    except (NotImplementedError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}, "
+                             f"which cannot be read: {exc}") from exc
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest dimension first
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy: the file is mapped read-only
+
+
+def _unpermute(weight: torch.Tensor | Weight, heads: int) -> torch.Tensor | Weight:
+    """Undo llama.cpp's q/k row order (its convert script's permute) on a (rows, in) weight."""
+    rows = weight.shape[0]
+    idx = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+    if isinstance(weight, torch.Tensor):
+        return weight[idx]
+    return take_rows(weight, idx)
+
+
+# --- 4-bit blocks kept as codes --------------------------------------------------------------
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """(blocks, chunks * width/2) packed bytes -> (blocks, chunks * width) codes: each chunk's
+    low nibbles are its first width/2 values, its high nibbles the rest (llama.cpp's order)."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, width // 2) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(0x0F)).reshape(n, -1)
+
+
+def _q4_0(blocks: np.ndarray):
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+    q = _nibbles(blocks[:, 2:], 32)
+    return q, d, np.full_like(d, 8.0), "sub"  # w = d * (q - 8)
+
+
+def _q4_1(blocks: np.ndarray):
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return _nibbles(blocks[:, 4:], 32), d, m, "affine"  # w = d * q + m
+
+
+def _q4_k(blocks: np.ndarray):
+    from gguf.quants import Q4_K
+
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:4 + Q4_K.K_SCALE_SIZE].copy())
+    q = _nibbles(blocks[:, 4 + Q4_K.K_SCALE_SIZE:], 64)  # chunks of 64: 32 low, then 32 high
+    return q, d * sc.astype(np.float32), -(dmin * mn.astype(np.float32)), "affine"  # w = d*sc*q - dmin*m
+
+
+_INT4_DECODERS = {"Q4_0": (_q4_0, 18), "Q4_1": (_q4_1, 20), "Q4_K": (_q4_k, 144)}
+
+
+def _int4(data: np.ndarray, kind: str, rows: int) -> Int4Weight:
+    decode, block_bytes = _INT4_DECODERS[kind]
+    q, scale, zero, convention = decode(np.asarray(data).reshape(-1, block_bytes))
+    return Int4Weight(torch.from_numpy(q.reshape(rows, -1)), torch.from_numpy(scale.reshape(rows, -1)),
+                      torch.from_numpy(zero.reshape(rows, -1)), 32, convention)
