@@ -35,11 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="an engine worker, or a DNS name resolving to every engine (re-resolved; "
         "each address its own engine); repeat for several, each engine once",
     )
-    p.add_argument("--model", required=True, help="model directory (tokenizer.json, config.json)")
+    p.add_argument("--model", required=True,
+                   help="model directory (tokenizer.json, config.json) or .gguf file")
     p.add_argument(
         "--model-name",
         default=_DEFAULTS["model_name"],
-        help="public model id (default: directory name)",
+        help="public model id (default: the model directory or file name)",
     )
     p.add_argument(
         "--max-model-len", type=int, default=None, help="context cap below the model's own"

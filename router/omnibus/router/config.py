@@ -81,7 +81,7 @@ LIMITS_STORE_FAILURE = ("open", "closed")
 class RouterConfig:
     """Everything `omnibus-router serve` is started with."""
 
-    model: str  # HF model directory: tokenizer.json and config.json (limits)
+    model: str  # HF model directory (tokenizer.json, config.json: limits) or a .gguf file
     engines: tuple[str, ...]  # engine targets: host:port or dns:///name:port (EngineTarget)
     host: str = "127.0.0.1"
     port: int = 50051

@@ -29,7 +29,9 @@ from typing import Any
 
 import structlog
 import torch
+from tokenizers import Tokenizer
 
+from omnibus.common.model_files import open_model
 from omnibus.common.sampling import StructuredOutput
 from omnibus.engine.worker.lark import ebnf_literal, is_lark, lark_to_ebnf
 
@@ -48,21 +50,23 @@ _NAMES = {"json_schema": "JSON schema", "json_object": "JSON object format", "re
 class Grammars:
     """Compiles structured-output formats for one model's vocabulary."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int],
+    def __init__(self, model: str | Path, vocab_size: int, eos_token_ids: Sequence[int],
                  max_whitespace: int) -> None:
-        """`vocab_size`: the model's (its logits' width, which may exceed the tokenizer's);
-        `eos_token_ids`: what ends a complete output (the model's end-of-sequence ids);
-        `max_whitespace`: whitespace characters between two JSON elements at most."""
+        """`model`: the model directory or GGUF file; `vocab_size`: the model's (its
+        logits' width, which may exceed the tokenizer's); `eos_token_ids`: what ends a
+        complete output (the model's end-of-sequence ids); `max_whitespace`: whitespace
+        characters between two JSON elements at most."""
         try:
             import xgrammar as xgr
             from transformers import PreTrainedTokenizerFast
         except ImportError as exc:  # a deployment without the engine extra's xgrammar
             raise RuntimeError(f"structured output needs xgrammar (pip install 'omnibus[engine]'): {exc}") from exc
 
-        path = Path(model_dir) / "tokenizer.json"
-        if not path.is_file():
-            raise ValueError(f"structured output needs the model's tokenizer.json, and {path} is missing")
-        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path))
+        try:  # a model directory's tokenizer.json, or the one a GGUF file's metadata makes
+            text = open_model(model).tokenizer_json()
+        except ValueError as exc:
+            raise ValueError(f"structured output needs the model's tokenizer: {exc}") from exc
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(text))
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids) or None)
         self._xgr = xgr

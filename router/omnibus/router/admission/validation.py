@@ -6,7 +6,6 @@ engine gets."""
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import structlog
 from tokenizers import Tokenizer
 
 from omnibus.common.checkpoint import context_length
+from omnibus.common.model_files import open_model
 from omnibus.common.sampling import (
     FieldError, SamplingParams, StructuredOutput, check_context, check_token_ids)
 from omnibus.router.config import RouterConfig
@@ -30,18 +30,21 @@ DEFAULT_MAX_TOKENS = 16  # inference.proto's default for an unset max_tokens
 _OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed")
 
 
-def load_tokenizer(model_dir: str) -> Tokenizer:
-    """The model's tokenizer.json; ValueError when there is none to read."""
-    path = Path(model_dir) / "tokenizer.json"
+def load_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer of the model directory or GGUF file `model`; ValueError when there
+    is none to read."""
+    files = open_model(model)
+    text = files.tokenizer_json()  # ValueError naming the file
     try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # tokenizers raises a bare Exception for I/O and parse errors
-        raise ValueError(f"cannot load the tokenizer {path}: {exc}") from exc
+        return Tokenizer.from_str(text)
+    except Exception as exc:  # tokenizers raises a bare Exception for parse errors
+        raise ValueError(f"cannot load the tokenizer {files.file_for('tokenizer.json')}: {exc}") from exc
 
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """What the served model allows, from its config.json and the router's flags."""
+    """What the served model allows, from its config (config.json, or a GGUF file's
+    metadata) and the router's flags."""
 
     model_id: str
     context: int  # prompt + max_tokens
@@ -51,9 +54,10 @@ class ModelLimits:
 
     @classmethod
     def load(cls, config: RouterConfig) -> ModelLimits:
-        path = Path(config.model) / "config.json"
+        files = open_model(config.model)
+        path = files.file_for("config.json")
         try:
-            raw = json.loads(path.read_text())
+            raw = files.config()
             # The engines' own rule (defaults, sliding-window cap), so what is advertised is served.
             model_len, vocab = context_length(raw), int(raw["vocab_size"])
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

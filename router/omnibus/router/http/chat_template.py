@@ -2,7 +2,8 @@
 
 The template is the Hugging Face one: `chat_template.jinja` in the model directory, or
 `chat_template` in its `tokenizer_config.json` (a string, or a list of named templates of
-which "default" is used). It is rendered as transformers renders it (trim_blocks,
+which "default" is used); a GGUF file's `tokenizer.chat_template` (read by
+omnibus.common.model_files, as every model file). It is rendered as transformers renders it (trim_blocks,
 lstrip_blocks, loop controls, the `{% generation %}` block, `raise_exception`, `tojson`,
 `strftime_now`, `add_generation_prompt`, `tools` (None without), `documents` as None,
 the special tokens by name), in Jinja's immutable sandbox: a template cannot call
@@ -21,6 +22,7 @@ import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from omnibus.common.model_files import ModelFiles, open_model
 from omnibus.router.service.errors import invalid
 
 # transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES)
@@ -72,17 +74,17 @@ class ChatTemplate:
         self._special_tokens = special_tokens
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> ChatTemplate | None:
-        """The model's chat template, or None when it has none. Raises ValueError when the
-        tokenizer config or the template cannot be read or compiled."""
-        model_dir = Path(model_dir)
-        config = _read_config(model_dir / "tokenizer_config.json")
-        source = _source(model_dir, config)
+    def load(cls, model: str | Path) -> ChatTemplate | None:
+        """The chat template of the model directory or GGUF file `model`, or None when it
+        has none. Raises ValueError when the tokenizer config or the template cannot be
+        read or compiled."""
+        files = open_model(model)
+        source = files.chat_template()
         if source is None:
             return None
         if not isinstance(source, str) or not source.strip():
-            raise ValueError(f"{model_dir}: the chat template must be a non-empty string")
-        return cls(source, _special_tokens(model_dir, config))
+            raise ValueError(f"{model}: the chat template must be a non-empty string")
+        return cls(source, _special_tokens(files))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None) -> str:
@@ -107,53 +109,27 @@ class ChatTemplate:
             ) from None
 
 
-def tokenizer_info(model_dir: str | Path) -> dict[str, Any]:
+def tokenizer_info(model: str | Path) -> dict[str, Any]:
     """What vLLM's GET /tokenizer_info shows (clients such as lm-evaluation-harness read
     the special tokens and the chat template from it): tokenizer_config.json's settings
     without its added-token table, the special tokens as text, the chat template (None
     when there is none). Raises ValueError when the config cannot be read."""
-    model_dir = Path(model_dir)
-    config = _read_config(model_dir / "tokenizer_config.json")
-    source = _source(model_dir, config)
-    info = {k: v for k, v in config.items() if k not in ("added_tokens_decoder", "auto_map")}
+    files = open_model(model)
+    source = files.chat_template()
+    info = {k: v for k, v in files.tokenizer_config().items() if k not in ("added_tokens_decoder", "auto_map")}
     info.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
-    return {**info, **_special_tokens(model_dir, config),
-            "chat_template": source if isinstance(source, str) else None}
+    return {**info, **_special_tokens(files), "chat_template": source if isinstance(source, str) else None}
 
 
-def _source(model_dir: Path, config: dict[str, Any]) -> object:
-    """The chat template's source as found: chat_template.jinja, else the config's
-    (a named list's "default"); None when there is none."""
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text()
-    source = config.get("chat_template")
-    if isinstance(source, list):  # [{"name": "default", "template": "..."}, ...]
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default")
-    return source
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        return {}
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {path}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return raw
-
-
-def _special_tokens(model_dir: Path, config: dict[str, Any]) -> dict[str, str]:
+def _special_tokens(files: ModelFiles) -> dict[str, str]:
     """The special tokens a template sees, by name, as transformers sets them: the named
     ones of tokenizer_config.json (and the model-specific ones of its extra_special_tokens
     dict), overridden by special_tokens_map.json where the config has no
     added_tokens_decoder (transformers' legacy files). An unset token stays undefined."""
+    config = files.tokenizer_config()
     values = dict(config)
     if "added_tokens_decoder" not in config:
-        values.update(_read_config(model_dir / "special_tokens_map.json"))
+        values.update(files.special_tokens_map())
     names = list(_SPECIAL_TOKENS)
     extra = values.get("extra_special_tokens")
     if isinstance(extra, dict):

@@ -25,24 +25,11 @@ from functools import lru_cache
 
 from tokenizers import Tokenizer
 
+from omnibus.common.model_files import byte_level_chars
+
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's map from byte-level token characters to bytes: printable Latin-1 bytes
-    stand for themselves, the other 68 for the characters from U+0100 up, in order."""
-    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    chars, shifted = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(0x100 + shifted)] = byte
-            shifted += 1
-    return chars
-
-
-_BYTE_LEVEL = _byte_level_alphabet()
+# GPT-2's byte-level alphabet, character -> byte (the one a GGUF's byte-level tokenizer is spelled in)
+_BYTE_LEVEL = {char: byte for byte, char in byte_level_chars().items()}
 
 
 def _decoder_types(decoder: object) -> set[str]:
