@@ -257,6 +257,18 @@ def test_a_big_endian_file_reads_as_the_little_endian_one(tmp_path, byte_level):
     assert big.config() == little.config() and big.tokenizer_json() == little.tokenizer_json()
 
 
+def test_the_tensor_directory_is_the_one_gguf_reads(tmp_path, byte_level):
+    path = write(tmp_path / "m.gguf", Spec("llama", byte_level, tensors=("token_embd.weight", "blk.0.attn_q.weight",
+                                                                         "output.weight"), dtype=np.float16))
+    reader = gguf.GGUFReader(str(path))
+    theirs = {t.name: (int(t.tensor_type), tuple(map(int, t.shape)), int(t.data_offset)) for t in reader.tensors}
+    ours = open_model(path).header.tensors
+    assert {name: (t.type_id, t.shape, t.offset) for name, t in ours.items()} == theirs
+    assert ours["output.weight"].shape == (8, 4) and ours["output.weight"].type_id == 1  # F16, fastest dim first
+    smol = open_model(SMOLLM2).header.tensors
+    assert (len(smol), smol["token_embd.weight"].shape, "output.weight" in smol) == (272, (576, 49152), False)
+
+
 # ---- the tokenizer config and the chat template ---------------------------------------------
 
 

@@ -23,15 +23,15 @@ import json
 import mmap
 import struct
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-__all__ = ["GGUF_ARCHITECTURES", "GGUF_TOKENIZER_MODELS", "DirectoryFiles", "GgufFiles", "ModelFiles",
-           "byte_level_chars", "is_gguf", "open_model"]
+__all__ = ["GGUF_ARCHITECTURES", "GGUF_TOKENIZER_MODELS", "DirectoryFiles", "GgufFiles", "GgufHeader",
+           "GgufTensor", "ModelFiles", "byte_level_chars", "is_gguf", "open_model"]
 
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")  # general.architecture values served
 GGUF_TOKENIZER_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model values served
@@ -226,12 +226,21 @@ class _Cursor:
 
 
 @dataclass(frozen=True)
-class _Header:
-    """A GGUF file's metadata and the ggml type of each tensor, by name."""
+class GgufTensor:
+    """One entry of a GGUF file's tensor directory (its data stays in the file)."""
+
+    type_id: int  # ggml type (gguf's GGMLQuantizationType value)
+    shape: tuple[int, ...]  # as GGUF lists it: the fastest-varying dimension first
+    offset: int  # absolute byte offset of its data in the file
+
+
+@dataclass(frozen=True)
+class GgufHeader:
+    """A GGUF file's metadata (numeric arrays as lists) and tensor directory, by name."""
 
     path: Path
     metadata: dict[str, Any]
-    tensor_types: dict[str, int]
+    tensors: dict[str, GgufTensor]
 
     def get(self, key: str, kind: type[_T]) -> _T | None:
         """Metadata `key` as `kind` (an integer counts as a float); None when absent."""
@@ -273,7 +282,7 @@ def _shown(value: object) -> str:
     return f"an array of {len(value)}" if isinstance(value, list) else repr(value)
 
 
-def _read_header(path: Path) -> _Header:
+def _read_header(path: Path) -> GgufHeader:
     """The header of the GGUF file `path`, read through a memory map (only its first
     pages are touched). ValueError naming the file when it is not a whole GGUF header."""
     try:
@@ -294,7 +303,7 @@ def _check_start(head: bytes, path: Path) -> None:
         raise ValueError(f"{path} is truncated: it holds {len(head)} bytes, less than a GGUF header")
 
 
-def _parse(data: mmap.mmap, path: Path) -> _Header:
+def _parse(data: mmap.mmap, path: Path) -> GgufHeader:
     cursor = _Cursor(data, path, _byte_order(data[4:8], path))
     try:
         tensor_count, kv_count = cursor.take("QQ")
@@ -302,8 +311,7 @@ def _parse(data: mmap.mmap, path: Path) -> _Header:
         tensors = _read_tensor_table(cursor, tensor_count)
     except _Truncated:
         raise ValueError(f"{path} is truncated: it ends ({len(data)} bytes) inside {cursor.section}") from None
-    _check_tensor_data(cursor, metadata, tensors)
-    return _Header(path, metadata, {name: kind for name, (kind, _) in tensors.items()})
+    return GgufHeader(path, metadata, _placed(cursor, metadata, tensors))
 
 
 def _byte_order(version: bytes, path: Path) -> str:
@@ -327,30 +335,33 @@ def _read_metadata(cursor: _Cursor, kv_count: int) -> dict[str, Any]:
     return metadata
 
 
-def _read_tensor_table(cursor: _Cursor, count: int) -> dict[str, tuple[int, int]]:
-    """Each tensor's ggml type and data offset, by name (shapes are the weight loader's)."""
+def _read_tensor_table(cursor: _Cursor, count: int) -> dict[str, GgufTensor]:
+    """Each tensor's ggml type, shape and offset in the data section, by name."""
     tensors = {}
     for index in range(count):
         cursor.section = f"the tensor table (tensor {index} of {count})"
         name = cursor.string()
         (dims,) = cursor.take("I")
-        cursor.take(f"{dims}Q")
+        shape = cursor.take(f"{dims}Q")
         kind, offset = cursor.take("IQ")
-        tensors[name] = (kind, offset)
+        tensors[name] = GgufTensor(kind, shape, offset)
     return tensors
 
 
-def _check_tensor_data(cursor: _Cursor, metadata: dict[str, Any], tensors: dict[str, tuple[int, int]]) -> None:
-    """The tensor data starts at the next alignment boundary; a file that ends before a
-    tensor's first byte was cut short (the tensors' sizes are the weight loader's check)."""
+def _placed(cursor: _Cursor, metadata: dict[str, Any], tensors: dict[str, GgufTensor]) -> dict[str, GgufTensor]:
+    """The tensors with absolute offsets: the data section starts at the next alignment
+    boundary. A file that ends before a tensor's first byte was cut short (the tensors'
+    sizes, which depend on their ggml types, are the weight loader's check)."""
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
         raise ValueError(f"{cursor.path}: general.alignment must be a positive integer, got {alignment!r}")
     start = -(-cursor.pos // alignment) * alignment
-    late = [name for name, (_, offset) in tensors.items() if start + offset >= len(cursor.data)]
+    placed = {name: replace(t, offset=start + t.offset) for name, t in tensors.items()}
+    late = [name for name, t in placed.items() if t.offset >= len(cursor.data)]
     if late:
         raise ValueError(f"{cursor.path} is truncated: it ends ({len(cursor.data)} bytes) before the data "
                          f"of tensor {late[0]}")
+    return placed
 
 
 # ---- a GGUF file: what its metadata stands for --------------------------------------------
@@ -359,9 +370,14 @@ def _check_tensor_data(cursor: _Cursor, metadata: dict[str, Any], tensors: dict[
 class GgufFiles(ModelFiles):
     """A GGUF file's metadata as the files of a model directory."""
 
-    def __init__(self, path: Path, header: _Header) -> None:
+    def __init__(self, path: Path, header: GgufHeader) -> None:
         super().__init__(path)
         self._header = header
+
+    @property
+    def header(self) -> GgufHeader:
+        """The file's metadata and tensor directory (what a weight loader maps from)."""
+        return self._header
 
     def config(self) -> dict[str, Any]:
         return _gguf_config(self._header)
@@ -400,7 +416,7 @@ def _open_gguf(path: str, mtime_ns: int, size: int) -> GgufFiles:
     return GgufFiles(Path(path), _read_header(Path(path)))
 
 
-def _architecture(header: _Header) -> str:
+def _architecture(header: GgufHeader) -> str:
     arch = header.need("general.architecture", str)
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{header.path}: unsupported architecture {arch!r} (general.architecture); "
@@ -408,7 +424,7 @@ def _architecture(header: _Header) -> str:
     return arch
 
 
-def _gguf_config(header: _Header) -> dict[str, Any]:
+def _gguf_config(header: GgufHeader) -> dict[str, Any]:
     """config.json as transformers reads this file (its `{arch}.*` keys), with what
     llama.cpp does where transformers leaves a class default."""
     arch = _architecture(header)
@@ -432,8 +448,8 @@ def _gguf_config(header: _Header) -> dict[str, Any]:
         "rope_theta": _or(header.get(f"{arch}.rope.freq_base", float), 10000.0),
         "max_position_embeddings": need("context_length", int),
         # llama.cpp writes output.weight only when it is not the embedding matrix
-        "tie_word_embeddings": "output.weight" not in header.tensor_types,
-        "torch_dtype": _torch_dtype(header.tensor_types),
+        "tie_word_embeddings": "output.weight" not in header.tensors,
+        "torch_dtype": _torch_dtype(header.tensors),
     }
     if config["model_type"] == "mistral":  # llama.cpp attends to the whole context: no window
         config["sliding_window"] = None
@@ -444,7 +460,7 @@ def _gguf_config(header: _Header) -> dict[str, Any]:
     return config
 
 
-def _head_dim(header: _Header, arch: str, config: dict[str, Any]) -> dict[str, int]:
+def _head_dim(header: GgufHeader, arch: str, config: dict[str, Any]) -> dict[str, int]:
     """head_dim where the file states it: attention.key_length, else (Llama, Mistral, as
     transformers reads them) rope.dimension_count. The heads are key_length wide, else
     hidden / heads (llama.cpp); a rotary width other than the head's is partial rotary
@@ -459,11 +475,11 @@ def _head_dim(header: _Header, arch: str, config: dict[str, Any]) -> dict[str, i
     return {"head_dim": head_dim} if head_dim is not None else {}
 
 
-def _rope_scaling(header: _Header, arch: str) -> dict[str, Any]:
+def _rope_scaling(header: GgufHeader, arch: str) -> dict[str, Any]:
     """rope.scaling.* as config.json's rope_scaling. A rope_freqs.weight tensor (how
     llama.cpp stores Llama 3.1's scaling: one factor per frequency) cannot be told
     apart from other per-frequency schemes, so it is refused rather than ignored."""
-    if "rope_freqs.weight" in header.tensor_types:
+    if "rope_freqs.weight" in header.tensors:
         raise ValueError(f"{header.path} scales its rotary frequencies by a rope_freqs.weight tensor "
                          "(llama.cpp's form of Llama 3.1 rope scaling), which is not supported")
     kind = header.get(f"{arch}.rope.scaling.type", str)
@@ -474,10 +490,10 @@ def _rope_scaling(header: _Header, arch: str) -> dict[str, Any]:
     return {"rope_scaling": {k: v for k, v in scaling.items() if v is not None}}
 
 
-def _torch_dtype(tensor_types: dict[str, int]) -> str:
+def _torch_dtype(tensors: dict[str, GgufTensor]) -> str:
     """The dtype a file of plain float tensors was written in (its half type; the norms
     stay float32 beside it); float32 for quantized blocks, as transformers loads them."""
-    kinds = set(tensor_types.values())
+    kinds = {tensor.type_id for tensor in tensors.values()}
     if not kinds <= {_GGML_F32, _GGML_F16, _GGML_BF16}:
         return "float32"
     return "bfloat16" if _GGML_BF16 in kinds else "float16" if _GGML_F16 in kinds else "float32"
@@ -523,14 +539,14 @@ def byte_level_chars() -> dict[int, str]:
     return {byte: chr(byte) if byte in printable else chr(next(shifted)) for byte in range(256)}
 
 
-def _tokens(header: _Header) -> list[str]:
+def _tokens(header: GgufHeader) -> list[str]:
     tokens = header.items("tokenizer.ggml.tokens", str)
     if not tokens:
         raise ValueError(f"{header.path}: the GGUF metadata has no tokenizer.ggml.tokens")
     return tokens
 
 
-def _special_token(header: _Header, tokens: list[str], name: str) -> str | None:
+def _special_token(header: GgufHeader, tokens: list[str], name: str) -> str | None:
     """The text of the `name` token (bos, eos, unk, pad); None when the file names none."""
     key = f"tokenizer.ggml.{_ID_KEYS[name]}"
     token_id = header.get(key, int)
@@ -541,7 +557,7 @@ def _special_token(header: _Header, tokens: list[str], name: str) -> str | None:
     return tokens[token_id]
 
 
-def _gguf_tokenizer_config(header: _Header) -> dict[str, Any]:
+def _gguf_tokenizer_config(header: GgufHeader) -> dict[str, Any]:
     """tokenizer_config.json as transformers reads this file: the special tokens as text,
     add_bos_token (a SentencePiece vocabulary that does not say adds BOS, as llama.cpp
     does), add_eos_token and the chat template."""
@@ -559,7 +575,7 @@ def _gguf_tokenizer_config(header: _Header) -> dict[str, Any]:
     return config
 
 
-def _gguf_tokenizer(header: _Header, config: dict[str, Any]) -> str:
+def _gguf_tokenizer(header: GgufHeader, config: dict[str, Any]) -> str:
     """tokenizer.json for this file, as transformers 5 builds it (its GGUF tokenizer
     mapping): the model's BPE, its control tokens as special added tokens and its
     user-defined ones as plain added tokens, BOS/EOS added as add_bos/eos_token say."""
@@ -574,7 +590,7 @@ def _gguf_tokenizer(header: _Header, config: dict[str, Any]) -> str:
     return tokenizer.to_str()
 
 
-def _byte_level_bpe(header: _Header, tokens: list[str]) -> Tokenizer:
+def _byte_level_bpe(header: GgufHeader, tokens: list[str]) -> Tokenizer:
     """GPT-2's byte-level BPE; a token spelled outside the byte alphabet is respelled
     in it, byte by byte (as transformers does)."""
     spelling = byte_level_chars()
@@ -598,7 +614,7 @@ def _byte_level_bpe(header: _Header, tokens: list[str]) -> Tokenizer:
     return tokenizer
 
 
-def _sentencepiece_bpe(header: _Header, tokens: list[str]) -> Tokenizer:
+def _sentencepiece_bpe(header: GgufHeader, tokens: list[str]) -> Tokenizer:
     """SentencePiece as BPE with byte fallback (transformers' LlamaTokenizer): "▁" for
     spaces, one prepended to the text unless tokenizer.ggml.add_space_prefix is false;
     the merges the file lists, else the ones its scores imply."""
@@ -614,7 +630,7 @@ def _sentencepiece_bpe(header: _Header, tokens: list[str]) -> Tokenizer:
     return tokenizer
 
 
-def _merge_pairs(header: _Header, merges: list[str]) -> list[tuple[str, str]]:
+def _merge_pairs(header: GgufHeader, merges: list[str]) -> list[tuple[str, str]]:
     pairs = [tuple(merge.split(" ")) for merge in merges]
     bad = next((i for i, pair in enumerate(pairs) if len(pair) != 2), None)
     if bad is not None:
@@ -623,7 +639,7 @@ def _merge_pairs(header: _Header, merges: list[str]) -> list[tuple[str, str]]:
     return [(left, right) for left, right in pairs]
 
 
-def _merges_by_score(header: _Header, tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+def _merges_by_score(header: GgufHeader, tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
     """The merges a scored vocabulary implies (transformers' generate_merges): every split
     of a token into two tokens, ordered by the token's score, best first (ties: the
     longer left piece, then the longer right one; then the vocabulary's order)."""
@@ -640,7 +656,7 @@ def _merges_by_score(header: _Header, tokens: list[str], vocab: dict[str, int]) 
     return [(left, right) for left, right, _ in found]
 
 
-def _add_tokens(tokenizer: Tokenizer, header: _Header, tokens: list[str], config: dict[str, Any]) -> None:
+def _add_tokens(tokenizer: Tokenizer, header: GgufHeader, tokens: list[str], config: dict[str, Any]) -> None:
     """Control tokens and the named special ones as special added tokens (matched whole,
     never split); user-defined ones (<think>) as plain added tokens. In a byte-level
     vocabulary a control token outside the byte alphabet is a llama.cpp mislabel, left
