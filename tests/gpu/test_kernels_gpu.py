@@ -10,6 +10,7 @@ from omnibus.kernels.attention.reference import paged_attention_ref, store_kv_re
 from omnibus.kernels.fused.reference import rope_ref, silu_and_mul_ref
 from omnibus.kernels.lora.reference import lora_expand_ref, lora_shrink_ref
 from omnibus.kernels.norm.reference import add_rms_norm_ref, rms_norm_ref
+from omnibus.kernels.quant.reference import int4_matmul_ref, pack_int4
 
 pytestmark = [
     pytest.mark.gpu,
@@ -268,3 +269,52 @@ def test_fused_kernels_in_cuda_graph(dtype: torch.dtype) -> None:
     torch.cuda.synchronize()
     for got, want in zip([*outs, residual, qkv], expect):
         assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# W4A16: 4-bit weights, bf16 activations
+# ---------------------------------------------------------------------------------------------
+
+
+def int4_weight(out_dim: int, in_dim: int, group: int) -> tuple[torch.Tensor, ...]:
+    """(packed, scales, zeros) on CUDA: uniform codes, checkpoint-sized scales and zeros."""
+    q = torch.randint(0, 16, (out_dim, in_dim), dtype=torch.uint8, device="cuda")
+    scales = 0.002 + 0.01 * torch.rand(out_dim, in_dim // group, device="cuda")
+    zeros = 0.005 * torch.randn(out_dim, in_dim // group, device="cuda")
+    return pack_int4(q), scales, zeros
+
+
+# (T, out, in, group): Llama-3-8B's q/o and gate/up shapes at decode (4096 x 4096 splits K)
+# and prefill, group 128; group 32 once (three compiled variants in all).
+INT4_CASES = [(t, n, 4096, 128) for t in (1, 16, 256) for n in (4096, 14336)] + [(16, 4096, 4096, 32)]
+
+
+@pytest.mark.parametrize("num_tokens,out_dim,in_dim,group", INT4_CASES)
+def test_int4_matmul_serving(num_tokens: int, out_dim: int, in_dim: int, group: int) -> None:
+    """Bound as on the CPU (tests/kernels/test_kernels_quant.py): 2 bf16 ulps of the largest
+    output, the kernel rounding each dequantized weight to bf16 for the tensor cores."""
+    from omnibus.kernels.quant.triton_kernels import int4_matmul_triton
+
+    torch.manual_seed(num_tokens + out_dim + group)
+    packed, scales, zeros = int4_weight(out_dim, in_dim, group)
+    x = torch.randn(num_tokens, in_dim, device="cuda", dtype=torch.bfloat16)
+    out = int4_matmul_triton(x, packed, scales, zeros, group)
+    ref = int4_matmul_ref(x, packed, scales, zeros, group)
+    assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, out_dim)
+    err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
+    assert err.item() < 2 * 2.0**-7
+
+
+def test_int4_matmul_in_cuda_graph() -> None:
+    """The launcher reads nothing back to the host (split-K included): a replay equals eager."""
+    from omnibus.kernels.quant.triton_kernels import int4_matmul_triton
+
+    packed, scales, zeros = int4_weight(4096, 4096, 128)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    expect = int4_matmul_triton(x, packed, scales, zeros, 128)  # compiles before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_matmul_triton(x, packed, scales, zeros, 128)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expect)

@@ -64,7 +64,7 @@ def count_dots(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-                 torch.int32: "i32", torch.int64: "i64"}
+                 torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}
 
 
 def sm90_ptx(kernels: list[tuple[str, str, Launch]]) -> list[str]:

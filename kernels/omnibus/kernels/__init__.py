@@ -1,10 +1,11 @@
-"""Compute kernels: paged KV-cache attention, batched multi-LoRA, and the fused elementwise
-ops of a decoder layer (RMSNorm with residual add, rotary embedding, SwiGLU).
+"""Compute kernels: paged KV-cache attention, batched multi-LoRA, the fused elementwise
+ops of a decoder layer (RMSNorm with residual add, rotary embedding, SwiGLU), and the W4A16
+matmul (4-bit weights, 16/32-bit activations).
 
 Each op has a torch reference (``*_ref``, also the CPU path) and a Triton version
 (``*_triton``). The dispatchers below (``store_kv``, ``paged_attention``, ``lora_shrink``,
-``lora_expand``, ``rms_norm``, ``add_rms_norm``, ``rope``, ``silu_and_mul``) pick Triton for
-CUDA tensors and the reference otherwise;
+``lora_expand``, ``rms_norm``, ``add_rms_norm``, ``rope``, ``silu_and_mul``, ``int4_matmul``)
+pick Triton for CUDA tensors and the reference otherwise;
 ``OMNIBUS_FORCE_TRITON=1`` forces Triton on CPU, for testing under ``TRITON_INTERPRET=1``.
 
 Triton is only imported when a Triton kernel is first used, so this package imports on hosts
@@ -26,6 +27,7 @@ from omnibus.kernels.attention.reference import (
 from omnibus.kernels.fused.reference import rope_ref, silu_and_mul_ref
 from omnibus.kernels.lora.reference import lora_expand_ref, lora_expand_triton, lora_shrink_ref, lora_shrink_triton
 from omnibus.kernels.norm.reference import add_rms_norm_ref, rms_norm_ref
+from omnibus.kernels.quant.reference import int4_matmul_ref
 
 __all__ = [
     "store_kv_ref",
@@ -49,6 +51,8 @@ __all__ = [
     "add_rms_norm",
     "rope",
     "silu_and_mul",
+    "int4_matmul_ref",
+    "int4_matmul",
 ]
 
 
@@ -196,3 +200,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
         return silu_and_mul_triton(gate_up)
     return silu_and_mul_ref(gate_up)
+
+
+def int4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+) -> torch.Tensor:
+    """(T, in) x times a 4-bit (out, in) weight, transposed: (T, out) in x's dtype; see
+    :func:`int4_matmul_ref` (w = (q - 8) * scale + zero, per group of input columns)."""
+    if use_triton(x):
+        from omnibus.kernels.quant.triton_kernels import int4_matmul_triton
+
+        return int4_matmul_triton(x, packed, scales, zeros, group)
+    return int4_matmul_ref(x, packed, scales, zeros, group)
