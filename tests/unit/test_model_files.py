@@ -366,6 +366,16 @@ def test_a_truncated_file_is_refused_naming_the_file_and_where_it_ends(tmp_path,
         open_model(_cut(path, size - 128))  # the last tensor: 4 x 8 float32
     with pytest.raises(ValueError, match=r"cut.gguf is truncated: it holds 10 bytes, less than a GGUF header"):
         open_model(_cut(path, 10))
+    corrupt = bytearray(path.read_bytes())
+    corrupt[16:24] = (2**63).to_bytes(8, "little")  # the metadata count: more entries than bytes
+    (tmp_path / "corrupt.gguf").write_bytes(corrupt)
+    with pytest.raises(ValueError, match=r"corrupt.gguf is truncated: it ends \(\d+ bytes\) inside metadata entry"):
+        open_model(tmp_path / "corrupt.gguf")
+    corrupt = bytearray(path.read_bytes())
+    corrupt[8:16] = (2**62).to_bytes(8, "little")  # the tensor count
+    (tmp_path / "corrupt.gguf").write_bytes(corrupt)
+    with pytest.raises(ValueError, match=r"corrupt.gguf is truncated: it ends \(\d+ bytes\) inside the tensor table"):
+        open_model(tmp_path / "corrupt.gguf")
 
 
 @pytest.mark.parametrize(("content", "error"), [

@@ -192,7 +192,10 @@ class _Cursor:
         self.section = "the header"  # where a refusal says the problem is
 
     def take(self, fmt: str) -> tuple[Any, ...]:
-        size = struct.calcsize(self.order + fmt)
+        try:
+            size = struct.calcsize(self.order + fmt)
+        except struct.error:  # a count no file could hold (a corrupt or cut-off length)
+            raise _Truncated from None
         if self.pos + size > len(self.data):
             raise _Truncated
         values = struct.unpack_from(self.order + fmt, self.data, self.pos)
