@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU path in one command that fits a device loan (issue #35): versions, the GPU test
-# suite, the Llama-3-8B-shaped roofline, offline throughput against transformers, and
-# multi-LoRA if time remains. It keeps to its budget (320 s; 350 s at worst with the kill
+# suite, the Llama-3-8B-shaped roofline, W4A16 and FP8 matmuls beside bf16, offline
+# throughput against transformers, and multi-LoRA if time remains. It keeps to its budget (320 s; 350 s at worst with the kill
 # grace and the closing summary), each part under its own cap, and writes each part's
 # results under $OUT as soon as the part ends, so a cut run still returns what it did.
 #
@@ -17,14 +17,14 @@
 #   3. here:  make gpu-report IN="<files_at of run 1> [<files_at of the rerun>]"
 #      writes docs/benchmarks/gpu.md from the returned files (omnibus.bench.gpu_report).
 #
-# Usage: scripts/gpu_check.sh [--smoke] [--parts tests,roofline,offline,lora]
+# Usage: scripts/gpu_check.sh [--smoke] [--parts tests,roofline,quant,offline,lora]
 #   --smoke  a dry run on the CPU (no CUDA): tiny shapes through every part's code path in
 #            well under a minute; the GPU tests report skipped (they need CUDA) and the
 #            output says it is a smoke run everywhere. tests/bench/test_gpu_check_smoke.py
 #            runs it in `make test`.
-#   --parts  which of tests,roofline,offline,lora to run (env and versions always run).
+#   --parts  which of tests,roofline,quant,offline,lora to run (env and versions always run).
 # Caps (GPU): env 60 s per pip command, versions 60, tests 150 (pytest-timeout 90 s per test where the
-# machine has it, and a cap per test file), roofline 90, offline 150, lora 120; each is
+# machine has it, and a cap per test file), roofline 90, quant 60, offline 150, lora 120; each is
 # cut to what is left of the budget, and a part with under 20 s left is skipped.
 # Environment: OUT (default build/gpu-check), GPU_CHECK_PY (default python3 on a GPU, the
 # project venv's python for --smoke), GPU_CHECK_BUDGET (seconds, default 320; smoke 150),
@@ -36,7 +36,7 @@
 #   versions.json  device, driver, CUDA, torch, triton, transformers; smoke or not
 #   parts.jsonl    one line per part as it ends: status ok|failed|timeout|skipped, seconds, cap
 #   tests.xml      the GPU tests' junit results, one suite per file (a cut file is an error)
-#   bench.json     omnibus.bench.gpu's results (roofline, decode, offline, hf, lora)
+#   bench.json     omnibus.bench.gpu's results (roofline, quant, decode, offline, hf, lora)
 #   log.txt        everything printed
 # The environment is built from what travels with the tree, with no network: the wheels in
 # .whl/ and omnibus itself (pip install -e . --no-deps) go into the machine's own Python,
@@ -47,7 +47,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 SMOKE=0
-PARTS=tests,roofline,offline,lora
+PARTS=tests,roofline,quant,offline,lora
 while [ $# -gt 0 ]; do
   case $1 in
     --smoke) SMOKE=1 ;;
@@ -59,7 +59,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 for p in ${PARTS//,/ }; do
-  case $p in tests|roofline|offline|lora) ;; *) echo "gpu_check: unknown part $p" >&2; exit 2 ;; esac
+  case $p in tests|roofline|quant|offline|lora) ;; *) echo "gpu_check: unknown part $p" >&2; exit 2 ;; esac
 done
 
 OUT=${OUT:-$ROOT/build/gpu-check}
@@ -208,7 +208,14 @@ if wants roofline; then
     --batches "$BATCHES" --json "$OUT/bench.json"
 fi
 
-# --- 4. offline throughput vs transformers (continuous batching, static generate) ---------
+# --- 4. W4A16 decode and FP8 GEMMs beside bf16 dense at Llama-3-8B's projection shapes ------
+if wants quant; then
+  note="4096x4096 and 14336x4096; W4A16 (Triton, group 128) at T 1/16/64, FP8 _scaled_mm at T 16/256/2048"
+  [ "$SMOKE" = 1 ] && note="smoke: tiny shapes on the CPU in float32, the Triton kernel interpreted"
+  run_part quant 60 "$note" "$PY" -m omnibus.bench.gpu "${BENCH[@]}" --sections quant --json "$OUT/bench.json"
+fi
+
+# --- 5. offline throughput vs transformers (continuous batching, static generate) ---------
 if wants offline; then
   note="$REQUESTS ShareGPT-shaped requests; transformers in the same process (static generate timed on the first $STATIC_REQUESTS)"
   [ "$SMOKE" = 1 ] && note="smoke: $REQUESTS requests at a tiny shape on the CPU"
@@ -216,7 +223,7 @@ if wants offline; then
     --requests "$REQUESTS" --hf-static-requests "$STATIC_REQUESTS" --json "$OUT/bench.json"
 fi
 
-# --- 5. if time remains: 8 and 32 LoRA adapters vs base ----------------------------------
+# --- 6. if time remains: 8 and 32 LoRA adapters vs base ----------------------------------
 if wants lora; then
   note="$LORA_REQUESTS requests per run, rank 16 on q/k/v/o"
   [ "$SMOKE" = 1 ] && note="smoke: $LORA_REQUESTS requests at a tiny shape on the CPU, rank 8"

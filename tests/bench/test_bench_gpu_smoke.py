@@ -32,3 +32,20 @@ def test_smoke_and_full_results_never_mix(tmp_path):
     with pytest.raises(SystemExit, match="never mix"):
         main(["--smoke", "--sections", "roofline", "--json", str(path)])
     assert json.loads(path.read_text()) == {"device": "NVIDIA H100 80GB HBM3", "smoke": False}
+
+
+def test_a_failed_matmul_table_is_recorded_and_the_other_still_measured(tmp_path, monkeypatch):
+    """The quant section on a one-shot loan: W4A16 failing leaves its error in the results,
+    FP8 is still measured, and the command fails (so gpu_check records the part as failed)."""
+    from omnibus.bench import matmul
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel today")
+
+    monkeypatch.setattr(matmul, "w4a16_rows", broken)
+    path = tmp_path / "bench.json"
+    with pytest.raises(SystemExit, match="quant section failed: w4a16: RuntimeError: no kernel today"):
+        main(["--smoke", "--sections", "quant", "--json", str(path)])
+    result = json.loads(path.read_text())
+    assert result["w4a16_error"] == "RuntimeError: no kernel today" and "w4a16" not in result
+    assert [(f["out"], f["tokens"]) for f in result["fp8"]] == [(48, 16), (48, 64), (100, 16), (100, 64)]

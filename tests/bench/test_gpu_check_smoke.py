@@ -19,7 +19,7 @@ from omnibus.bench.gpu import write_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-PARTS = ["env", "versions", "tests", "roofline", "offline", "lora"]
+PARTS = ["env", "versions", "tests", "roofline", "quant", "offline", "lora"]
 FILES = {"versions.json", "parts.jsonl", "tests.xml", "bench.json", "log.txt"}
 
 
@@ -45,7 +45,7 @@ def test_the_smoke_run_goes_through_every_part_and_says_it_is_one(smoke, tmp_pat
     versions = json.loads((smoke / "versions.json").read_text())
     assert versions["smoke"] is True and versions["cuda"] is False and versions["device"] == "cpu"
     assert versions["omnibus_import"].startswith("ok") and versions["torch"] and versions["triton"]
-    assert versions["parts"] == ["tests", "roofline", "offline", "lora"]
+    assert versions["parts"] == ["tests", "roofline", "quant", "offline", "lora"]
 
     recorded = parts(smoke)
     assert list(recorded) == PARTS
@@ -68,13 +68,20 @@ def test_the_smoke_run_goes_through_every_part_and_says_it_is_one(smoke, tmp_pat
         assert bench[key] > 0, key
     assert bench["offline_requests"] == 2 and bench["hf_static_requests"] == 1
     assert bench["lora"]["8_adapters_tok_s"] > 0 and bench["lora"]["32_adapters_tok_s"] > 0
-    assert set(bench["section_seconds"]) == {"roofline", "decode", "offline", "hf", "lora"}
+    # W4A16 (the Triton kernel interpreted) and FP8 (_scaled_mm) beside dense, tiny shapes
+    assert [(w["out"], w["tokens"]) for w in bench["w4a16"]] == [(n, t) for n in (48, 100) for t in (1, 16, 64)]
+    assert all(w["w4a16_us"] > 0 and w["dense_us"] > 0 and w["w4a16_weight_gb_s"] > 0 for w in bench["w4a16"])
+    assert [(f["out"], f["tokens"]) for f in bench["fp8"]] == [(n, t) for n in (48, 100) for t in (16, 64)]
+    assert all(f["fp8_us"] > 0 and f["fp8_quant_us"] > 0 and f["dense_us"] > 0 for f in bench["fp8"])
+    assert "w4a16_error" not in bench and "fp8_error" not in bench
+    assert set(bench["section_seconds"]) == {"roofline", "quant", "decode", "offline", "hf", "lora"}
 
     # `make bench-gpu`'s own markdown from the same results, every section present
     markdown = tmp_path / "bench-gpu.md"
     write_markdown(markdown, bench)
     text = markdown.read_text()
-    for heading in ("copy bandwidth", "Decode step vs roofline", "Offline throughput", "Multi-LoRA"):
+    for heading in ("copy bandwidth", "Decode step vs roofline", "Weight-format matmuls", "Offline throughput",
+                    "Multi-LoRA"):
         assert heading in text, heading
 
     log = (smoke / "log.txt").read_text()
@@ -96,16 +103,18 @@ def test_a_report_from_a_smoke_run_is_labelled_on_every_number(smoke, tmp_path):
     assert gpu_report.main(["--in", str(smoke), "--out", str(out), "--allow-smoke"]) == 0
     text = out.read_text()
     assert text.startswith("# CPU SMOKE RUN, not GPU numbers")
-    for heading in ("## GPU tests", "## Decode step vs roofline", "## Offline throughput", "## Multi-LoRA"):
+    for heading in ("## GPU tests", "## Decode step vs roofline", "## Weight-format matmuls", "## Offline throughput",
+                    "## Multi-LoRA"):
         assert heading in text
     assert_device_on_every_number(text, "cpu (CPU SMOKE RUN, not GPU numbers)")
 
 
 def assert_device_on_every_number(text: str, device: str) -> None:
     """Every table row and headline after the machine and parts tables names the device."""
-    body = text.split("## GPU tests", 1)[1]
-    rows = [line for line in body.splitlines()
-            if line.startswith("| ") and re.search(r"\d", line) and not line.startswith("|--")]
+    lines = text.split("## GPU tests", 1)[1].splitlines()
+    separators = {i for i, line in enumerate(lines) if line.startswith("|--")}
+    rows = [line for i, line in enumerate(lines)  # a header (above a separator) may say "W4A16"
+            if line.startswith("| ") and re.search(r"\d", line) and i + 1 not in separators]
     assert rows and all(device in line for line in rows)
     headline = text.split("## Headline", 1)[1].split("## Machine", 1)[0]
     items = [line for line in headline.splitlines() if line.startswith("- ")]
@@ -173,7 +182,7 @@ def test_a_gpu_run_makes_the_report_with_its_device_on_every_number(tmp_path):
     assert "3.00× transformers continuous batching, 6.00× transformers static `generate`" in text
     assert "batch 1: 2.0% vs 12.0%" in text and "1 passed, 1 failed, 0 errors" in text
     assert "| test_kernels_gpu.py::test_rope_serving[1-dtype1] | " + H100 + " | failed | 0.5 | AssertionError" in text
-    assert "No results: the lora part was not run" in text
+    assert "No results: the lora part was not run" in text and "No results: the quant part was not run" in text
     assert_device_on_every_number(text, H100)
 
 
@@ -182,12 +191,22 @@ def test_a_rerun_adds_to_the_first_run_and_other_devices_never_mix(tmp_path):
     rerun = fake_gpu_run(tmp_path / "run2", tests=False, bench={
         "lora_requests": 128, "lora_rank": 16,
         "lora": {"base_tok_s": 8000.0, "8_adapters_tok_s": 6000.0, "8_vs_base": 0.75,
-                 "32_adapters_tok_s": 4000.0, "32_vs_base": 0.5}})
+                 "32_adapters_tok_s": 4000.0, "32_vs_base": 0.5},
+        "quant_dtype": "bfloat16",
+        "w4a16": [{"out": 4096, "in": 4096, "tokens": 1, "group": 128, "w4a16_us": 4.0, "dense_us": 12.0,
+                   "w4a16_speedup": 3.0, "w4a16_weight_gb_s": 2200.0, "dense_weight_gb_s": 2800.0,
+                   "w4a16_of_bandwidth": 0.55, "dense_of_bandwidth": 0.7}],
+        "fp8": [{"out": 4096, "in": 4096, "tokens": 2048, "fp8_us": 60.0, "fp8_quant_us": 9.0, "dense_us": 110.0,
+                 "fp8_speedup": 1.83, "fp8_tflops": 1145.0, "dense_tflops": 625.0}]})
     out = tmp_path / "gpu.md"
     assert gpu_report.main(["--in", str(first), "--in", str(rerun), "--out", str(out)]) == 0
     text = out.read_text()
     assert "62.5% of the measured copy bandwidth" in text and f"| 32 | {H100} | 4000 | 0.50 |" in text
     assert "1 passed, 1 failed, 0 errors" in text  # the first run's tests stay
+    assert (f"W4A16 decode on {H100} (4096x4096, T=1): 4.0 us, 3.00× bfloat16 dense; weight bytes at 2200 GB/s "
+            "= 55.0% of the measured copy bandwidth (bfloat16: 70.0%)") in text
+    assert f"FP8 GEMM on {H100} (4096x4096, T=2048): 1.83× bfloat16 (1145 vs 625 TFLOP/s)" in text
+    assert f"| 4096x4096 | 2048 | {H100} | 60.0 | 9.0 | 110.0 | 1.83× | 1145.0 | 625.0 |" in text
     assert_device_on_every_number(text, H100)
 
     other = fake_gpu_run(tmp_path / "h200", device="NVIDIA H200")

@@ -15,7 +15,10 @@ JSON file beside --out and the markdown is rewritten after every section):
    static `generate` and continuous batching (section hf, its own random weights:
    the lengths are fixed, so only the speed is compared);
 3. the share of each step in which the GPU waits on Python;
-4. throughput with 8 and 32 LoRA adapters (rank 16, q/k/v/o) against base only.
+4. throughput with 8 and 32 LoRA adapters (rank 16, q/k/v/o) against base only;
+5. weight-format matmuls at Llama-3-8B's projection shapes (section quant,
+   omnibus.bench.matmul): W4A16 decode against bf16 dense with the weight bytes' rate
+   beside the copy bandwidth, and FP8 (`torch._scaled_mm`, row-wise scales) against bf16.
 
 `--smoke` runs the same code at a tiny shape (on the CPU when there is no GPU), which
 is how the test suite keeps this script runnable.
@@ -68,6 +71,11 @@ def copy_bandwidth(device: torch.device, nbytes: int, copies: int = 50) -> float
             dst.copy_(src)
         seconds = time.perf_counter() - t0
     return 2 * src.numel() * 4 * copies / seconds
+
+
+def copy_bandwidth_gb_s(device: torch.device) -> float:
+    """The roofline's bandwidth: copies of 1 GiB on a GPU, 16 MiB on the CPU (smoke runs)."""
+    return copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (16 << 20)) / 1e9
 
 
 def write_config(path: Path, shape: dict) -> Path:
@@ -196,7 +204,7 @@ def make_adapters(root: Path, shape: dict, count: int, rank: int = 16) -> list[s
     return names
 
 
-SECTIONS = ("roofline", "decode", "offline", "hf", "lora")
+SECTIONS = ("roofline", "quant", "decode", "offline", "hf", "lora")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -274,8 +282,10 @@ def main(argv: list[str] | None = None) -> dict:
             write_markdown(args.out, result)
 
     if "roofline" in sections:
-        result["roofline_copy_bandwidth_gb_s"] = copy_bandwidth(device, (1 << 30) if cuda else (16 << 20)) / 1e9
+        result["roofline_copy_bandwidth_gb_s"] = copy_bandwidth_gb_s(device)
         done("roofline")
+    if "quant" in sections:
+        quant_section(result, device, args.smoke, done)
     if "decode" in sections:
         if "roofline_copy_bandwidth_gb_s" not in result:
             raise SystemExit("the decode section needs the roofline section's bandwidth (run it first)")
@@ -340,6 +350,38 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def quant_section(result: dict, device: torch.device, smoke: bool, done: Callable[[str], None]) -> None:
+    """W4A16 decode and FP8 GEMM rows beside bf16 dense (on the CPU: float32 activations,
+    the Triton kernel interpreted); the bandwidth is the roofline section's when it ran."""
+    from omnibus.bench.matmul import LLAMA3_8B_SHAPES, TINY_SHAPES, fp8_rows, w4a16_rows
+
+    cuda = device.type == "cuda"
+    if "roofline_copy_bandwidth_gb_s" not in result:
+        result["roofline_copy_bandwidth_gb_s"] = copy_bandwidth_gb_s(device)
+    shapes, iters = (TINY_SHAPES, 2) if smoke else (LLAMA3_8B_SHAPES, 50)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    bandwidth = result["roofline_copy_bandwidth_gb_s"] * 1e9
+    result["quant_dtype"] = str(dtype).removeprefix("torch.")
+    tables: dict[str, Callable[[], list[dict]]] = {
+        "w4a16": lambda: w4a16_rows(shapes, [1, 16, 64], device, dtype, bandwidth, iters),
+        "fp8": lambda: fp8_rows(shapes, [16, 64] if smoke else [16, 256, 2048], device, dtype, iters),
+    }
+    errors = []
+    for key, measure in tables.items():
+        result.pop(key, None)  # a rerun replaces, rows or error
+        result.pop(f"{key}_error", None)
+        try:
+            result[key] = measure()
+        except Exception as exc:  # noqa: BLE001 - one GPU loan: the other table is still measured, the part still fails
+            result[f"{key}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            errors.append(f"{key}: {result[f'{key}_error']}")
+        done("quant")
+        if cuda:
+            torch.cuda.empty_cache()
+    if errors:
+        raise SystemExit("quant section failed: " + "; ".join(errors))
+
+
 def write_markdown(out: Path, r: dict) -> None:
     """The sections present in `r` (a partial run writes what it has)."""
     def pct(x: float | None) -> str:
@@ -367,6 +409,10 @@ GPU had nothing queued (CUDA events around each step's launches).
 |---:|---:|---:|---:|---:|---:|---:|
 {rows}
 """)
+    if "w4a16" in r or "fp8" in r:
+        from omnibus.bench.gpu_report import quant_tables
+
+        parts.append("## Weight-format matmuls\n\n" + quant_tables(r))
     if "offline_omnibus_tok_s" in r or "hf_static_tok_s" in r:
         rows = []
         ours = r.get("offline_omnibus_tok_s")

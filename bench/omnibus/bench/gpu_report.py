@@ -131,6 +131,59 @@ def ratio(a: float | None, b: float | None) -> str:
     return "n/a" if not a or not b else f"{a / b:.2f}×"
 
 
+def quant_tables(b: dict, dev: str | None = None) -> str:
+    """The quant section's W4A16 and FP8 tables (``omnibus.bench.matmul``'s rows), each row
+    naming ``dev`` when given; also `make bench-gpu`'s markdown (omnibus.bench.gpu)."""
+    dense = b.get("quant_dtype", "bfloat16")
+    col, sep, cell = (" device |", "---|", f" {dev} |") if dev else ("", "", "")
+    w4a16, fp8 = b.get("w4a16", []), b.get("fp8", [])
+    intro = (f"W4A16: int4 codes with a float32 scale and zero per group of "
+             f"{w4a16[0]['group'] if w4a16 else '?'} input columns (kernels' Triton int4 matmul); "
+             "FP8: e4m3 with row-wise scales (`torch._scaled_mm`, bfloat16 out), the GEMM alone, the "
+             f"per-token quantization of x timed apart; both against `F.linear` on the {dense} weight "
+             "of the same shape. Weight GB/s = weight bytes (codes + scales + zeros, or the dense "
+             "matrix) ÷ time, as a share of the measured copy bandwidth; each weight cycles through "
+             "copies larger than the L2 cache, and on a GPU the calls are timed as one CUDA-graph "
+             "replay.\n")
+    out = [intro] + [f"The {key} measurement failed: {b[f'{key}_error']}\n"
+                     for key in ("w4a16", "fp8") if b.get(f"{key}_error")]
+    if w4a16:
+        head = (f"| out x in | T |{col} W4A16 (us) | {dense} (us) | {dense} ÷ W4A16 | W4A16 weight GB/s | "
+                f"share of bandwidth | {dense} weight GB/s | share of bandwidth |\n"
+                f"|---|---:|{sep}---:|---:|---:|---:|---:|---:|---:|\n")
+        out.append(head + "\n".join(
+            f"| {w['out']}x{w['in']} | {w['tokens']} |{cell} {num(w['w4a16_us'], '.1f')} | "
+            f"{num(w['dense_us'], '.1f')} | {num(w['w4a16_speedup'])}× | {num(w['w4a16_weight_gb_s'], '.0f')} | "
+            f"{pct(w['w4a16_of_bandwidth'])} | {num(w['dense_weight_gb_s'], '.0f')} | "
+            f"{pct(w['dense_of_bandwidth'])} |" for w in w4a16) + "\n")
+    if fp8:
+        head = (f"| out x in | T |{col} FP8 GEMM (us) | quantize x (us) | {dense} (us) | {dense} ÷ FP8 | "
+                f"FP8 TFLOP/s | {dense} TFLOP/s |\n|---|---:|{sep}---:|---:|---:|---:|---:|---:|\n")
+        out.append(head + "\n".join(
+            f"| {f['out']}x{f['in']} | {f['tokens']} |{cell} {num(f['fp8_us'], '.1f')} | "
+            f"{num(f['fp8_quant_us'], '.1f')} | {num(f['dense_us'], '.1f')} | {num(f['fp8_speedup'])}× | "
+            f"{num(f['fp8_tflops'], '.1f')} | {num(f['dense_tflops'], '.1f')} |" for f in fp8) + "\n")
+    return "\n".join(out)
+
+
+def quant_headline(b: dict, dev: str) -> list[str]:
+    """W4A16 at T=1 and FP8 at the largest T, both on the first (smallest) shape."""
+    lines, dense = [], b.get("quant_dtype", "bfloat16")
+    decode = [w for w in b.get("w4a16", []) if w["tokens"] == 1]
+    if decode:
+        w = decode[0]
+        lines.append(f"W4A16 decode on {dev} ({w['out']}x{w['in']}, T=1): {num(w['w4a16_us'], '.1f')} us, "
+                     f"{num(w['w4a16_speedup'])}× {dense} dense; weight bytes at "
+                     f"{num(w['w4a16_weight_gb_s'], '.0f')} GB/s = {pct(w['w4a16_of_bandwidth'])} of the measured "
+                     f"copy bandwidth ({dense}: {pct(w['dense_of_bandwidth'])}).")
+    fp8 = [f for f in b.get("fp8", []) if (f["out"], f["in"]) == (b["fp8"][0]["out"], b["fp8"][0]["in"])]
+    if fp8:
+        f = fp8[-1]
+        lines.append(f"FP8 GEMM on {dev} ({f['out']}x{f['in']}, T={f['tokens']}): {num(f['fp8_speedup'])}× "
+                     f"{dense} ({num(f['fp8_tflops'], '.0f')} vs {num(f['dense_tflops'], '.0f')} TFLOP/s).")
+    return lines
+
+
 def tests_by_file(root: ET.Element) -> list[tuple[str, dict, list[tuple[str, str, str, float]]]]:
     """[(file, counts, [(test, outcome, message, seconds)])] in file order."""
     files: dict[str, list] = {}
@@ -173,6 +226,7 @@ def headline(run: Run) -> list[str]:
                      f"{pct(d.get('of_roofline'))} of the measured copy bandwidth "
                      f"({num(b.get('roofline_copy_bandwidth_gb_s'), '.0f')} GB/s; floor "
                      f"{num(d.get('roofline_ms'))} ms = weight + KV bytes ÷ bandwidth).")
+    lines += quant_headline(b, dev)
     if "offline_omnibus_tok_s" in b:
         ours = b["offline_omnibus_tok_s"]
         lines.append(f"Offline on {dev}: Omnibus {num(ours, '.0f')} output tokens/s = "
@@ -262,6 +316,12 @@ def render(run: Run, command: str = "make gpu-report") -> str:
         out.append("| batch | device | overlapped step (ms) | lockstep step (ms) | roofline (ms) | "
                    "share of bandwidth, overlapped | share of bandwidth, lockstep | GPU idle, overlapped | "
                    "GPU idle, lockstep |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|\n" + drow + "\n")
+
+    out.append(f"## Weight-format matmuls on {dev}\n")
+    if not any(k in b for k in ("w4a16", "fp8", "w4a16_error", "fp8_error")):
+        out.append(no_results(run, "quant"))
+    else:
+        out.append(quant_tables(b, dev))
 
     out.append(f"## Offline throughput vs transformers on {dev}\n")
     if "offline_omnibus_tok_s" not in b and "hf_continuous_tok_s" not in b:

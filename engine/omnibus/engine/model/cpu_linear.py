@@ -55,7 +55,8 @@ def pack_linears(model: nn.Module) -> int:
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (isinstance(child, nn.Linear) and child.weight.device.type == "cpu"
+            if (isinstance(child, nn.Linear) and child.weight is not None  # None: a quantized layer's kernel
+                    and child.weight.device.type == "cpu"
                     and child.weight.dtype == torch.float32 and id(child.weight) not in shared):
                 setattr(parent, name, PackedLinear(child))
                 replaced += 1

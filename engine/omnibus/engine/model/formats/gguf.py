@@ -1,6 +1,7 @@
 """Weights of a GGUF file (llama.cpp's format), as (Hugging Face name, tensor or weight) pairs.
 
-Tensors are read with the `gguf` package (memory-mapped). Projections in Q4_0, Q4_1 or
+The file's directory is read by `omnibus.common.model_files` and its tensors are mapped,
+not read whole; the `gguf` package decodes block types. Projections in Q4_0, Q4_1 or
 Q4_K keep their 4-bit codes (`Int4Weight`, groups of 32: the blocks' own scales and
 minimums, exactly); every other type (F32, F16, BF16, Q8_0, Q5_*, Q6_K, ...) is dequantized
 once at load by gguf's own code, as transformers does, and logged with its cost. Under
@@ -22,6 +23,7 @@ import numpy as np
 import structlog
 import torch
 
+from omnibus.common.model_files import GgufFiles, GgufTensor, open_model
 from omnibus.engine.config import ModelConfig, ModelLoadError
 from omnibus.engine.model.quant.weights import Int4Weight, Weight, take_rows
 
@@ -56,26 +58,40 @@ def hf_name(name: str) -> str | None:
 
 def gguf_weights(path: Path, cfg: ModelConfig, dequantize_all: bool) -> Iterator[tuple[str, torch.Tensor | Weight]]:
     """Every tensor of the file under its Hugging Face name (see the module doc)."""
-    import gguf
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as exc:  # not GGUF, truncated, unreadable
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+        files = open_model(path)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    assert isinstance(files, GgufFiles)  # a .gguf path opens as one
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     widened = 0
-    for t in reader.tensors:
-        name = hf_name(t.name)
+    for tensor_name, info in files.header.tensors.items():
+        name = hf_name(tensor_name)
         if name is None:
             continue
+        try:
+            qtype = GGMLQuantizationType(info.type_id)
+        except ValueError:
+            raise ModelLoadError(f"{path}: tensor {tensor_name} has unknown GGUF type {info.type_id}") from None
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        row = info.shape[0]
+        rows = int(np.prod(info.shape[1:], dtype=np.int64))
+        if row % block:
+            raise ModelLoadError(f"{path}: tensor {tensor_name} rows of {row} are not whole {qtype.name} blocks")
+        nbytes = rows * row // block * block_bytes
+        if info.offset + nbytes > data.size:
+            raise ModelLoadError(f"{path} is truncated: tensor {tensor_name} ends past the end of the file")
+        raw = data[info.offset:info.offset + nbytes].reshape(rows, -1)
         projection = name.endswith("_proj.weight") or name == "lm_head.weight"
-        kind = t.tensor_type.name
         weight: torch.Tensor | Weight
-        if projection and not dequantize_all and kind in _INT4_DECODERS:
-            weight = _int4(t.data, kind, _rows(t))
+        if projection and not dequantize_all and qtype.name in _INT4_DECODERS:
+            weight = _int4(raw, qtype.name, rows)
         else:
-            weight = _dequantized(gguf, t, path)
-            if kind not in ("F32", "F16", "BF16"):
-                widened += weight.numel() * 4 - int(t.n_bytes)
+            weight = _dequantized(raw, qtype, info, tensor_name, path)
+            if qtype.name not in ("F32", "F16", "BF16"):
+                widened += weight.numel() * 4 - nbytes
         if cfg.model_type == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
             weight = _unpermute(weight, heads)
@@ -85,17 +101,15 @@ def gguf_weights(path: Path, cfg: ModelConfig, dequantize_all: bool) -> Iterator
                  detail="tensors of types without an Omnibus kernel are held dequantized in float32 at load")
 
 
-def _rows(t) -> int:
-    return int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+def _dequantized(raw: np.ndarray, qtype, info: GgufTensor, tensor_name: str, path: Path) -> torch.Tensor:
+    from gguf.quants import dequantize
 
-
-def _dequantized(gguf, t, path: Path) -> torch.Tensor:
     try:
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        values = dequantize(raw, qtype)
     except (NotImplementedError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: tensor {t.name} has GGUF type {t.tensor_type.name}, "
-                             f"which cannot be read: {exc}") from exc
-    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest dimension first
+        raise ModelLoadError(f"{path}: tensor {tensor_name} has GGUF type {qtype.name}, which cannot be read: "
+                             f"{exc}") from exc
+    shape = tuple(reversed(info.shape))  # GGUF lists the fastest dimension first
     return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)  # a copy: the file is mapped read-only
 
 
