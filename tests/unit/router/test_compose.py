@@ -52,10 +52,10 @@ def test_each_command_is_accepted_by_its_cli_and_makes_a_valid_config(name):
     args = service_args(name)
     if name in ENGINES:
         engine, server = configs_from_args(args)
-        assert (engine.model, server.host) == ("/models/demo", "0.0.0.0")
+        assert (engine.model, server.host) == ("/models/smollm2.gguf", "0.0.0.0")
     else:
         config = config_from_args(args)
-        assert (config.model, config.host) == ("/models/demo", "0.0.0.0")
+        assert (config.model, config.host) == ("/models/smollm2.gguf", "0.0.0.0")
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
