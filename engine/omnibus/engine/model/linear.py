@@ -22,7 +22,6 @@ from omnibus.engine.model.quant.weights import (
     Weight,
     WeightFormatError,
     concat_rows,
-    dense,
 )
 
 
@@ -77,21 +76,28 @@ class Linear(nn.Linear):
         """After loading: settle the layer's weight kind and kernel (see the module doc)."""
         if not self._staged and quantization in ("auto", "none"):
             return  # dense as loaded
-        if self._filled and self._staged:  # a mixed layer (some parts dense): one dense weight
+        if not self._staged:
+            return self._quantize_dense(quantization)
+        # `none`; int8/fp8/int4 asked of a quantized file (dequantize, then quantize as asked);
+        # or a mixed layer (some parts dense, or of other kinds): one dense weight first
+        weight = None if self._filled or quantization != "auto" else self._joined()
+        if weight is None:
             for part, w in self._staged.items():
                 self._dense_param()[self.part_rows(part)].copy_(w.dequantize(dtype))
             self._filled.update(self._staged)
             self._staged.clear()
             return self._quantize_dense(quantization)
-        if not self._staged:
-            return self._quantize_dense(quantization)
-        weight = concat_rows([self._staged[p] for p in range(len(self.parts))])
         self._filled.update(self._staged)
         self._staged.clear()
-        if quantization == "none":
-            self.weight = nn.Parameter(dense(weight, dtype).w.to(device), requires_grad=False)
-        else:
-            self._set_kernel(weight, device)
+        self._set_kernel(weight, device)
+
+    def _joined(self) -> Weight | None:
+        """The quantized parts as one weight; None when they cannot be held together (kinds,
+        groups or column orders differ: a file may quantize q, k and v differently)."""
+        try:
+            return concat_rows([self._staged[p] for p in range(len(self.parts))])
+        except WeightFormatError:
+            return None
 
     def _quantize_dense(self, quantization: str) -> None:
         if quantization in ("auto", "none"):

@@ -4,8 +4,9 @@
 A quantized safetensors checkpoint says how it is packed in config.json's
 `quantization_config`; `decoder_for` picks the reader by its `quant_method`. Each reader
 is `decode(tensors, quantization_config, model_config)`: it takes the file's
-(name, tensor) pairs and yields (name, tensor or decoded weight) pairs for the loader.
-GGUF files have their own reader (`formats.gguf`).
+(name, tensor) pairs and yields (name, tensor or decoded weight) pairs for the loader:
+`formats.compressed_tensors` (llm-compressor's "compressed-tensors") and `formats.gptq`
+("gptq", "awq"). GGUF files have their own reader (`formats.gguf`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ Decoder = Callable[[Iterator[tuple[str, torch.Tensor]], dict[str, Any], ModelCon
 
 
 def _decoders() -> dict[str, Decoder]:
-    return {}
+    from omnibus.engine.model.formats import compressed_tensors, gptq
+
+    return {"compressed-tensors": compressed_tensors.decode, "gptq": gptq.decode_gptq, "awq": gptq.decode_awq}
 
 
 def decoder_for(qconfig: dict[str, Any], path: Path) -> Decoder:
