@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
 
 .PHONY: setup system-deps proto test test-gpu gpu-env gpu-wheels run bench-offline bench-host bench-strategies \
-	bench-lora bench-gpu gpu-check-smoke gpu-report test-kernels-triton36 bench-fairness check-install clean fuzz fuzz-scheduler soak bench-spec
+	bench-lora bench-quant bench-llamacpp bench-gpu gpu-check-smoke gpu-report test-kernels-triton36 bench-fairness check-install clean fuzz fuzz-scheduler soak bench-spec
 
 setup: $(STAMP)
 
@@ -37,10 +37,14 @@ docs: setup
 system-deps:
 	@command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
 
-# The type check, then the whole CPU suite (Triton kernels run under the interpreter).
+# The lint (errors only), the type check, then the whole CPU suite (Triton kernels run under
+# the interpreter) on TEST_WORKERS parallel workers, one file per worker at a time (module
+# fixtures stay shared), the slowest tests listed at the end.
+TEST_WORKERS ?= 3
 test: setup system-deps
+	$(BIN)/ruff check --quiet .
 	$(PY) -m mypy --config-file pyproject.toml
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 # mypy, strict on engine core and the shared rules ([tool.mypy] in pyproject.toml; about
 # 20 s on 2 cores with no cache in build/mypy-cache, 1 s with one; docs/testing.md).
@@ -152,6 +156,29 @@ GPU_REPORT_OUT ?= docs/benchmarks/gpu.md
 gpu-report: setup
 	@test -n "$(IN)" || { echo 'usage: make gpu-report IN="DIR [RERUN_DIR]"' >&2; exit 2; }
 	$(PY) -m omnibus.bench.gpu_report $(foreach d,$(IN),--in $(d)) --out $(GPU_REPORT_OUT) $(GPU_REPORT_FLAGS)
+
+# Weight formats on the CPU: fp32, bf16, int8, int4 and the GGUF file's own Q4_1 blocks, on
+# SmolLM2-135M-Instruct and the bench model: tok/s at batch 1/16/64, weight bytes,
+# perplexity, greedy agreement with fp32, a batch-1 step's per-op profile (~10 min on 2 cores).
+bench-quant: setup
+	$(PY) -m omnibus.bench.quant --out docs/benchmarks/quant.md
+
+# Opt-in, not in `make test`: llama.cpp's server (built once from the llama.cpp that
+# llama-cpp-python's sdist vendors, from the package index; a CMake build of about 10
+# minutes on 2 cores) beside Omnibus on the same GGUF file and workload.
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_SRC := build/llamacpp-src/llama_cpp_python-$(LLAMACPP_VERSION)
+LLAMA_SERVER := build/llama.cpp/bin/llama-server
+$(LLAMA_SERVER): | setup
+	mkdir -p build/llamacpp-src
+	$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMACPP_VERSION) -d build/llamacpp-src
+	tar xzf build/llamacpp-src/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C build/llamacpp-src
+	cmake -S $(LLAMACPP_SRC)/vendor/llama.cpp -B build/llama.cpp -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_OPENSSL=OFF
+	cmake --build build/llama.cpp --target llama-server -j$$(nproc)
+
+bench-llamacpp: setup $(LLAMA_SERVER)
+	$(PY) -m omnibus.bench.llamacpp --server $(LLAMA_SERVER) --out docs/benchmarks/llamacpp.md
 
 # Speculative decoding: n-gram vs off at batch 1/4/64 on repetitive, plain and echo-ceiling
 # workloads, in one process (~5 min on 2 cores).

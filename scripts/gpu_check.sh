@@ -27,7 +27,7 @@
 # machine has it, and a cap per test file), roofline 90, quant 60, offline 150, lora 120; each is
 # cut to what is left of the budget, and a part with under 20 s left is skipped.
 # Environment: OUT (default build/gpu-check), GPU_CHECK_PY (default python3 on a GPU, the
-# project venv's python for --smoke), GPU_CHECK_BUDGET (seconds, default 320; smoke 150),
+# project venv's python for --smoke), GPU_CHECK_BUDGET (seconds, default 320; smoke 300: a loaded host must not cut a dry run),
 # GPU_CHECK_CAP_<part> (one part's cap in seconds), GPU_CHECK_MIN_PART (20; smoke 5),
 # GPU_CHECK_REQUESTS (offline, 200), GPU_CHECK_STATIC_REQUESTS (of those, the first 64 time
 # transformers' static generate), GPU_CHECK_LORA_REQUESTS (128).
@@ -66,7 +66,7 @@ OUT=${OUT:-$ROOT/build/gpu-check}
 mkdir -p "$OUT"
 rm -f "$OUT"/versions.json "$OUT"/parts.jsonl "$OUT"/tests.xml "$OUT"/bench.json "$OUT"/bench.json.tmp "$OUT"/log.txt
 if [ "$SMOKE" = 1 ]; then
-  BUDGET=${GPU_CHECK_BUDGET:-150}; MIN_PART=${GPU_CHECK_MIN_PART:-5}; PER_TEST=60; MIN_FILE=10
+  BUDGET=${GPU_CHECK_BUDGET:-300}; MIN_PART=${GPU_CHECK_MIN_PART:-5}; PER_TEST=60; MIN_FILE=10
   if [ -z "${GPU_CHECK_PY:-}" ] && [ -x "$ROOT/.venv/bin/python" ]; then GPU_CHECK_PY=$ROOT/.venv/bin/python; fi
   BENCH=(--smoke --kv-cache-gib 0.0625)  # the GPU run's flags, at a tiny size
   BATCHES=1,2,4; REQUESTS=2; STATIC_REQUESTS=1; LORA_REQUESTS=2

@@ -8,7 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-torch.set_num_threads(max(1, os.cpu_count() or 1))
+# Under pytest-xdist (`make test` runs several workers) each worker takes one thread: the
+# workers share the cores, and torch's default would oversubscribe them.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, os.cpu_count() or 1))
 
 from hypothesis import settings  # noqa: E402
 
@@ -17,3 +19,20 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+# `make test` runs files on parallel workers (pytest-xdist, --dist loadfile) in collection
+# order; these take the longest (mostly waiting on processes: drains, stalls, partitions),
+# so they start first instead of leaving one worker busy after the others have finished.
+SLOW_FIRST = (
+    "tests/e2e/test_continuation.py", "tests/e2e/test_partition.py", "tests/bench/test_gpu_check_smoke.py",
+    "tests/e2e/test_e2e_failures.py", "tests/e2e/test_soak.py", "tests/e2e/test_real_model.py",
+    "tests/e2e/test_mix.py", "tests/unit/core/test_rope_tables.py", "tests/e2e/test_openai_http.py",
+    "tests/bench/test_bench_host.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {path: i for i, path in enumerate(SLOW_FIRST)}
+    root = config.rootpath
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(), len(rank)))

@@ -14,7 +14,6 @@ import pytest
 from omnibus.bench import processes
 from omnibus.bench.processes import (  # noqa: F401 (the tests import them from here)
     START_TIMEOUT_S,
-    engine_process,
     free_port,
     router_process,
     wait_until,
@@ -24,6 +23,15 @@ from omnibus.v1 import engine_pb2, engine_pb2_grpc
 from tests.checkpoints import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def engine_process(model: Path, log_dir: Path, name: str, *flags: str,
+                   env: Mapping[str, str] | None = None) -> processes.ServerProcess:
+    """An engine worker (processes.engine_process) with its step loop on a thread unless
+    `flags` say otherwise: a step loop in a process of its own costs a second torch import
+    and model load per engine, and the tests about that process ask for it
+    (`--step-loop process`; a later flag wins)."""
+    return processes.engine_process(model, log_dir, name, "--step-loop", "thread", *flags, env=env)
 
 
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:

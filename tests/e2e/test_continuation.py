@@ -38,7 +38,8 @@ def processes(tmp_path_factory):
     model = tiny_checkpoint(tmp_path_factory)
     logs = tmp_path_factory.mktemp("logs")
     # A short drain: on SIGTERM the engine ends what is still running ABORTED after 0.5 s.
-    engines = [engine_process(model, logs, f"engine-{i}", *FLAGS, "--drain-seconds", "0.5")
+    # The step loop in a process of its own: the core-SIGKILL case kills that process.
+    engines = [engine_process(model, logs, f"engine-{i}", *FLAGS, "--drain-seconds", "0.5", "--step-loop", "process")
                for i in range(2)]
     procs = list(engines)
     try:

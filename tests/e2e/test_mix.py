@@ -19,7 +19,6 @@ import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest

@@ -563,7 +563,7 @@ def test_max_completion_tokens_is_checked_under_its_own_name(cluster):
         err = status_of(lambda: client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_completion_tokens=value))  # noqa: B023
         assert err.status_code == 400 and err.body["param"] == "max_completion_tokens"
-        assert err.body["message"].startswith(f"max_completion_tokens must be in [1, ") and \
+        assert err.body["message"].startswith("max_completion_tokens must be in [1, ") and \
             err.body["message"].endswith(f"got {value}")
     # a context overflow it sets names it too (it was blamed on max_tokens, which was not sent)
     err = status_of(lambda: client.chat.completions.create(

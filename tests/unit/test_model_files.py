@@ -358,7 +358,7 @@ def _cut(path: Path, size: int) -> Path:
 def test_a_truncated_file_is_refused_naming_the_file_and_where_it_ends(tmp_path, byte_level):
     path = write(tmp_path / "m.gguf", Spec("llama", byte_level))
     size = path.stat().st_size
-    with pytest.raises(ValueError, match=rf"cut.gguf is truncated: it ends \(4000 bytes\) inside the metadata "
+    with pytest.raises(ValueError, match=r"cut.gguf is truncated: it ends \(4000 bytes\) inside the metadata "
                                          r"value of tokenizer.ggml.tokens"):
         open_model(_cut(path, 4000))
     with pytest.raises(ValueError, match=r"cut.gguf is truncated: it ends \(\d+ bytes\) before the data of "
