@@ -83,13 +83,19 @@ def _token_logprob_gap(a: Engine, b: Engine, ids: list[int]) -> float:
     return (_logprobs(a, ids)[:-1].gather(1, nxt) - _logprobs(b, ids)[:-1].gather(1, nxt)).abs().max().item()
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
-def test_int4_kernels_hold_their_tolerance(hf_dir, tmp_path, kind):
-    path = write_gguf(hf_dir, tmp_path / f"{kind}.gguf", projection_type=kind)
+@pytest.mark.parametrize(("kind", "tied"), [("Q4_0", False), ("Q4_1", False), ("Q4_1", True)])
+def test_int4_kernels_hold_their_tolerance(hf_dir, tmp_path, kind, tied):
+    """Untied, the head is a Q4 projection like the others; tied, it multiplies through an
+    INT8 copy of the (Q8_0) embedding table."""
+    if tied:
+        hf_dir = make_checkpoint(tmp_path / "tied", "llama", vocab_size=VOCAB, tie_word_embeddings=True)
+    path = write_gguf(hf_dir, tmp_path / f"{kind}.gguf", projection_type=kind,
+                      embedding_type="Q8_0" if tied else "F32")
     quant = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64))
     ref = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, quantization="none"))
     kernels = {type(m.kernel).__name__ for m in quant.runner.model.modules() if getattr(m, "kernel", None)}
-    assert kernels == {"Int4CpuKernel"}
+    assert kernels == ({"Int4CpuKernel", "Int8CpuKernel"} if tied else {"Int4CpuKernel"})
+    assert (quant.runner.model.lm_head.weight is quant.runner.model.embed_tokens.weight) == tied
     expected = ref.generate(PROMPTS, GREEDY)
     worst = max(_token_logprob_gap(quant, ref, p + t) for p, t in zip(PROMPTS, expected))
     assert worst <= INT4_LOGPROB_TOLERANCE

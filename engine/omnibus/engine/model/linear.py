@@ -105,6 +105,15 @@ class Linear(nn.Linear):
         w = self.weight.data
         self._set_kernel(QUANTIZERS[quantization](w), w.device)
 
+    def use_int8(self, keep_weight: bool) -> None:
+        """Multiply through INT8 per channel from now on; `keep_weight`: the dense weight
+        is shared (a tied LM head is the embedding table) and stays."""
+        w = self.weight.data
+        if keep_weight:
+            self.kernel = make_kernel(QUANTIZERS["int8"](w), w.device)
+        else:
+            self._set_kernel(QUANTIZERS["int8"](w), w.device)
+
     def _set_kernel(self, weight: Weight, device: torch.device) -> None:
         self.kernel = make_kernel(weight, device)
         self.weight = None  # type: ignore[assignment]

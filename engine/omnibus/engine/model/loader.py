@@ -172,7 +172,7 @@ def load_model(cfg: ModelConfig, path: str | Path, dtype: torch.dtype, device: t
     source = open_weights(path, cfg, quantization)
     model = empty_model(cfg, dtype, device, max_len, quantized=source.quantized)
     load_weights(model, source.tensors(), str(path))
-    finish_linears(model, quantization)
+    finish_linears(model, quantization, source.quantized)
     return model
 
 
@@ -229,10 +229,14 @@ def _load_linear(layer: Linear, name: str, tensor: torch.Tensor | Weight, idx: i
         loaded.add(f"{module}.weight")
 
 
-def finish_linears(model: torch.nn.Module, quantization: str) -> None:
+def finish_linears(model: torch.nn.Module, quantization: str, quantized_source: bool = False) -> None:
     """Settle every projection's kernel once loading is done (`Linear.finish`). The LM head
     keeps its loaded form under --quantization int8/fp8/int4 (as vLLM leaves it), and a
-    tied one is the embedding table."""
+    tied one is the embedding table. A quantized checkpoint served `auto` on a CPU
+    multiplies its LM head through INT8 per channel (a tied head through an INT8 copy of
+    the table, the lookups keep the table): the head is the largest matrix a small model
+    reads each step, 113 of SmolLM2-135M's 170 MB in float32, and its file stored it in
+    8 bits (Q8_0) or fewer anyway."""
     cfg = model.cfg
     dtype = model.embed_tokens.weight.dtype
     device = model.embed_tokens.weight.device
@@ -249,6 +253,9 @@ def finish_linears(model: torch.nn.Module, quantization: str) -> None:
             layer.finish(mode, dtype, device)
         except WeightFormatError as exc:
             raise ModelLoadError(f"cannot serve {name} with --quantization {quantization}: {exc}") from exc
+    head = model.lm_head
+    if quantized_source and quantization == "auto" and device.type == "cpu" and head.kernel is None:
+        head.use_int8(keep_weight=cfg.tie_word_embeddings)
 
 
 def _tie_or_untie(model: LlamaForCausalLM, head: torch.Tensor, loaded: set[str], source: str) -> None:
