@@ -51,8 +51,9 @@ SMOLLM2_FORMATS = {  # name -> EngineConfig fields
     "int8": dict(quantization="int8", dtype="float32"),
     "int4": dict(quantization="int4", dtype="float32"),
     "gguf-q4_1": dict(quantization="auto", dtype="float32"),
+    "gguf-q4_1 bf16": dict(quantization="auto", dtype="bfloat16"),
 }
-BENCH_FORMATS = {k: v for k, v in SMOLLM2_FORMATS.items() if k != "gguf-q4_1"}
+BENCH_FORMATS = {k: v for k, v in SMOLLM2_FORMATS.items() if not k.startswith("gguf")}
 
 
 def smollm2_path() -> Path:

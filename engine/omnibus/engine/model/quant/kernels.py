@@ -42,6 +42,8 @@ class Int8CpuKernel(Kernel):
         self.register_buffer("scale", w.scale.to(act_dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.act_dtype:  # a bfloat16 model: no casts
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
         return torch.ops.aten._weight_int8pack_mm(x.to(self.act_dtype), self.q, self.scale).to(x.dtype)
 
 
@@ -86,7 +88,7 @@ class Int4CpuKernel(Kernel):
             q = torch.cat([q, torch.full((pad, q.shape[1]), 8, dtype=torch.int32)])
             scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
             zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
-        self.out_features, self.group, self.act_dtype = out_f, w.group, act_dtype
+        self.out_features, self.group, self.act_dtype, self.padded = out_f, w.group, act_dtype, pad > 0
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         # (in // group, out, 2): the kernel's layout of scales and zeros
         self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1)
@@ -94,11 +96,13 @@ class Int4CpuKernel(Kernel):
         self.register_buffer("perm", w.perm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xa = x.to(self.act_dtype)
+        xa = x if x.dtype == self.act_dtype else x.to(self.act_dtype)
         if self.perm is not None:
             xa = xa.index_select(1, self.perm)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xa, self.packed, self.group, self.scales_and_zeros)
-        return y[:, :self.out_features].to(x.dtype)
+        if self.padded:
+            y = y[:, :self.out_features]
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 class Int4TritonKernel(Kernel):
