@@ -69,15 +69,17 @@ class WeightSource:
 
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor | Weight]]]
     quantized: bool
+    head_quantized: bool = False  # the file stores the LM head (or the table a tied one is) quantized
 
 
 def open_weights(path: Path, cfg: ModelConfig, quantization: str = "auto") -> WeightSource:
     """A GGUF file, or a safetensors directory (decoded as config.json's quantization_config
     says). `quantization` "none" asks for every weight dequantized."""
     if path.suffix == ".gguf":
-        from omnibus.engine.model.formats.gguf import gguf_weights
+        from omnibus.engine.model.formats.gguf import gguf_head_quantized, gguf_weights
 
-        return WeightSource(lambda: gguf_weights(path, cfg, quantization == "none"), True)
+        return WeightSource(lambda: gguf_weights(path, cfg, quantization == "none"), True,
+                            gguf_head_quantized(path))
     files = checkpoint_files(path)
     plain = lambda: safetensors_tensors(files)  # noqa: E731
     qconfig = _quantization_config(path)
@@ -172,7 +174,7 @@ def load_model(cfg: ModelConfig, path: str | Path, dtype: torch.dtype, device: t
     source = open_weights(path, cfg, quantization)
     model = empty_model(cfg, dtype, device, max_len, quantized=source.quantized)
     load_weights(model, source.tensors(), str(path))
-    finish_linears(model, quantization, source.quantized)
+    finish_linears(model, quantization, source.head_quantized)
     return model
 
 
@@ -229,14 +231,14 @@ def _load_linear(layer: Linear, name: str, tensor: torch.Tensor | Weight, idx: i
         loaded.add(f"{module}.weight")
 
 
-def finish_linears(model: torch.nn.Module, quantization: str, quantized_source: bool = False) -> None:
+def finish_linears(model: torch.nn.Module, quantization: str, head_quantized: bool = False) -> None:
     """Settle every projection's kernel once loading is done (`Linear.finish`). The LM head
     keeps its loaded form under --quantization int8/fp8/int4 (as vLLM leaves it), and a
-    tied one is the embedding table. A quantized checkpoint served `auto` on a CPU
-    multiplies its LM head through INT8 per channel (a tied head through an INT8 copy of
-    the table, the lookups keep the table): the head is the largest matrix a small model
-    reads each step, 113 of SmolLM2-135M's 170 MB in float32, and its file stored it in
-    8 bits (Q8_0) or fewer anyway."""
+    tied one is the embedding table. A head the file stores quantized (a GGUF's Q8_0 or
+    Q6_K output or token table) and dequantized at load multiplies through INT8 per
+    channel under `auto` on a CPU (a tied head through an INT8 copy of the table; the
+    lookups keep the table): the head is the largest matrix a small model reads each
+    step, 113 of SmolLM2-135M's 170 MB in float32."""
     cfg = model.cfg
     dtype = model.embed_tokens.weight.dtype
     device = model.embed_tokens.weight.device
@@ -254,7 +256,7 @@ def finish_linears(model: torch.nn.Module, quantization: str, quantized_source: 
         except WeightFormatError as exc:
             raise ModelLoadError(f"cannot serve {name} with --quantization {quantization}: {exc}") from exc
     head = model.lm_head
-    if quantized_source and quantization == "auto" and device.type == "cpu" and head.kernel is None:
+    if head_quantized and quantization == "auto" and device.type == "cpu" and head.kernel is None:
         head.use_int8(keep_weight=cfg.tie_word_embeddings)
 
 

@@ -101,6 +101,17 @@ def gguf_weights(path: Path, cfg: ModelConfig, dequantize_all: bool) -> Iterator
                  detail="tensors of types without an Omnibus kernel are held dequantized in float32 at load")
 
 
+def gguf_head_quantized(path: Path) -> bool:
+    """Whether the file stores its LM head (`output.weight`, else the tied `token_embd`)
+    in a quantized type."""
+    tensors = open_model(path).header.tensors  # type: ignore[attr-defined]
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    return head is not None and head.type_id not in _FLOAT_TYPES
+
+
+_FLOAT_TYPES = (0, 1, 30)  # ggml F32, F16, BF16
+
+
 def _dequantized(raw: np.ndarray, qtype, info: GgufTensor, tensor_name: str, path: Path) -> torch.Tensor:
     from gguf.quants import dequantize
 
