@@ -75,6 +75,10 @@ class Row:
 
 
 def weight_bytes(engine: Engine) -> int:
+    """Bytes of every weight the model holds: parameters, kernels' buffers, and oneDNN's
+    packed float32 weights (an opaque attribute of PackedLinear, counted by shape)."""
+    from omnibus.engine.model.cpu_linear import PackedLinear
+
     model = engine.runner.model
     seen, total = set(), 0
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -82,7 +86,8 @@ def weight_bytes(engine: Engine) -> int:
             continue
         seen.add(id(t))
         total += t.numel() * t.element_size()
-    return total
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    return total + sum(4 * m.in_features * m.out_features for m in packed)
 
 
 def throughput(engine: Engine, batch: int, tokens: int, vocab: int) -> float:
