@@ -22,6 +22,7 @@ from omnibus.engine.model.formats.gguf import _INT4_DECODERS, _int4
 from omnibus.engine.worker.sampling import SamplingParams
 from tests.checkpoints import hf_greedy, make_checkpoint
 from tests.gguf_files import hf_from_gguf, write_gguf
+from tests.oracle.test_lora import make_adapter, run
 
 VOCAB = 384
 PROMPTS = [[5], [7, 40, 9, 200, 31], list(range(20, 37)), [3, 3, 3, 9]]
@@ -124,3 +125,29 @@ def test_a_truncated_gguf_is_refused_naming_the_file(hf_dir, tmp_path):
     cut.write_bytes(good.read_bytes()[: good.stat().st_size - 1000])
     with pytest.raises(ModelLoadError, match=r"cut\.gguf.*truncated"):
         Engine(EngineConfig(model=str(cut), dtype="float32", num_kv_blocks=64))
+
+
+def test_a_qwen2_gguf_is_token_exact_with_transformers(tmp_path):
+    """Qwen2: q/k/v biases, no llama.cpp row permutation."""
+    hf = make_checkpoint(tmp_path / "qwen2", "qwen2", vocab_size=VOCAB)
+    path = write_gguf(hf, tmp_path / "qwen2.gguf", projection_type="Q8_0")
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, quantization="none"))
+    model = hf_from_gguf(path)
+    assert engine.generate(PROMPTS, GREEDY) == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_lora_and_speculation_on_a_gguf_match_peft_and_transformers(hf_dir, tmp_path):
+    """F32 projections, so the GGUF's weights are the checkpoint's: an adapter trained on the
+    checkpoint serves on the GGUF token for token as PEFT on the checkpoint, and n-gram
+    speculation leaves the base model's greedy output as transformers'."""
+    path = write_gguf(hf_dir, tmp_path / "f32.gguf", projection_type="F32")
+    adapters = tmp_path / "adapters"
+    peft_model = make_adapter(hf_dir, adapters / "a-r8", 8, 16, ["q_proj", "k_proj", "v_proj", "down_proj"],
+                              False, seed=7)
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, adapter_dir=str(adapters),
+                                 speculative="ngram"))
+    got = run(engine, [("a-r8", p, GREEDY.max_tokens) for p in PROMPTS] + [(None, p, GREEDY.max_tokens)
+                                                                           for p in PROMPTS])
+    assert got[:len(PROMPTS)] == [hf_greedy(peft_model, p, GREEDY.max_tokens) for p in PROMPTS]
+    base = hf_from_gguf(path)
+    assert got[len(PROMPTS):] == [hf_greedy(base, p, GREEDY.max_tokens) for p in PROMPTS]
