@@ -72,8 +72,12 @@ def requests() -> list[pb.GenerateRequest]:
     return out
 
 
-@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP", "SIGTERM", "core-SIGKILL"])
+@pytest.mark.parametrize("fault", ["SIGKILL", "core-SIGKILL"])  # SIGSTOP, SIGTERM: test_continuation_stalled.py
 def test_a_lost_engines_streams_continue_elsewhere_token_exact(processes, fault):
+    lose_an_engine(processes, fault)
+
+
+def lose_an_engine(processes, fault: str) -> None:
     """All N streams on one engine (the other is held stopped until they have their first
     token, so the router sends them all to the victim), then the victim is lost: killed,
     stopped, drained past its grace period (its streams end ABORTED), or left without its
