@@ -39,14 +39,18 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(hf_dir: Path, out: Path, projection_type: str = "Q8_0", embedding_type: str = "F32",
-               chat_template: str | None = None) -> Path:
+               chat_template: str | None = None, arch: str | None = None, name: str | None = None) -> Path:
     """`hf_dir`'s checkpoint as a GGUF file: projections (and an untied lm_head) in
-    `projection_type`, the embedding table in `embedding_type`, norms in F32."""
+    `projection_type`, the embedding table in `embedding_type`, norms in F32. `arch`
+    (default: the checkpoint's model_type) and `general.name`: llama.cpp writes Mistral as
+    arch "llama" named "mistral", q/k permuted like Llama's."""
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = cfg["model_type"]
+    arch = arch or cfg["model_type"]
     tensors = load_file(str(hf_dir / "model.safetensors"))
     writer = gguf.GGUFWriter(str(out), arch)
-    _metadata(writer, cfg, arch)
+    if name:
+        writer.add_name(name)
+    _metadata(writer, cfg)
     _tokenizer(writer, hf_dir, cfg, chat_template)
     for name, t in tensors.items():
         w = t.float().numpy()
@@ -69,7 +73,7 @@ def write_gguf(hf_dir: Path, out: Path, projection_type: str = "Q8_0", embedding
     return out
 
 
-def _metadata(writer: gguf.GGUFWriter, cfg: dict, arch: str) -> None:
+def _metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])

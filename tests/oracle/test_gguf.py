@@ -20,7 +20,7 @@ from omnibus.engine.engine import Engine
 from omnibus.engine.model.llama import ForwardBatch
 from omnibus.engine.model.formats.gguf import _INT4_DECODERS, _int4
 from omnibus.engine.worker.sampling import SamplingParams
-from tests.checkpoints import hf_greedy, make_checkpoint
+from tests.checkpoints import hf_greedy, load_hf, make_checkpoint
 from tests.gguf_files import hf_from_gguf, write_gguf
 from tests.oracle.test_lora import make_adapter, run
 
@@ -132,7 +132,21 @@ def test_a_qwen2_gguf_is_token_exact_with_transformers(tmp_path):
     hf = make_checkpoint(tmp_path / "qwen2", "qwen2", vocab_size=VOCAB)
     path = write_gguf(hf, tmp_path / "qwen2.gguf", projection_type="Q8_0")
     engine = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64, quantization="none"))
+    assert engine.model_config.model_type == "qwen2"
     model = hf_from_gguf(path)
+    assert engine.generate(PROMPTS, GREEDY) == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_a_mistral_gguf_as_llama_cpp_writes_it_serves_the_checkpoint(tmp_path):
+    """llama.cpp writes Mistral as arch "llama" named "mistral", q/k permuted like Llama's:
+    served as Mistral with the rows put back. F32 projections, so the reference is
+    transformers on the checkpoint itself (transformers 5.23 cannot load such a file:
+    gguf-py names no "mistral" model type)."""
+    hf = make_checkpoint(tmp_path / "mistral", "mistral", vocab_size=VOCAB)
+    path = write_gguf(hf, tmp_path / "mistral.gguf", projection_type="F32", arch="llama", name="mistral")
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64))
+    assert engine.model_config.model_type == "mistral"
+    model = load_hf(hf)
     assert engine.generate(PROMPTS, GREEDY) == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
 
 

@@ -8,9 +8,10 @@ once at load by gguf's own code, as transformers does, and logged with its cost.
 `--quantization none` everything is dequantized by gguf, so the weights are bit for bit
 what transformers loads from the same file.
 
-llama.cpp's converter permutes the rows of Llama's q and k projections (its rotary
-embedding pairs adjacent dimensions, Hugging Face's pairs halves); they are permuted back
-here, for the quantized codes as for dense rows.
+llama.cpp's converter permutes the rows of q and k projections in files of its "llama"
+architecture (Llama, and Mistral written as it; its rotary embedding pairs adjacent
+dimensions, Hugging Face's pairs halves); they are permuted back here, for the quantized
+codes as for dense rows.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def gguf_weights(path: Path, cfg: ModelConfig, dequantize_all: bool) -> Iterator
         raise ModelLoadError(str(exc)) from exc
     assert isinstance(files, GgufFiles)  # a .gguf path opens as one
     data = np.memmap(path, dtype=np.uint8, mode="r")
+    # llama.cpp permutes q/k for its "llama" architecture, Mistral files written as it
+    # included (transformers keys the undoing on the file's architecture too)
+    permuted = files.header.metadata.get("general.architecture") == "llama"
     widened = 0
     for tensor_name, info in files.header.tensors.items():
         name = hf_name(tensor_name)
@@ -92,7 +96,7 @@ def gguf_weights(path: Path, cfg: ModelConfig, dequantize_all: bool) -> Iterator
             weight = _dequantized(raw, qtype, info, tensor_name, path)
             if qtype.name not in ("F32", "F16", "BF16"):
                 widened += weight.numel() * 4 - nbytes
-        if cfg.model_type == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if permuted and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
             weight = _unpermute(weight, heads)
         yield name, weight
