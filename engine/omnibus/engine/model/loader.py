@@ -16,6 +16,7 @@ import structlog
 import torch
 from safetensors import SafetensorError, safe_open
 
+from omnibus.common.model_files import is_gguf, open_model
 from omnibus.engine.config import ModelConfig, ModelLoadError
 from omnibus.engine.model.linear import Linear
 from omnibus.engine.model.llama import LlamaForCausalLM
@@ -75,7 +76,7 @@ class WeightSource:
 def open_weights(path: Path, cfg: ModelConfig, quantization: str = "auto") -> WeightSource:
     """A GGUF file, or a safetensors directory (decoded as config.json's quantization_config
     says). `quantization` "none" asks for every weight dequantized."""
-    if path.suffix == ".gguf":
+    if is_gguf(path):
         from omnibus.engine.model.formats.gguf import gguf_head_quantized, gguf_weights
 
         return WeightSource(lambda: gguf_weights(path, cfg, quantization == "none"), True,
@@ -92,11 +93,8 @@ def open_weights(path: Path, cfg: ModelConfig, quantization: str = "auto") -> We
 
 
 def _quantization_config(path: Path) -> dict | None:
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # ModelConfig.from_dir has already refused an unreadable config.json
-    qconfig = raw.get("quantization_config") if isinstance(raw, dict) else None
+    """config.json's quantization_config, read as ModelConfig.from_dir read the file."""
+    qconfig = open_model(path).config().get("quantization_config")
     if qconfig is not None and not isinstance(qconfig, dict):
         raise ModelLoadError(f"{path / 'config.json'}: quantization_config must be an object")
     return qconfig

@@ -1,9 +1,10 @@
 """How each weight kind is multiplied, on the CPU and on CUDA.
 
 One `make_kernel(weight, device)` picks the product for a layer once, after loading;
-the layer then calls it every step. Measured on the 2-core VM (docs/benchmarks/quant.md):
-torch's INT8/INT4 weight-only CPU kernels are fast with bfloat16 activations and 10-30x
-slower with float32 ones, so they are fed bfloat16 and give the layer's dtype back.
+the layer then calls it every step. torch's INT8/INT4 weight-only CPU kernels are fast
+with bfloat16 activations and were 14-56x slower with float32 ones (one micro-benchmark
+on the 2-core VM, SmolLM2's shapes, 1 and 16 rows), so they are fed bfloat16 and give the
+layer's dtype back.
 
 | kind  | CPU                                   | CUDA                                   |
 |-------|---------------------------------------|----------------------------------------|

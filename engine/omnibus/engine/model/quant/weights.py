@@ -4,7 +4,7 @@ Every checkpoint format (Hugging Face safetensors at full precision, compressed-
 GPTQ, AWQ, GGUF blocks) decodes each projection into one of four kinds; each kind knows
 how to join the projections a layer fuses (q/k/v, gate/up: rows, the output dimension),
 how to give its exact full-precision value back (`dequantize`, the reference every
-quantized kernel is tested against) and its size. Kernels (`quant.kernels`) multiply
+quantized kernel is tested against) and take rows. Kernels (`quant.kernels`) multiply
 them; the model file never sees which kind a layer holds.
 
 Shapes follow nn.Linear: (out, in). Groups run along the input dimension.
@@ -31,19 +31,14 @@ class DenseWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.w.to(dtype)
 
-    @property
-    def nbytes(self) -> int:
-        return self.w.numel() * self.w.element_size()
 
 
 @dataclass
-class Int8Weight:
-    """Symmetric INT8 with one scale per output channel: w = q * scale.
-    `act_int8`: the checkpoint also quantizes activations (W8A8, dynamic per token)."""
+class _PerChannel:
+    """Codes with one scale per output channel: w = q * scale."""
 
-    q: torch.Tensor  # (out, in) int8
+    q: torch.Tensor  # (out, in)
     scale: torch.Tensor  # (out,) float32
-    act_int8: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -52,9 +47,13 @@ class Int8Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.q.float() * self.scale[:, None]).to(dtype)
 
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 4
+
+@dataclass
+class Int8Weight(_PerChannel):
+    """Symmetric INT8 (q int8). `act_int8`: the checkpoint also quantizes activations
+    (W8A8, dynamic per token)."""
+
+    act_int8: bool = False
 
 
 @dataclass
@@ -95,29 +94,12 @@ class Int4Weight:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
         return w.to(dtype)
 
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() // 2 + 2 * self.scale.numel() * 4
 
 
 @dataclass
-class Fp8Weight:
-    """FP8 (e4m3) with one scale per output channel (a per-tensor scale is broadcast):
-    w = q * scale. Activations are quantized per token at run time (W8A8 FP8)."""
-
-    q: torch.Tensor  # (out, in) float8_e4m3fn
-    scale: torch.Tensor  # (out,) float32
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)  # type: ignore[return-value]
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return (self.q.float() * self.scale[:, None]).to(dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 4
+class Fp8Weight(_PerChannel):
+    """FP8 e4m3 codes (a per-tensor scale is broadcast to every channel). Activations are
+    quantized per token at run time (W8A8 FP8)."""
 
 
 Weight = Union[DenseWeight, Int8Weight, Int4Weight, Fp8Weight]
@@ -168,11 +150,6 @@ def take_rows(weight: Weight, index: torch.Tensor) -> Weight:
     if isinstance(weight, Int8Weight):
         return Int8Weight(weight.q[index], weight.scale[index], weight.act_int8)
     return Fp8Weight(weight.q[index], weight.scale[index])
-
-
-def dense(weight: Weight, dtype: torch.dtype) -> DenseWeight:
-    return weight if isinstance(weight, DenseWeight) and weight.w.dtype == dtype else DenseWeight(
-        weight.dequantize(dtype))
 
 
 # --- quantizing a full-precision weight at load (--quantization) ----------------------------
