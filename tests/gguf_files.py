@@ -8,6 +8,7 @@ merges) and special ids in the metadata, and each projection in a chosen ggml ty
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,9 @@ def write_gguf(hf_dir: Path, out: Path, projection_type: str = "Q8_0", embedding
         writer.add_name(name)
     _metadata(writer, cfg)
     _tokenizer(writer, hf_dir, cfg, chat_template)
+    factors = _llama3_rope_factors(cfg)
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors)
     for name, t in tensors.items():
         w = t.float().numpy()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
@@ -71,6 +75,29 @@ def write_gguf(hf_dir: Path, out: Path, projection_type: str = "Q8_0", embedding
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _llama3_rope_factors(cfg: dict) -> np.ndarray | None:
+    """Llama 3.1's rope scaling as llama.cpp's convert writes it: no scaling metadata, a
+    rope_freqs tensor of one factor per frequency (each frequency is divided by it)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:

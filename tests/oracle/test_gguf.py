@@ -10,14 +10,16 @@ reference. The 4-bit decoders are checked block for block against gguf's own deq
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 import gguf
-from omnibus.engine.config import EngineConfig, ModelLoadError
+from omnibus.engine.config import EngineConfig, ModelConfig, ModelLoadError, RopeScaling
 from omnibus.engine.engine import Engine
-from omnibus.engine.model.llama import ForwardBatch
+from omnibus.engine.model.llama import ForwardBatch, rope_inv_freq
 from omnibus.engine.model.formats.gguf import _INT4_DECODERS, _int4
 from omnibus.engine.worker.sampling import SamplingParams
 from tests.checkpoints import hf_greedy, load_hf, make_checkpoint
@@ -148,6 +150,37 @@ def test_a_mistral_gguf_as_llama_cpp_writes_it_serves_the_checkpoint(tmp_path):
     assert engine.model_config.model_type == "mistral"
     model = load_hf(hf)
     assert engine.generate(PROMPTS, GREEDY) == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_a_llama_3_1_gguf_scales_its_rope_by_the_files_factors(tmp_path):
+    """llama.cpp writes Llama 3.1's rope scaling as a rope_freqs tensor (no scaling metadata):
+    the file serves the checkpoint token for token as transformers on it (F32 projections),
+    with the rotary frequencies transformers' llama3 scaling gives, not the unscaled ones."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf = make_checkpoint(tmp_path / "llama31", "llama", vocab_size=VOCAB, max_position_embeddings=128,
+                         rope_parameters=rope)
+    path = write_gguf(hf, tmp_path / "llama31.gguf", projection_type="F32")
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=64))
+    model = load_hf(hf)
+    scaling = engine.model_config.rope_scaling
+    assert scaling.kind == "freq_factors"
+    ours = rope_inv_freq(engine.model_config.head_dim, engine.model_config.rope_theta, scaling)
+    unscaled = rope_inv_freq(engine.model_config.head_dim, engine.model_config.rope_theta, RopeScaling())
+    torch.testing.assert_close(ours, model.model.rotary_emb.inv_freq.float(), rtol=1e-6, atol=0)
+    assert not torch.allclose(ours, unscaled, rtol=1e-3)
+    prompts = PROMPTS + [list(range(40, 100))]
+    assert engine.generate(prompts, GREEDY) == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_rope_factors_of_the_wrong_count_are_refused(tmp_path):
+    raw = json.loads((make_checkpoint(tmp_path / "m", "llama", vocab_size=VOCAB) / "config.json").read_text())
+    raw["rope_scaling"] = {"rope_type": "freq_factors", "factors": [1.0, 2.0]}
+    with pytest.raises(ModelLoadError, match="2 frequency factors where head_dim 16 has 8 frequencies"):
+        ModelConfig.from_dict(raw)
+    raw["rope_scaling"] = {"rope_type": "freq_factors", "factors": [1.0, -2.0]}
+    with pytest.raises(ModelLoadError, match="positive numbers"):
+        ModelConfig.from_dict(raw)
 
 
 def test_lora_and_speculation_on_a_gguf_match_peft_and_transformers(hf_dir, tmp_path):

@@ -414,8 +414,8 @@ def test_an_unsupported_tokenizer_model_is_refused(tmp_path, byte_level):
     (Spec("llama", {}, drop=("llama.block_count",)), "the GGUF metadata has no llama.block_count"),
     (Spec("llama", {"llama.block_count": "two"}), "the GGUF metadata key llama.block_count must be an integer, "
                                                    "got 'two'"),
-    (Spec("llama", {}, tensors=("token_embd.weight", "rope_freqs.weight")),
-     "scales its rotary frequencies by a rope_freqs.weight tensor"),
+    (Spec("llama", {"llama.rope.scaling.type": "linear"}, tensors=("token_embd.weight", "rope_freqs.weight")),
+     "has both a rope_freqs.weight tensor and llama.rope.scaling.type 'linear'"),
     (Spec("llama", {"llama.rope.dimension_count": 8}), "llama.rope.dimension_count is 8 where the heads have 16 "
                                                        "channels: partial rotary embeddings are not supported"),
 ])  # fmt: skip

@@ -479,18 +479,37 @@ def _head_dim(header: GgufHeader, arch: str, config: dict[str, Any]) -> dict[str
 
 
 def _rope_scaling(header: GgufHeader, arch: str) -> dict[str, Any]:
-    """rope.scaling.* as config.json's rope_scaling. A rope_freqs.weight tensor (how
-    llama.cpp stores Llama 3.1's scaling: one factor per frequency) cannot be told
-    apart from other per-frequency schemes, so it is refused rather than ignored."""
-    if "rope_freqs.weight" in header.tensors:
-        raise ValueError(f"{header.path} scales its rotary frequencies by a rope_freqs.weight tensor "
-                         "(llama.cpp's form of Llama 3.1 rope scaling), which is not supported")
+    """rope.scaling.* as config.json's rope_scaling. A rope_freqs.weight tensor is how
+    llama.cpp stores Llama 3.1's scaling: one float32 factor per rotary frequency, each
+    frequency divided by its factor (llama.cpp's `freq_factors`); it becomes rope_scaling
+    {"rope_type": "freq_factors", "factors": [...]} (the engine applies exactly that),
+    alone: beside another scaling type llama.cpp would apply both, which no config.json says."""
     kind = header.get(f"{arch}.rope.scaling.type", str)
+    tensor = header.tensors.get("rope_freqs.weight")
+    if tensor is not None:
+        if kind not in (None, "none"):
+            raise ValueError(f"{header.path} has both a rope_freqs.weight tensor and {arch}.rope.scaling.type "
+                             f"{kind!r}: rotary scaling by both is not supported")
+        return {"rope_scaling": {"rope_type": "freq_factors", "factors": _float32_values(header, tensor)}}
     if kind in (None, "none"):
         return {}
     scaling = {"rope_type": kind, "factor": header.get(f"{arch}.rope.scaling.factor", float),
                "original_max_position_embeddings": header.get(f"{arch}.rope.scaling.original_context_length", int)}
     return {"rope_scaling": {k: v for k, v in scaling.items() if v is not None}}
+
+
+def _float32_values(header: GgufHeader, tensor: GgufTensor) -> list[float]:
+    """A small one-dimensional F32 tensor's values, read from the file."""
+    if tensor.type_id != _GGML_F32 or len(tensor.shape) != 1:
+        raise ValueError(f"{header.path}: rope_freqs.weight must be a one-dimensional F32 tensor, "
+                         f"got ggml type {tensor.type_id} of shape {list(tensor.shape)}")
+    count = tensor.shape[0]
+    with header.path.open("rb") as file:
+        file.seek(tensor.offset)
+        data = file.read(4 * count)
+    if len(data) != 4 * count:
+        raise ValueError(f"{header.path} is truncated: rope_freqs.weight's {count} values are not all there")
+    return list(struct.unpack(f"<{count}f", data))
 
 
 def _torch_dtype(tensors: dict[str, GgufTensor]) -> str:

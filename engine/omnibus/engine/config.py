@@ -49,13 +49,16 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary embedding variant. `kind` is "default", "linear" or "llama3"."""
+    """Rotary embedding variant. `kind` is "default", "linear", "llama3" or "freq_factors"
+    (each frequency divided by its own factor: how llama.cpp's GGUF files store Llama 3.1's
+    scaling, the rope_freqs tensor)."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
+    factors: tuple[float, ...] = ()  # freq_factors only: one per frequency (head_dim / 2)
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,10 @@ class ModelConfig:
                 f"num_attention_heads ({cfg.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({cfg.num_kv_heads})"
             )
+        factors = len(cfg.rope_scaling.factors)
+        if cfg.rope_scaling.kind == "freq_factors" and factors != cfg.head_dim // 2:
+            raise ModelLoadError(f"the rope scaling has {factors} frequency factors where head_dim "
+                                 f"{cfg.head_dim} has {cfg.head_dim // 2} frequencies")
         return cfg
 
 
@@ -205,6 +212,13 @@ def _parse_rope(raw: dict, max_positions: int) -> tuple[float, RopeScaling]:
     kind = rope.get("rope_type") or rope.get("type") or "default"
     if kind == "default":
         return theta, RopeScaling()
+    if kind == "freq_factors":
+        factors = rope.get("factors")
+        if not isinstance(factors, list) or not factors or not all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f) and f > 0
+                for f in factors):
+            raise ModelLoadError("freq_factors rope scaling needs factors: a list of positive numbers")
+        return theta, RopeScaling(kind="freq_factors", factors=tuple(float(f) for f in factors))
     if kind not in ("linear", "llama3"):
         raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
     required = ("factor",) if kind == "linear" else ("factor", "low_freq_factor", "high_freq_factor")

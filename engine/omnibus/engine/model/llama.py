@@ -63,8 +63,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,) for default, linear and llama3 rope scaling."""
+    """Inverse frequencies (head_dim/2,) for default, linear, llama3 and freq_factors rope scaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.kind == "freq_factors":  # llama.cpp's rope_freqs: theta_i / factor_i
+        return inv_freq / torch.tensor(scaling.factors, dtype=torch.float32)
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "llama3":

@@ -37,7 +37,7 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_IGNORED = {"rope_freqs"}  # llama3 rope factors: the model computes them from the config
+_IGNORED = {"rope_freqs"}  # Llama 3.1 rope factors: read into the config (rope_scaling freq_factors)
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
