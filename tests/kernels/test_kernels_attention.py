@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from omnibus import kernels
-from omnibus.kernels.attention.reference import paged_attention_ref, plan_attention_ref, store_kv_ref
+from omnibus.kernels.attention.reference import (
+    paged_attention_ref,
+    plan_attention_ref,
+    store_kv_ref,
+    to_cache_dtype,
+)
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
@@ -390,3 +395,73 @@ def test_triton_split_k_reduces_at_the_cap(monkeypatch: pytest.MonkeyPatch) -> N
     assert [launch.grid for launch in decodes] == [(2, NUM_KV_HEADS, 32)]
     assert [(launch.grid, launch.kwargs["BLOCK_S"]) for launch in reduces] == [((2, 4), 32)]
     assert rel_err(out, ref) < 1e-4
+
+
+# --- FP8 caches (--kv-cache-dtype fp8) ----------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 0.02, 0.01
+
+
+def fp8_batch(b: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`b`'s caches as an FP8 cache stores them (garbage slots zero: FP8 has no NaN to spare)."""
+    return (to_cache_dtype(b.k_cache.nan_to_num(), FP8, K_SCALE),
+            to_cache_dtype(b.v_cache.nan_to_num(), FP8, V_SCALE))
+
+
+def test_reference_reads_an_fp8_cache_as_its_dequantized_values() -> None:
+    """Attention over an FP8 cache with scales is attention over the cache's values times
+    them (the key scale folded into the softmax scale, the value scale into the output)."""
+    b = make_batch(mixed_specs(8), 4, 16, 8, seed=3)
+    k8, v8 = fp8_batch(b)
+    got = paged_attention_ref(b.q, k8, v8, b.block_tables, b.query_start_loc, b.seq_lens, b.scale,
+                              k_scale=K_SCALE, v_scale=V_SCALE)
+    deq = replace(b, k_cache=k8.float() * K_SCALE, v_cache=v8.float() * V_SCALE)
+    assert rel_err(got, dense_attention(deq)) < 1e-5
+    # what the format costs against the float32 cache: e4m3's 3 mantissa bits (measured 0.031)
+    assert rel_err(got, dense_attention(b)) < 0.06
+
+
+@needs_triton
+@pytest.mark.parametrize("partition_size", [None, 16])
+def test_triton_reads_an_fp8_cache_as_the_reference(partition_size: int | None) -> None:
+    from omnibus.kernels.attention.triton_kernels import paged_attention_triton
+
+    b = make_batch(mixed_specs(8), 4, 16, 8, seed=3)
+    k8, v8 = fp8_batch(b)
+    ref = paged_attention_ref(b.q, k8, v8, b.block_tables, b.query_start_loc, b.seq_lens, b.scale,
+                              k_scale=K_SCALE, v_scale=V_SCALE)
+    out = torch.full_like(b.q, float("nan"))
+    paged_attention_triton(b.q, k8, v8, b.block_tables, b.query_start_loc, b.seq_lens, b.scale,
+                           b.max_query_len, out=out, partition_size=partition_size,
+                           k_scale=K_SCALE, v_scale=V_SCALE)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("store", _store_fns())
+def test_store_kv_into_fp8_divides_by_the_scale_and_saturates(store: Callable[..., None]) -> None:
+    """Keys and values are stored divided by their scales, in e4m3, saturated at +-448.
+    The inputs are FP8 values times the scale (plus out-of-range ones): the Triton
+    interpreter's float32 -> e4m3 cast drops the carry of a mantissa that rounds up into the
+    next power of two (124.0 -> 64.0; torch and the GPU give 128.0), so values that round
+    are left to the GPU check."""
+    gen = torch.Generator().manual_seed(7)
+    k_cache = torch.zeros(6, 8, NUM_KV_HEADS, 16, dtype=FP8)
+    v_cache = torch.zeros_like(k_cache)
+    codes = torch.randn(5, NUM_KV_HEADS, 16, generator=gen).mul(60).to(FP8).float()
+    key, value = codes * K_SCALE, codes.flip(0) * V_SCALE
+    key[0, 0, 0], value[1, 1, 1] = 1000.0, -1e6  # beyond e4m3's range: saturated
+    slots = torch.tensor([8, 9, 20, 3, 47])  # 3: the null block, skipped
+    store(key, value, k_cache, v_cache, slots, k_scale=K_SCALE, v_scale=V_SCALE)
+    for t, slot in enumerate(slots.tolist()):
+        got_k, got_v = k_cache[slot // 8, slot % 8].float(), v_cache[slot // 8, slot % 8].float()
+        if slot < 8:
+            assert not got_k.any() and not got_v.any()
+            continue
+        want_k, want_v = codes[t].clone(), codes.flip(0)[t].clone()
+        if t == 0:
+            want_k[0, 0] = 448.0
+        if t == 1:
+            want_v[1, 1] = -448.0
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), t

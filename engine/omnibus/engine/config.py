@@ -33,6 +33,10 @@ CPU_MATMULS = ("onednn", "aten")
 # int4: a full-precision checkpoint quantized at load (weight-only INT8 per channel, FP8
 # W8A8 per channel with per-token activations, INT4 in groups of 32).
 QUANTIZATIONS = ("auto", "none", "int8", "fp8", "int4")
+# What the KV cache holds. auto: the model dtype; fp8 (= fp8_e4m3): float8_e4m3fn, each
+# layer's keys and values divided by its scales (the checkpoint's self_attn.k_scale /
+# v_scale, else 1.0) and saturated; attention multiplies them back.
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "fp8_e4m3")
 DEFAULT_MAX_BATCH_SIZE = 32  # static/dynamic batches, when max_num_seqs allows
 _SCHEDULER = {f.name: f.default for f in fields(SchedulerConfig)}  # the scheduler's own defaults
 _SPEC = {f.name: f.default for f in fields(SpecConfig)}
@@ -287,6 +291,7 @@ class EngineConfig:
     # layout and multiplies with it (model/cpu_linear.py); "aten": torch's default linear
     cpu_matmul: str = "onednn"
     quantization: str = "auto"  # QUANTIZATIONS above
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES above
     # Speculative decoding (engine/omnibus/engine/spec): None never; "ngram" guesses each decode's next
     # tokens from earlier matches of its last tokens (prompt lookup), and the step scores
     # them all; kept only where the model itself picks them (the output is unchanged)
@@ -330,6 +335,8 @@ class EngineConfig:
         _check(1 <= self.max_lora_rank <= 512, "max_lora_rank", "in [1, 512]", self.max_lora_rank)
         _check(self.cpu_matmul in CPU_MATMULS, "cpu_matmul", " or ".join(CPU_MATMULS), self.cpu_matmul)
         _check(self.quantization in QUANTIZATIONS, "quantization", " | ".join(QUANTIZATIONS), self.quantization)
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", " | ".join(KV_CACHE_DTYPES),
+               self.kv_cache_dtype)
         self.spec_config()  # ValueError naming the flag
         _check(self.batch_window_ms is None or 0 <= self.batch_window_ms < math.inf, "batch_window_ms",
                "finite and >= 0", self.batch_window_ms)

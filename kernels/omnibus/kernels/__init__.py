@@ -69,15 +69,17 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     plan: AttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Writes new keys/values into their cache slots; see :func:`store_kv_ref` (``plan``:
     the step's :func:`plan_attention`; the Triton kernel does without)."""
     if use_triton(key):
         from omnibus.kernels.attention.triton_kernels import store_kv_triton
 
-        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     else:
-        store_kv_ref(key, value, k_cache, v_cache, slot_mapping, plan)
+        store_kv_ref(key, value, k_cache, v_cache, slot_mapping, plan, k_scale, v_scale)
 
 
 def plan_attention(
@@ -106,6 +108,8 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a packed mixed batch over the paged cache; see
     :func:`paged_attention_ref`. Returns (T, H, D) in q's dtype. ``plan``: the step's
@@ -115,11 +119,11 @@ def paged_attention(
 
         return paged_attention_triton(
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
-            out=out,
+            out=out, k_scale=k_scale, v_scale=v_scale,
         )
     return paged_attention_ref(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len,
-        out=out, plan=plan,
+        out=out, plan=plan, k_scale=k_scale, v_scale=v_scale,
     )
 
 

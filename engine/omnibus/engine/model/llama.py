@@ -137,6 +137,9 @@ class Attention(nn.Module):
                                parts=(self.q_size, self.kv_size, self.kv_size))
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
+        # An FP8 KV cache holds k / k_scale and v / v_scale (the checkpoint's self_attn.k_scale
+        # and v_scale, loader.load_weights); any other cache holds k and v as they are.
+        self.k_scale = self.v_scale = 1.0
 
     def forward(
         self,
@@ -158,10 +161,12 @@ class Attention(nn.Module):
             o = dense_causal_attention(q, k, v, batch.query_start_loc.tolist(), self.scale)
         else:
             k_cache, v_cache = kv_cache
-            store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.attn_plan)
+            k_scale, v_scale = (self.k_scale, self.v_scale) if k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.attn_plan, k_scale, v_scale)
             o = paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
                 batch.seq_lens, self.scale, batch.max_query_len, plan=batch.attn_plan,
+                k_scale=k_scale, v_scale=v_scale,
             )  # (T, H, D)
         o = o.reshape(-1, self.q_size)
         out = self.o_proj(o)

@@ -8,6 +8,7 @@ unpickling runs arbitrary code.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
@@ -31,6 +32,8 @@ _FUSED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A layer's FP8 KV cache scales (compressed-tensors' kv_cache_scheme, as vLLM reads them).
+_KV_SCALES = (".self_attn.k_scale", ".self_attn.v_scale")
 
 log = structlog.get_logger(__name__)
 
@@ -188,6 +191,9 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Ten
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
+        if name.endswith(_KV_SCALES):
+            _kv_scale(model, name, tensor)
+            continue
         target, idx = _target(name)
         module, _, suffix = target.rpartition(".")
         if model.cfg.tie_word_embeddings and target == "lm_head.weight":
@@ -205,6 +211,21 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Ten
     if missing:
         raise ModelLoadError(f"checkpoint {source} lacks weights for: {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _kv_scale(model: LlamaForCausalLM, name: str, tensor: torch.Tensor | Weight) -> None:
+    """A layer's KV cache scale: one positive finite number, used by an FP8 cache."""
+    module, _, param = _target(name)[0].rpartition(".")
+    try:
+        attention = model.get_submodule(module)
+    except AttributeError:
+        raise ModelLoadError(f"unexpected tensor {name!r} (no such attention layer)") from None
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() != 1:
+        raise ModelLoadError(f"{name} must be one number (a per-tensor KV cache scale)")
+    value = float(tensor.float().item())
+    if not math.isfinite(value) or value <= 0:
+        raise ModelLoadError(f"{name} must be a positive finite KV cache scale, got {value}")
+    setattr(attention, param, value)
 
 
 def _plain(name: str, tensor: torch.Tensor | Weight) -> torch.Tensor:

@@ -19,7 +19,8 @@ from typing import Any
 from omnibus.common.adapters import adapter_name_error
 from omnibus.common.cli import HelpFormatter, config_error, uint64
 from omnibus.engine.config import (
-    BATCHING_POLICIES, CPU_MATMULS, DEFAULT_MAX_BATCH_SIZE, DTYPE_NAMES, LOAD_FORMATS, QUANTIZATIONS,
+    BATCHING_POLICIES, CPU_MATMULS, DEFAULT_MAX_BATCH_SIZE, DTYPE_NAMES, KV_CACHE_DTYPES, LOAD_FORMATS,
+    QUANTIZATIONS,
     SPECULATIVE_METHODS,
     WAITING_ORDERS, EngineConfig)
 from omnibus.engine.serving.batcher import BatcherConfig
@@ -81,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         "fp8 (W8A8, per channel and per token) or int4 (weight-only, groups of 32): quantize a "
         "full-precision checkpoint at load. Embeddings and a tied LM head stay unquantized "
         f"(default: {_ENGINE['quantization']})",
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default=_ENGINE["kv_cache_dtype"], choices=KV_CACHE_DTYPES,
+        help="what the KV cache holds. auto: the model dtype (--dtype); fp32, fp16, bf16; fp8 "
+        "(= fp8_e4m3): float8 e4m3, half a 16-bit cache's bytes, each layer's keys and values "
+        "divided by the checkpoint's k_scale / v_scale (1.0 where it has none) and saturated. "
+        "Attention reads any of them, on CUDA (Triton) and on the CPU (in float32) "
+        f"(default: {_ENGINE['kv_cache_dtype']})",
     )
     p.add_argument("--block-size", type=int, default=_ENGINE["block_size"], help="tokens per KV block")
     p.add_argument(

@@ -45,6 +45,15 @@ def bind_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+_KV_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+              "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def resolve_kv_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: --kv-cache-dtype, auto the model's."""
+    return model_dtype if config.kv_cache_dtype == "auto" else _KV_DTYPES[config.kv_cache_dtype]
+
+
 def resolve_dtype(config: EngineConfig, model_config: ModelConfig) -> torch.dtype:
     if config.dtype != "auto":
         return DTYPES[config.dtype]
@@ -60,6 +69,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = config.torch_device
         self.dtype = resolve_dtype(config, model_config)
+        self.kv_dtype = resolve_kv_dtype(config, self.dtype)
         self.block_size = config.block_size
         bind_device(self.device)
         self.adapters = adapters  # None when the engine serves no adapters
@@ -77,13 +87,7 @@ class ModelRunner:
         if self.device.type == "cpu" and config.cpu_matmul == "onednn":
             packed = pack_linears(self.model)
         self.num_blocks = self._num_kv_blocks()
-        shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
-        # Zeros, not empty: padded attention reads of the null block must be finite.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(model_config.num_layers)
-        ]
+        self.kv_caches = self._kv_caches(self.num_blocks)
         self.graphs = None
         if self.graphs_wanted:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
@@ -94,13 +98,22 @@ class ModelRunner:
         # long after the device is free to run it; steps run on it one after another.
         self.null_step_s = config.null_step_ms / 1000
         self._device_free_at = 0.0
-        log.info("model_loaded", model=config.model, dtype=str(self.dtype), device=str(self.device),
+        log.info("model_loaded", model=config.model, dtype=str(self.dtype), kv_dtype=str(self.kv_dtype),
+                 device=str(self.device),
                  kv_blocks=self.num_blocks, block_size=self.block_size, onednn_linears=packed)
+
+    def _kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) cache of `num_blocks` blocks, zeros (not empty: padded
+        attention reads of the null block must be finite)."""
+        mc = self.model_config
+        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(mc.num_layers)]
 
     @property
     def kv_bytes_per_block(self) -> int:
         mc = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
 
     def _num_kv_blocks(self) -> int:
@@ -159,9 +172,7 @@ class ModelRunner:
         max_model_len (what a captured graph holds), all reading the null block."""
         mc = self.model_config
         n, width, dev = min(self.config.max_num_seqs, 512), -(-mc.max_model_len // self.block_size), self.device
-        shape = (1, self.block_size, mc.num_kv_heads, mc.head_dim)
-        caches = [(torch.zeros(shape, dtype=self.dtype, device=dev), torch.zeros(shape, dtype=self.dtype, device=dev))
-                  for _ in range(mc.num_layers)]
+        caches = self._kv_caches(1)
         batch = ForwardBatch(
             input_ids=torch.zeros(n, dtype=torch.long, device=dev), positions=torch.zeros(n, dtype=torch.long, device=dev),
             slot_mapping=torch.zeros(n, dtype=torch.long, device=dev),
@@ -174,10 +185,7 @@ class ModelRunner:
     def _warmup_forward(self, num_tokens: int, num_blocks: int | None = None):
         """One forward over `num_tokens` tokens whose KV goes to the null block."""
         mc = self.model_config
-        shape = ((num_blocks or self.num_blocks), self.block_size, mc.num_kv_heads, mc.head_dim)
-        caches = self.kv_caches if num_blocks is None else [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(mc.num_layers)]
+        caches = self.kv_caches if num_blocks is None else self._kv_caches(num_blocks)
         n = min(num_tokens, mc.max_model_len)
         dev = self.device
         batch = ForwardBatch(

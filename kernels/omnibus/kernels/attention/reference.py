@@ -50,27 +50,49 @@ def store_kv_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     plan: AttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write each token's key/value into its cache slot.
 
     Args:
         key, value: (T, KVH, D) the new tokens' keys and values.
         k_cache, v_cache: (num_blocks, block_size, KVH, D), written in place (any strides).
+            Any float dtype; an FP8 cache (float8_e4m3fn) holds key / k_scale and
+            value / v_scale, saturated to its range.
         slot_mapping: int64 (T,) slot of each token. Slots inside the null block
             (``< block_size``) and negative slots mark padding tokens and are skipped.
         plan: the step's `plan_attention_ref` (with this slot_mapping), shared by its layers.
+        k_scale, v_scale: the layer's KV cache scales (1.0 unless the cache is FP8).
     """
     block_size = k_cache.shape[1]
     planned = None if plan is None else plan.store
     rows, slots = _store_index(slot_mapping, block_size) if planned is None else planned
     if rows is not None:
         key, value = key.index_select(0, rows), value.index_select(0, rows)
-    for cache, new in ((k_cache, key), (v_cache, value)):
-        new = new.to(cache.dtype)
+    for cache, new, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        new = to_cache_dtype(new, cache.dtype, scale)
         if cache.is_contiguous():  # one row copy per token
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)
+            _bits(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, _bits(new))
         else:  # indexing by (block, offset) writes through any layout
             cache[slots // block_size, slots % block_size] = new
+
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """`x` as a KV cache of `dtype` stores it: divided by the layer's scale, and for FP8
+    saturated to its range (a plain cast of a larger value is not finite on every device)."""
+    if dtype == torch.float8_e4m3fn:
+        return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
+    return (x if scale == 1.0 else x.float() / scale).to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their bytes, for the copies and fills torch's CPU has no FP8 kernel
+    of (index_copy_, index_fill_); any other tensor as itself."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
 
 
 def _store_index(
@@ -193,6 +215,8 @@ def paged_attention_ref(
     *,
     out: torch.Tensor | None = None,
     plan: AttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a packed batch of query tokens over their paged KV cache.
 
@@ -212,6 +236,9 @@ def paged_attention_ref(
         max_query_len: accepted for signature parity with the Triton kernel; unused.
         out: optional (T, H, D) output to fill; rows of no sequence are left untouched.
         plan: the step's `plan_attention_ref` of these arguments, shared by its layers.
+        k_scale, v_scale: what the cache's keys and values are multiplied by when read (an
+            FP8 cache's per-layer scales; 1.0 otherwise). The key scale folds into the
+            softmax scale and the value scale into the output: one multiply each.
 
     Returns:
         (T, H, D) attention output in q's dtype (``out`` itself when given).
@@ -224,21 +251,25 @@ def paged_attention_ref(
         plan = plan_attention_ref(k_cache, block_tables, query_start_loc, seq_lens)
     if out is None:
         out = torch.zeros_like(q)
+    scale *= k_scale
     for p in plan.prefills:
-        out[p.rows] = _attend_one(q[p.rows], k_cache, v_cache, p, scale)
+        out[p.rows] = _attend_one(q[p.rows], k_cache, v_cache, p, scale, v_scale)
     if plan.decode_rows is not None:
-        _attend_decodes(q, k_cache, v_cache, plan, scale, out)
+        _attend_decodes(q, k_cache, v_cache, plan, scale, out, v_scale)
     return out
 
 
 def _attend_one(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: _Prefill, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: _Prefill, scale: float,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of one sequence's q_len query tokens (its last ones) over kv_len positions."""
     # Whole blocks, cut at kv_len: the rest of the last block is never read.
     k = k_cache.index_select(0, p.blocks).flatten(0, 1)[: p.kv_len].float()  # (L, KVH, D)
     v = v_cache.index_select(0, p.blocks).flatten(0, 1)[: p.kv_len].float()
     o = _sdpa(q.float().transpose(0, 1)[None], k[None], v[None], p.visible, scale)
+    if v_scale != 1.0:
+        o = o * v_scale
     return o[0].transpose(0, 1).to(q.dtype)  # (Q, H, D)
 
 
@@ -249,6 +280,7 @@ def _attend_decodes(
     plan: AttentionPlan,
     scale: float,
     out: torch.Tensor,
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of all single-token sequences, in the plan's chunks of similar length: a
     chunk costs two block gathers, two small fills, one SDPA and one output copy."""
@@ -262,6 +294,8 @@ def _attend_decodes(
         k = _gather_blocks(k_cache, c.index, c.tail, plan.k_bufs).view(n, -1, num_kv_heads, head_dim)
         v = _gather_blocks(v_cache, c.index, c.tail, plan.v_bufs).view(n, -1, num_kv_heads, head_dim)
         o = _sdpa(qs[c.lo:c.hi], k, v, c.mask, scale)  # (n, H, 1, D)
+        if v_scale != 1.0:
+            o = o * v_scale
         out.index_copy_(0, rows[c.lo:c.hi], o.reshape(n, num_heads, head_dim).to(out.dtype))
 
 
@@ -310,7 +344,7 @@ def _gather_blocks(
     ``zero_rows`` set to 0, in the start of ``bufs`` (valid until their next use). A float32
     cache is gathered straight into the result, with no extra copy."""
     raw = torch.index_select(cache, 0, index, out=bufs.raw[: index.numel()]).flatten(0, 1)
-    raw.index_fill_(0, zero_rows, 0)
+    _bits(raw).index_fill_(0, zero_rows, 0)
     if bufs.f32 is None:
         return raw
     return bufs.f32[: raw.shape[0]].copy_(raw)

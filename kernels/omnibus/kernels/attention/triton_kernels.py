@@ -50,9 +50,11 @@ def _store_kv_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_scale, v_scale,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
-    """One program per token: copies its (KVH, D) key and value into its slot."""
+    """One program per token: copies its (KVH, D) key and value into its slot (an FP8
+    cache: divided by the layer's scale and saturated, as `to_cache_dtype`)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     block = slot // block_size
@@ -66,6 +68,9 @@ def _store_kv_kernel(
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
+    if FP8:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -76,6 +81,8 @@ def store_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Triton version of :func:`kernels.attention.store_kv_ref` (same arguments)."""
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -85,7 +92,9 @@ def store_kv_triton(
         key, value, k_cache, v_cache, slot_mapping,
         k_cache.shape[1], num_kv_heads, head_dim,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        k_scale, v_scale,
         BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
 
 
@@ -132,7 +141,7 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION: tl.const
     alpha = tl.exp(m_i - m_new)  # rescales what was accumulated under the old max
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -140,7 +149,7 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION: tl.const
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale, block_size, num_queries_per_kv, head_dim,
+    scale, out_scale, block_size, num_queries_per_kv, head_dim,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -194,7 +203,7 @@ def _extend_kernel(
         m_i, l_i, acc = _attend_tile(q, k, v, visible, m_i, l_i, acc, scale, DOT_PRECISION)
 
     l_i = tl.where(l_i > 0, l_i, 1.0)  # idle tiles: avoid 0/0, nothing is stored anyway
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * out_scale
     tl.store(
         out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
         + offs_d[None, :] * stride_od,
@@ -208,7 +217,7 @@ def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_acc_ptr, part_max_ptr, part_sum_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale, block_size, num_queries_per_kv, head_dim, num_heads, partition_size, num_splits,
+    scale, out_scale, block_size, num_queries_per_kv, head_dim, num_heads, partition_size, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -271,14 +280,14 @@ def _decode_kernel(
         tl.store(
             out_ptr + q_start * stride_ot + heads[:, None] * stride_oh
             + offs_d[None, :] * stride_od,
-            (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+            (acc / l_i[:, None] * out_scale).to(out_ptr.dtype.element_ty),
             mask=row_mask[:, None] & d_mask[None, :],
         )
 
 
 @triton.jit
 def _reduce_kernel(
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, out_scale,
     head_dim, num_heads, num_splits,
     stride_ot, stride_oh, stride_od,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -308,7 +317,7 @@ def _reduce_kernel(
     den = tl.where(den > 0, den, 1.0)
     tl.store(
         out_ptr + q_start * stride_ot + head * stride_oh + offs_d * stride_od,
-        (num / den).to(out_ptr.dtype.element_ty),
+        (num / den * out_scale).to(out_ptr.dtype.element_ty),
         mask=offs_d < tl.where(is_decode, head_dim, 0),
     )
 
@@ -325,6 +334,8 @@ def paged_attention_triton(
     *,
     out: torch.Tensor | None = None,
     partition_size: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.attention.paged_attention_ref` (same arguments).
 
@@ -361,7 +372,7 @@ def paged_attention_triton(
         grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
         _extend_kernel[grid](
             q, k_cache, v_cache, out, block_tables, query_start_loc, seq_lens,
-            scale, *common, *strides,
+            scale * k_scale, v_scale, *common, *strides,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision,
         )
 
@@ -380,13 +391,13 @@ def paged_attention_triton(
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum,
         block_tables, query_start_loc, seq_lens,
-        scale, *common, num_heads, partition, num_splits, *strides,
+        scale * k_scale, v_scale, *common, num_heads, partition, num_splits, *strides,
         BLOCK_G=tile(group, hi=1 << 16), BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=num_splits > 1,
         DOT_PRECISION=precision,
     )
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
-            out, part_acc, part_max, part_sum, query_start_loc,
+            out, part_acc, part_max, part_sum, query_start_loc, v_scale,
             head_dim, num_heads, num_splits, *out.stride(),
             BLOCK_S=tile(num_splits, lo=2, hi=1 << 16), BLOCK_D=block_d,
         )

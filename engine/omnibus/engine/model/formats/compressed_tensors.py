@@ -46,7 +46,6 @@ _WEIGHT_PARAMS = {"weight", "weight_scale", "weight_zero_point", "weight_packed"
 # Static activation scales (FP8/INT8 "static" schemes). Omnibus quantizes activations
 # dynamically, one scale per token, which is at least as exact; the stored ones are unused.
 _INPUT_PARAMS = {"input_scale", "input_zero_point"}
-_KV_PARAMS = {"k_scale", "v_scale"}  # kv_cache_scheme: the KV cache stays in the model dtype
 _ORDERINGS = (None, "weight", "static", "group", "dynamic")  # the last two store weight_g_idx
 
 
@@ -73,7 +72,6 @@ def decode(tensors: Iterator[tuple[str, torch.Tensor]], qconfig: dict[str, Any],
            cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor | Weight]]:
     """The file's tensors with each quantized projection decoded (module doc)."""
     matcher = _Matcher(qconfig)
-    kv_scales = qconfig.get("kv_cache_scheme") is not None
 
     def takes(module: str, param: str) -> bool:
         if matcher.scheme(module) is not None:
@@ -81,10 +79,10 @@ def decode(tensors: Iterator[tuple[str, torch.Tensor]], qconfig: dict[str, Any],
         if param in _WEIGHT_PARAMS - {"weight"} or param in _INPUT_PARAMS:
             why = "is not a projection" if not is_projection(module) else "is not quantized by the quantization_config"
             raise ModelLoadError(f"{module}.{param}: {module} {why}, yet the file holds a quantized tensor for it")
-        return kv_scales and param in _KV_PARAMS
+        return False  # kv_cache_scheme's self_attn.k_scale / v_scale pass on to the loader
 
     def decode_module(module: str, parts: dict[str, torch.Tensor]) -> Weight | None:
-        scheme = matcher.scheme(module)  # None: an attention module's KV cache scales, dropped
+        scheme = matcher.scheme(module)
         return None if scheme is None else _decode_module(module, parts, scheme)
 
     return decoded(tensors, takes, decode_module)
