@@ -2,7 +2,8 @@
 a small Python stand-in limited to what those manifests use: `resources` (files and
 directories), `images` (newName/newTag) and `patches` given by `path` (strategic merge
 patches matched by kind and name; lists of containers, volumes, ports and volume mounts
-merge by their keys, every other list is replaced, as kustomize does for these fields).
+merge by their keys, the patch's elements first, and every other list is replaced, as
+kustomize does for these fields).
 It is not kustomize: test_kubernetes.py checks both render the same where the binary
 is present, and the tests say which one rendered."""
 
@@ -73,15 +74,15 @@ def _merge(base: Any, patch: Any, field: str = "") -> Any:
             out[key] = _merge(base[key], value, key) if key in base else copy.deepcopy(value)
         return out
     if isinstance(base, list) and isinstance(patch, list) and field in MERGE_KEYS:
+        # kustomize's order: the patch's elements (merged into the base's of the same
+        # key), then the base's elements the patch does not name.
         key = MERGE_KEYS[field]
-        out = copy.deepcopy(base)
+        named = {item.get(key) for item in patch}
+        out = []
         for item in patch:
-            index = next((i for i, b in enumerate(out) if b.get(key) == item.get(key)), None)
-            if index is None:
-                out.append(copy.deepcopy(item))
-            else:
-                out[index] = _merge(out[index], item)
-        return out
+            match = next((b for b in base if b.get(key) == item.get(key)), None)
+            out.append(copy.deepcopy(item) if match is None else _merge(match, item))
+        return out + [copy.deepcopy(b) for b in base if b.get(key) not in named]
     return copy.deepcopy(patch)
 
 

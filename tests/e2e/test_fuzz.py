@@ -355,6 +355,7 @@ def engine_requests(draw) -> engine_pb2.EngineGenerateRequest:  # noqa: ANN001
         request_id=draw(TEXT), prompt_token_ids=draw(TOKENS), sampling=sampling,
         priority=draw(INT32), adapter=draw(ADAPTER_NAMES), tenant=draw(TEXT),
         tenant_weight=draw(FLOAT), deadline_ms=draw(UINT32), handle=draw(UINT32),
+        cache_salt=draw(st.one_of(st.just(""), TEXT)),
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import torch
 from omnibus.v1 import admin_pb2, admin_pb2_grpc, engine_pb2, engine_pb2_grpc
 from omnibus.v1 import inference_pb2 as pb
 from omnibus.v1 import inference_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
@@ -331,10 +333,18 @@ def test_engine_metrics_count_loads_evictions_and_requests(cluster):
     for name in NAMES:
         stub.UnloadAdapter(engine_pb2.UnloadAdapterRequest(adapter=name), timeout=30)
     assert list(stub.ListAdapters(engine_pb2.ListAdaptersRequest()).cached) == []
-    names = ("omnibus_engine_adapter_loads_total", "omnibus_engine_adapter_evictions_total",
-             "omnibus_engine_adapter_load_seconds_count")  # fmt: skip
-    before = {n: metric(scrape(metrics), n) for n in names}
+    def counters(text: str) -> dict[str, float]:
+        return {
+            "loads": total(text, "omnibus_engine_adapter_loads_total"),
+            "device_evictions": total(text, "omnibus_engine_adapter_evictions_total", tier="device"),
+            "load_seconds_count": metric(text, "omnibus_engine_adapter_load_seconds_count"),
+            **{f"{a} loads": metric(text, "omnibus_engine_adapter_loads_total", adapter=a) for a in NAMES},
+            **{f"{a} evictions": metric(text, "omnibus_engine_adapter_evictions_total", adapter=a,
+                                        tier="device") for a in NAMES},
+        }
+
     text = scrape(metrics)
+    before = counters(text)
     requests = {a: metric(text, "omnibus_engine_adapter_requests_total", adapter=a) for a in NAMES}
     for i, name in enumerate(NAMES):
         request = engine_request(f"metrics-{i}", prompt=PROMPT, adapter=name, max_tokens=6)
@@ -342,7 +352,12 @@ def test_engine_metrics_count_loads_evictions_and_requests(cluster):
         assert token_ids(responses) == cluster.setup.expected(name)
     text = scrape(metrics)
     # Two empty slots take a-r2 and b-r8; c-r4 evicts a-r2, the least recently used.
-    assert {n: metric(text, n) - before[n] for n in names} == {names[0]: 3, names[1]: 1, names[2]: 3}
+    after = counters(text)
+    assert {k: after[k] - before[k] for k in after} == {
+        "loads": 3, "device_evictions": 1, "load_seconds_count": 3,
+        "a-r2 loads": 1, "b-r8 loads": 1, "c-r4 loads": 1,
+        "a-r2 evictions": 1, "b-r8 evictions": 0, "c-r4 evictions": 0,
+    }
     for name in NAMES:
         assert metric(text, "omnibus_engine_adapter_requests_total", adapter=name) == requests[name] + 1
     listing = stub.ListAdapters(engine_pb2.ListAdaptersRequest())
@@ -352,6 +367,88 @@ def test_engine_metrics_count_loads_evictions_and_requests(cluster):
     assert metric(text, "omnibus_engine_adapters_resident") == 2
     assert metric(text, "omnibus_engine_adapters_cached") == 3
     assert metric(text, "omnibus_engine_adapter_slots") == 2
+    assert residency(text) == {"a-r2": "host", "b-r8": "device", "c-r4": "device"}
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    """The sum of every sample of `name` whose labels include `labels`."""
+    found = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{(?P<labels>[^}}]*)\}})? (?P<value>\S+)$", text, re.M):
+        pairs = set((m.group("labels") or "").split(","))
+        if {f'{k}="{v}"' for k, v in labels.items()} <= pairs:
+            found += float(m.group("value"))
+    return found
+
+
+def samples(text: str, name: str) -> list[dict[str, str]]:
+    """The labels (model_name dropped) and "value" of every sample of `name`."""
+    out = []
+    for family in text_string_to_metric_families(text):
+        out += [{**{k: v for k, v in s.labels.items() if k != "model_name"}, "value": s.value}
+                for s in family.samples if s.name == name]
+    return out
+
+
+def residency(text: str) -> dict[str, str]:
+    """Adapter -> the tier the engine reports it in."""
+    return {s["adapter"]: s["tier"] for s in samples(text, "omnibus_engine_adapter_loaded")}
+
+
+def lora_info(text: str) -> dict[str, str]:
+    """The labels of the endpoint picker's LoRA gauge (its newest series)."""
+    (info,) = samples(text, "omnibus_engine_lora_requests_info")
+    return {k: v for k, v in info.items() if k != "value"}
+
+
+def test_engine_metrics_speak_the_gateway_protocol_while_requests_run(cluster):
+    """Engine A, direct, as the Gateway API Inference Extension's endpoint picker scrapes
+    it (docs/deployment.md): a-r2 and b-r8 run and pin both device slots, so a request for
+    c-r4 waits (its weights read into host memory). Cancelling a-r2 frees a slot: c-r4
+    takes it, evicting a-r2 to the host tier."""
+    stub, port = engine_stub(cluster.engine_a), cluster.engine_a_metrics
+    calls = []
+    try:
+        for name in ("a-r2", "b-r8"):  # 486 tokens each: 61 of the 128 blocks, no preemption
+            calls.append(stub.Generate(engine_request(f"gw-{name}", prompt=PROMPT, adapter=name,
+                                                      max_tokens=480), timeout=120))
+            next(calls[-1])  # its first token: running, its slot pinned
+        waiting = stub.Generate(engine_request("gw-c-r4", prompt=PROMPT, adapter="c-r4", max_tokens=6),
+                                timeout=120)
+        state: dict[str, str] = {}
+
+        def c_r4_waits_in_host_memory() -> bool:
+            state["text"] = text = scrape(port)
+            return (lora_info(text)["waiting_lora_adapters"] == "c-r4"
+                    and residency(text).get("c-r4") == "host")
+
+        wait_until(c_r4_waits_in_host_memory, 30, "c-r4 to wait for a slot, read into host memory")
+        text = state["text"]
+        assert lora_info(text) == {"max_lora": "2", "running_lora_adapters": "a-r2,b-r8",
+                                   "waiting_lora_adapters": "c-r4"}
+        assert (metric(text, "omnibus_engine_running_sequences"),
+                metric(text, "omnibus_engine_waiting_sequences")) == (2, 1)
+        assert 0 < metric(text, "omnibus_engine_kv_cache_usage_ratio") <= 1
+        assert {s["adapter"]: s["value"] for s in samples(text, "omnibus_engine_adapter_pins")} == {
+            "a-r2": 1, "b-r8": 1}
+        assert residency(text) == {"a-r2": "device", "b-r8": "device", "c-r4": "host"}
+        before = metric(text, "omnibus_engine_adapter_evictions_total", adapter="a-r2", tier="device")
+
+        calls[0].cancel()  # a-r2 ends: its slot is unpinned, c-r4 is filled into it
+        assert token_ids(list(waiting)) == cluster.setup.expected("c-r4")
+        text = scrape(port)
+        assert lora_info(text) == {"max_lora": "2", "running_lora_adapters": "b-r8,c-r4",
+                                   "waiting_lora_adapters": ""}
+        assert residency(text) == {"a-r2": "host", "b-r8": "device", "c-r4": "device"}
+        assert metric(text, "omnibus_engine_adapter_evictions_total", adapter="a-r2",
+                      tier="device") == before + 1
+        pins = {s["adapter"]: s["value"] for s in samples(text, "omnibus_engine_adapter_pins")}
+        assert pins["c-r4"] == 0  # its request has ended: resident, evictable
+    finally:
+        for call in calls:
+            call.cancel()
+        # The next tests unload these adapters: their slots must be unpinned by then.
+        wait_until(lambda: metric(scrape(port), "omnibus_engine_running_sequences") == 0, 30,
+                   "the cancelled sequences to end")
 
 
 # ---- the admin API ----------------------------------------------------------------

@@ -4,6 +4,8 @@ API on the same router (one pipeline), chat prompts as transformers renders the
 template, adapters by `model` and by header equal to PEFT, every error status, client
 disconnects freeing every KV block, and 100 concurrent streams.
 
+Tenants share cached prefixes only within their cache group, on both APIs.
+
 Three routers share one engine: `main` (keys file, chat template, adapters), `plain`
 (the checkpoint as is: no chat template; one request in flight and a 0.5 s queue limit,
 for 504) and `orphan` (its engine address has nothing listening, for 503).
@@ -16,6 +18,7 @@ import base64
 import codecs
 import json
 import os
+import random
 import struct
 import time
 import urllib.request
@@ -28,10 +31,11 @@ import httpx
 import openai
 import pytest
 import transformers
+from omnibus.v1 import engine_pb2, engine_pb2_grpc, inference_pb2_grpc
 from omnibus.v1 import inference_pb2 as pb
-from omnibus.v1 import inference_pb2_grpc
 from tokenizers import Tokenizer
 
+from omnibus.common.sampling import SamplingParams
 from tests.checkpoints import hf_greedy
 from tests.grpc_helpers import (
     ServerProcess,
@@ -52,6 +56,10 @@ TENANTS = {
     "acme": {"keys": ["key-acme"], "adapters": ["a-r2"]},
     "initech": {"keys": ["key-initech"]},  # any adapter
     "tight": {"keys": ["key-tight"], "tokens_per_minute": 60, "max_concurrent": 1},
+    # prefix-cache groups: team-a and team-c share one, loner has its own (its name's)
+    "team-a": {"keys": ["key-team-a"], "cache_group": "team"},
+    "team-c": {"keys": ["key-team-c"], "cache_group": "team"},
+    "loner": {"keys": ["key-loner"]},
 }
 # A ChatML-like template, with the special tokens and raise_exception HF templates use.
 CHAT_TEMPLATE = (
@@ -646,6 +654,73 @@ def test_queue_timeout_is_504(cluster):
     assert err.status_code == 504 and err.body["type"] == "timeout_error"
     assert "waited" in err.body["message"] and "never scheduled" in err.body["message"]
     wait_all_blocks_free(cluster)
+
+
+# ---- the prefix cache's tenant groups ------------------------------------------------
+
+
+def cold_prompt(seed: str) -> list[int]:
+    """99 random token ids no other test sends: 12 reusable KV blocks of 8 (a hit serves
+    96 tokens; the engine computes the last one itself)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 384) for _ in range(99)]
+
+
+def cached_over_http(cluster: Cluster, key: str, prompt: list[int], router: str = "main") -> int:
+    reply = cluster.client(key, router).completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                                           temperature=0)  # fmt: skip
+    assert reply.usage.prompt_tokens == len(prompt)
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def cached_over_grpc(cluster: Cluster, key: str, prompt: list[int]) -> int:
+    usage = cluster.grpc(greedy_grpc(prompt, 1), key=key)[-1].usage
+    assert usage.prompt_tokens == len(prompt)
+    return usage.cached_prompt_tokens
+
+
+@pytest.mark.parametrize("api", ["http", "grpc"])
+def test_a_tenant_hits_only_its_cache_groups_prefixes(cluster, api):
+    """The issue's report: tenant B's identical prompt after tenant A's was served 624 of
+    631 tokens from A's cached blocks (its time to first token tells B what A sent). The
+    router salts each tenant's blocks with its cache group: B gets none of A's, A's repeat
+    and C (A's group) hit them, B's own repeat hits B's, and a router without a keys file
+    (unsalted) shares with none of them."""
+    cached = cached_over_http if api == "http" else cached_over_grpc
+    prompt = cold_prompt(f"cache-groups-{api}")
+    assert cached(cluster, "key-team-a", prompt) == 0
+    assert cached(cluster, "key-loner", prompt) == 0  # was 96: A's blocks
+    assert [cached(cluster, key, prompt) for key in ("key-team-a", "key-team-c", "key-loner")] == [96] * 3
+    assert cached(cluster, "key-initech", prompt) == 0  # no group: its own name's
+    if api == "http":
+        assert cached_over_http(cluster, "any", prompt, "plain") == 0
+
+
+def test_clients_cannot_set_a_cache_salt(cluster):
+    """Only the router salts (vLLM takes a body's cache_salt; here it is an unknown field):
+    the HTTP body's is refused by name, and the gRPC API has no such field."""
+    err = status_of(lambda: cluster.client().completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"cache_salt": "team"}))
+    assert (err.status_code, err.body["param"]) == (400, "cache_salt"), err.body
+    assert not {f.name for f in pb.GenerateRequest.DESCRIPTOR.fields} & {"cache_salt", "salt", "cache_group"}
+
+
+@pytest.mark.parametrize("salt, message", [
+    ("", None), ("s" * 64, None), ("s" * 65, "cache_salt must be at most 64 printable ASCII"),
+    ("a\x00b", "cache_salt must be at most 64 printable ASCII"),
+])  # fmt: skip
+def test_the_engine_takes_an_empty_or_printable_cache_salt(cluster, salt, message):
+    stub = engine_pb2_grpc.EngineStub(grpc.insecure_channel(cluster.engine.address))
+    request = engine_pb2.EngineGenerateRequest(
+        request_id=f"salt-{len(salt)}-{time.monotonic_ns()}", prompt_token_ids=PROMPT_IDS, cache_salt=salt,
+        sampling=SamplingParams(max_tokens=1, temperature=0.0).to_proto())
+    if message is None:
+        out = list(stub.Generate(request, timeout=30))[-1]
+        assert (out.num_prompt_tokens, out.num_output_tokens) == (len(PROMPT_IDS), 1)
+        return
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(request, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
 
 
 # ---- disconnects and load ---------------------------------------------------------------

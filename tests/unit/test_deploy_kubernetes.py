@@ -1,14 +1,15 @@
-"""deploy/kubernetes (kustomize base + cpu and gpu overlays) and deploy/grafana, checked
-without a cluster: each overlay renders (with kustomize where a binary exists, otherwise
-with tests/kustomize.py's stand-in), every built-in kind validates against the
+"""deploy/kubernetes (kustomize base + cpu, gpu and gateway overlays) and deploy/grafana,
+checked without a cluster: each overlay renders (with kustomize where a binary exists,
+otherwise with tests/kustomize.py's stand-in), every built-in kind validates against the
 Kubernetes 1.32 schemas of the `kubernetes-validate` wheel (strict: unknown fields
-fail), the commands are ones the CLIs accept, and every metric the autoscaler and the
-dashboard query is one the processes export.
+fail), the commands are ones the CLIs accept, and every metric the autoscaler, the
+dashboard and the gateway's endpoint picker read is one the processes export.
 
-Not validated: the CRD kinds ScaledObject (KEDA) and PodMonitor (Prometheus
-Operator); the wheel has no schema for them, so they get the structural checks below.
-Nothing is applied to a cluster, so scheduling, probes and autoscaling are not
-exercised here."""
+The wheel has no schema for custom kinds: InferencePool and HTTPRoute (and the endpoint
+picker's config file) validate against the schemas in tests/schemas, written from the
+documented API fields; ScaledObject (KEDA) and PodMonitor (Prometheus Operator) get the
+structural checks below. Nothing is applied to a cluster, so scheduling, probes,
+autoscaling and the gateway's routing are not exercised here."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ import json
 import re
 from types import SimpleNamespace
 
+import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from omnibus.v1 import engine_pb2
 from prometheus_client import generate_latest
 
@@ -39,10 +42,22 @@ from tests import kustomize
 from tests.grpc_helpers import ROOT
 
 KUBERNETES = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ["base", "overlays/cpu", "overlays/gpu"]
+OVERLAYS = ["base", "overlays/cpu", "overlays/gpu", "overlays/gateway"]
 K8S_VERSION = "1.32.0"
-CRD_KINDS = {"ScaledObject", "PodMonitor"}  # no schema in the wheel: checked structurally
+SCHEMAS = ROOT / "tests" / "schemas"
+# Custom kinds (no schema in the wheel): ours from tests/schemas, or structural checks.
+CRD_SCHEMAS = {"InferencePool": "inferencepool.v1.json", "HTTPRoute": "httproute.v1.json"}
+CRD_KINDS = {"ScaledObject", "PodMonitor", *CRD_SCHEMAS}
 RENDERER = "kustomize binary" if kustomize.kustomize_command() else "Python stand-in"
+BASE_KINDS = (["Deployment"] * 3 + ["Service"] * 3 + ["PersistentVolumeClaim"] * 2
+              + ["PodDisruptionBudget"] * 2 + ["HorizontalPodAutoscaler", "ScaledObject", "PodMonitor"])
+KINDS = {"base": BASE_KINDS, "overlays/cpu": BASE_KINDS, "overlays/gpu": BASE_KINDS,
+         "overlays/gateway": BASE_KINDS + ["Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
+                                           "ConfigMap", "InferencePool", "HTTPRoute"]}
+
+
+def schema(name: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(json.loads((SCHEMAS / name).read_text()))
 
 
 def render(overlay: str) -> list[dict]:
@@ -57,21 +72,21 @@ def one(docs: list[dict], kind: str, name: str) -> dict:
     return doc
 
 
-def container(docs: list[dict], name: str) -> dict:
-    return one(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"][0]
+def container(docs: list[dict], name: str, index: int = 0) -> dict:
+    return one(docs, "Deployment", name)["spec"]["template"]["spec"]["containers"][index]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_builtin_kind_validates_and_only_the_crds_have_no_schema(overlay):
     docs = render(overlay)
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == sorted(["Deployment"] * 3 + ["Service"] * 3 + ["PersistentVolumeClaim"] * 2
-                           + ["PodDisruptionBudget"] * 2 + ["HorizontalPodAutoscaler",
-                                                            "ScaledObject", "PodMonitor"]), RENDERER
+    assert kinds == sorted(KINDS[overlay]), RENDERER
     for doc in docs:
         if doc["kind"] in CRD_KINDS:
             with pytest.raises(kubernetes_validate.SchemaNotFoundError):
                 kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            if doc["kind"] in CRD_SCHEMAS:
+                schema(CRD_SCHEMAS[doc["kind"]]).validate(doc)
         else:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -132,7 +147,7 @@ def test_gpu_engines_request_a_gpu_and_run_cuda_and_cpu_ones_do_not():
     assert container(cpu, "omnibus-router")["image"] == "omnibus-router:dev"
 
 
-MAX_ENGINES = {"base": 4, "overlays/cpu": 4, "overlays/gpu": 16}  # what each overlay's ScaledObject allows
+MAX_ENGINES = {"base": 4, "overlays/cpu": 4, "overlays/gpu": 16, "overlays/gateway": 4}  # what each overlay's ScaledObject allows
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -151,12 +166,16 @@ def test_crds_scale_the_engine_deployment_and_scrape_the_metrics_ports(overlay):
     assert int(trigger["metadata"]["threshold"]) == max_num_seqs * 7 // 8
     monitor = one(docs, "PodMonitor", "omnibus")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    scraped = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]}
     selector = monitor["spec"]["selector"]["matchLabels"]
     for name in ("omnibus-router", "omnibus-engine"):
         pod = one(docs, "Deployment", name)["spec"]["template"]
         assert selector.items() <= pod["metadata"]["labels"].items()
-        assert endpoint["port"] in {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+        for c in pod["spec"]["containers"]:  # every process's --metrics-port is scraped
+            cli = engine_parser if c["name"] == "engine" else router_parser
+            metrics_port = cli().parse_args(c["args"]).metrics_port
+            (port,) = [p["name"] for p in c["ports"] if p["containerPort"] == metrics_port]
+            assert port in scraped, (name, c["name"])
 
 
 # ---- metric names ------------------------------------------------------------------
@@ -194,7 +213,8 @@ def exported_names() -> set[str]:
     config = config_from_args(router_parser().parse_args(
         ["serve", "--engine", "e:1", "--model", "m", "--limits-store", "redis://r:6379/0"]))
     stats = EngineStats(0, 0, 1, 1, 0, 0, 0, 0)
-    aengine = SimpleNamespace(stats=lambda: stats, config=SimpleNamespace(adapter_dir=None))
+    engine_config = SimpleNamespace(adapter_dir="/adapters", max_loras=2, block_size=16)
+    aengine = SimpleNamespace(stats=lambda: stats, config=engine_config)
     engine_text = generate_latest(exposition(EngineMetrics(aengine).registry, "demo"))
     names = set()
     for text in (asyncio.run(router_text()), engine_text):
@@ -230,3 +250,141 @@ def test_queue_length_is_exported_at_zero_with_the_model_name_when_the_queue_is_
     text = generate_latest(exposition(metrics.registry, "demo")).decode()
     assert 'omnibus_router_queue_length{model_name="demo",priority="0"} 0.0' in text
     assert "process_cpu_seconds_total" in text
+
+
+# ---- the gateway overlay (Gateway API Inference Extension) -------------------------
+
+GATEWAY = "overlays/gateway"
+# EPP v1.4+ refuses these at startup ("configure metrics via engineConfigs"): the names
+# are set in its config file instead.
+REFUSED_EPP_FLAGS = ("--total-queued-requests-metric", "--total-running-requests-metric",
+                     "--kv-cache-usage-percentage-metric", "--lora-info-metric", "--cache-info-metric")
+
+
+def flag(args: list[str], name: str) -> str:
+    """The value of `--name V` or `--name=V` in an argument list (a Go flag set's forms)."""
+    for i, arg in enumerate(args):
+        if arg == name:
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {args}")
+
+
+def test_engine_pods_are_pool_members_serving_openai_http_through_a_router_sidecar():
+    docs = render(GATEWAY)
+    pod = one(docs, "Deployment", "omnibus-engine")["spec"]["template"]
+    engine_c, sidecar = pod["spec"]["containers"]
+    assert (engine_c["name"], sidecar["name"]) == ("engine", "router")
+    engine_args = engine_parser().parse_args(engine_c["args"])
+    _, server = configs_from_args(engine_args)
+    router = config_from_args(router_parser().parse_args(sidecar["args"]))
+    # The sidecar serves its own engine only, over the pod's loopback.
+    assert router.engines == (f"localhost:{server.port}",)
+    assert router.limits_store == "redis://omnibus-redis:6379/0"  # shared with the router tier
+    assert router.max_inflight_per_engine == 4 * engine_args.max_num_seqs  # the queue stays in the engine
+    ports = [p for c in pod["spec"]["containers"] for p in c["ports"]]
+    assert len({p["name"] for p in ports}) == len({p["containerPort"] for p in ports}) == len(ports)
+    pool = one(docs, "InferencePool", "omnibus")
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pool["spec"]["targetPorts"] == [{"number": router.http_port}]
+    assert router.http_port in {p["containerPort"] for p in sidecar["ports"]}
+    # Ready (a member) only once the sidecar's engine reports; it drains with the engine.
+    assert sidecar["readinessProbe"]["grpc"] == {"port": router.port}
+    assert sidecar["livenessProbe"]["grpc"] == {"port": router.port, "service": "liveness"}
+    pre_stop = int(sidecar["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert router.drain_seconds == engine_args.drain_seconds
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= pre_stop + router.drain_seconds + 5
+    assert all(m["readOnly"] for m in sidecar["volumeMounts"])
+    # The router tier still reaches every engine directly (gRPC clients, the autoscaler).
+    tier = config_from_args(router_parser().parse_args(container(docs, "omnibus-router")["args"]))
+    assert tier.engines == ("dns:///omnibus-engine-headless:50061",)
+
+
+def test_the_route_sends_to_the_pool_and_the_pool_to_the_endpoint_picker():
+    docs = render(GATEWAY)
+    pool = one(docs, "InferencePool", "omnibus")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    (rule,) = one(docs, "HTTPRoute", "omnibus")["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": pool["metadata"]["name"]}]
+    ref = pool["spec"]["endpointPickerRef"]
+    service = one(docs, "Service", ref["name"])
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"]]
+    epp = one(docs, "Deployment", "omnibus-epp")["spec"]["template"]
+    assert service["spec"]["selector"].items() <= epp["metadata"]["labels"].items()
+    (c,) = epp["spec"]["containers"]
+    (target,) = [p for p in c["ports"] if p["name"] == port["targetPort"]]
+    assert target["containerPort"] == int(flag(c["args"], "--grpc-port"))
+    health = int(flag(c["args"], "--grpc-health-port"))
+    assert c["readinessProbe"]["grpc"]["port"] == c["livenessProbe"]["grpc"]["port"] == health
+    assert flag(c["args"], "--pool-name") == pool["metadata"]["name"]
+    assert flag(c["args"], "--pool-group") == "inference.networking.k8s.io"
+    assert c["image"].startswith("registry.k8s.io/gateway-api-inference-extension/epp:v")
+    # It may read the pool's pods and the pool.
+    binding = one(docs, "RoleBinding", "omnibus-epp")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": epp["spec"]["serviceAccountName"]}]
+    rules = {(g, r): set(rule["verbs"]) for rule in one(docs, "Role", binding["roleRef"]["name"])["rules"]
+             for g in rule["apiGroups"] for r in rule["resources"]}
+    for needed in (("", "pods"), ("inference.networking.k8s.io", "inferencepools")):
+        assert {"get", "list", "watch"} <= rules[needed]
+
+
+def test_the_endpoint_picker_reads_the_metrics_the_engines_export():
+    docs = render(GATEWAY)
+    epp = one(docs, "Deployment", "omnibus-epp")["spec"]["template"]["spec"]
+    (c,) = epp["containers"]
+    assert not [a for a in c["args"] if a.split("=")[0] in REFUSED_EPP_FLAGS]
+    # The config file is the ConfigMap's key, mounted where --config-file says.
+    path = flag(c["args"], "--config-file")
+    (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in epp["volumes"] if v["name"] == mount["name"]]
+    config_map = one(docs, "ConfigMap", volume["configMap"]["name"])
+    config = yaml.safe_load(config_map["data"][path.removeprefix(mount["mountPath"] + "/")])
+    schema("endpointpickerconfig.v1alpha1.json").validate(config)
+    # It scrapes each engine's --metrics-port (the pool's port serves the sidecar's metrics).
+    pod = one(docs, "Deployment", "omnibus-engine")["spec"]["template"]
+    engine_args = engine_parser().parse_args(pod["spec"]["containers"][0]["args"])
+    assert int(flag(c["args"], "--model-server-metrics-port")) == engine_args.metrics_port
+    assert engine_args.adapter_dir  # the LoRA info gauge is exported only with adapters
+    (extractor,) = [p for p in config["plugins"] if p["type"] == "core-metrics-extractor"]
+    params = extractor["parameters"]
+    (omnibus,) = [e for e in params["engineConfigs"] if e["name"] == "omnibus"]
+    assert pod["metadata"]["labels"][params["engineLabelKey"]] == omnibus["name"] == params["defaultEngine"]
+    specs = {k: v for k, v in omnibus.items() if k.endswith("Spec")}
+    assert specs == {
+        "queuedRequestsSpec": "omnibus_engine_waiting_sequences",
+        "runningRequestsSpec": "omnibus_engine_running_sequences",
+        "kvUsageSpec": "omnibus_engine_kv_cache_usage_ratio",
+        "loraSpec": "omnibus_engine_lora_requests_info",
+        "cacheInfoSpec": "omnibus_engine_cache_config_info",
+    }
+    assert set(specs.values()) <= exported_names()
+    # Every plugin a profile or the data layer names is defined.
+    defined = {p.get("name", p["type"]) for p in config["plugins"]}
+    refs = {p["pluginRef"] for prof in config["schedulingProfiles"] for p in prof["plugins"]}
+    refs |= {s["pluginRef"] for s in config["dataLayer"]["sources"]}
+    refs |= {e["pluginRef"] for s in config["dataLayer"]["sources"] for e in s["extractors"]}
+    assert refs <= defined, refs - defined
+
+
+def test_the_custom_kind_schemas_refuse_what_the_apis_refuse():
+    pool = one(render(GATEWAY), "InferencePool", "omnibus")
+    pool_schema, route_schema = schema("inferencepool.v1.json"), schema("httproute.v1.json")
+    bad = [
+        {**pool, "spec": {**pool["spec"], "targetPort": [{"number": 8000}]}},  # unknown field
+        {**pool, "spec": {**pool["spec"], "targetPorts": []}},  # at least one
+        {**pool, "spec": {**pool["spec"], "targetPorts": [{"number": 70000}]}},
+        {**pool, "spec": {**pool["spec"], "endpointPickerRef": {"name": "omnibus-epp"}}},  # a Service needs a port
+        {**pool, "spec": {**pool["spec"], "appProtocol": "grpc"}},
+        {**pool, "apiVersion": "inference.networking.x-k8s.io/v1alpha2"},  # the pre-v1 group
+    ]
+    for doc in bad:
+        assert not pool_schema.is_valid(doc), doc
+    route = {"apiVersion": "gateway.networking.k8s.io/v1", "kind": "HTTPRoute", "metadata": {"name": "r"},
+             "spec": {"rules": [{"backendRefs": [{"name": "svc"}]}]}}  # a Service without a port
+    assert not route_schema.is_valid(route)
+    route["spec"]["rules"][0]["backendRefs"][0]["port"] = 80
+    route_schema.validate(route)
+    route["spec"]["rules"][0]["timeouts"] = {"request": "five minutes"}
+    assert not route_schema.is_valid(route)

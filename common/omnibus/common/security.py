@@ -12,6 +12,9 @@ matches its certificate), so a bad file is named at startup.
 
 Tokens are compared in constant time (hmac.compare_digest) and never logged; a repr
 of either class shows whether a token is set, not the token.
+
+`http_ssl_context` is the same server-side TLS for an HTTP server (the router's OpenAI
+front): the same files, the same checks, as a Python ssl context.
 """
 
 from __future__ import annotations
@@ -218,6 +221,26 @@ class ClientSecurity:
         if credentials is None:
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, credentials, options=options)
+
+
+def http_ssl_context(cert: str | None, key: str | None, client_ca: str | None = None
+                     ) -> ssl.SSLContext | None:
+    """The TLS context of an HTTP server presenting `cert` (None: plaintext); with
+    `client_ca`, a client without a certificate it signed fails the handshake. The
+    files are checked as ServerSecurity.from_files checks them (ValueError names the
+    one at fault); Python's OpenSSL judges the rest (a key too small for its policy)."""
+    ServerSecurity.from_files(cert, key, client_ca)
+    if cert is None or key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)  # TLS 1.2 or later
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as exc:
+        raise ValueError(f"TLS certificate {cert} with key {key} is refused: {exc.reason}") from None
+    if client_ca is not None:
+        context.load_verify_locations(cafile=client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 # ---- the token, server side ----------------------------------------------------

@@ -28,11 +28,12 @@ from omnibus.engine.lora import (
     AdapterError, AdapterInventory, LoraConfig, LoraManager, LoraStats, UnknownAdapterError)
 from omnibus.engine.worker.model_runner import ModelRunner, Step, resolve_dtype
 from omnibus.engine.core.policies import ContinuousPolicy, make_policy
+from omnibus.common.prefix import check_cache_salt
 from omnibus.common.sampling import SamplingParams, check_context, check_token_ids, kv_tokens
 from omnibus.engine.worker.sampling import make_generator
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
 from omnibus.engine.core.study import StudyCounters
-from omnibus.engine.core.sequence import RequestOutput, Sequence
+from omnibus.engine.core.sequence import RequestOutput, Sequence, SequenceStatus
 from omnibus.engine.spec import SpecStats, Speculator
 from omnibus.engine.spec.proposer import NgramProposer
 
@@ -58,8 +59,11 @@ class EngineStats:
     resident_adapters: tuple[str, ...] = ()  # adapters in device slots
     cached_adapters: tuple[str, ...] = ()  # adapters in host memory (resident ones included), sorted
     adapter_salts: tuple[tuple[str, str], ...] = ()  # (adapter, its prefix-cache salt), sorted
-    adapter_loads: int = 0  # adapters read from disk into host memory since start
-    adapter_evictions: int = 0  # device slots refilled with another adapter since start
+    adapter_pins: tuple[tuple[str, int], ...] = ()  # (adapter, running sequences pinning its slot), sorted
+    waiting_adapters: tuple[str, ...] = ()  # adapters waiting requests need that are in no device slot, sorted
+    adapter_loads: tuple[tuple[str, int], ...] = ()  # (adapter, reads from disk into host memory) since start
+    # (adapter, tier "device" or "host", times evicted from it for another adapter) since start
+    adapter_evictions: tuple[tuple[str, str, int], ...] = ()
     adapter_load_seconds: tuple[float, ...] = ()  # duration of each successful disk read
     # batching-study counters, cumulative over steps (core/study.py; 0 without --study-counters)
     slots_stepped: int = 0
@@ -132,7 +136,8 @@ class Engine:
             params=params,
             priority=request.priority,
             adapter=request.adapter or None,
-            cache_salt=salt,
+            adapter_salt=salt,
+            cache_salt=request.cache_salt,
             tenant=request.tenant,
             weight=float(request.weight),
             deadline=request.deadline,
@@ -168,6 +173,7 @@ class Engine:
             )
         if not (isinstance(weight, (int, float)) and 0 < weight < float("inf")):
             raise ValueError(f"tenant weight must be > 0, got {weight!r}")
+        check_cache_salt(request.cache_salt)
 
     def _check_tokens(self, ids: list[int] | tuple[int, ...], what: str) -> None:
         check_token_ids(ids, self.model_config.vocab_size, what)
@@ -309,7 +315,7 @@ class Engine:
     def stats(self) -> EngineStats:
         counts = self.allocator.counts()
         inventory = self.adapters.inventory() if self.adapters else AdapterInventory((), ())
-        lora = self.adapters.stats() if self.adapters else LoraStats(0, 0, ())
+        lora = self.adapters.stats() if self.adapters else LoraStats()
         c = self.study or _NO_STUDY
         return EngineStats(
             num_waiting=self.scheduler.num_waiting,
@@ -324,8 +330,10 @@ class Engine:
             resident_adapters=inventory.resident,
             cached_adapters=inventory.cached,
             adapter_salts=inventory.salts,
-            adapter_loads=lora.loads,
-            adapter_evictions=lora.evictions,
+            adapter_pins=inventory.pins,
+            waiting_adapters=self._waiting_adapters(inventory.resident),
+            adapter_loads=lora.adapter_loads,
+            adapter_evictions=lora.adapter_evictions,
             adapter_load_seconds=lora.load_seconds,
             slots_stepped=c.slots_stepped,
             useful_tokens=c.useful_tokens,
@@ -335,6 +343,15 @@ class Engine:
             prefix_generation=self._keys_generation,
             speculative=None if self.speculator is None else self.speculator.stats.snapshot(),
         )
+
+    def _waiting_adapters(self, resident: tuple[str, ...]) -> tuple[str, ...]:
+        """The adapters that waiting requests wait for: in no device slot yet (O(requests),
+        and only while requests wait)."""
+        if self.adapters is None or not self.scheduler.num_waiting:
+            return ()
+        wanted = {s.adapter for s in self.scheduler.requests.values()
+                  if s.adapter is not None and s.status is SequenceStatus.WAITING}
+        return tuple(sorted(wanted.difference(resident)))
 
     def _prefix_keys(self) -> tuple[int, ...]:
         """The cached blocks' keys, recomputed only when the cache changed and at most

@@ -27,6 +27,7 @@ class EngineRequest:
     tenant: str = ""  # whose request (fair share between tenants); "": one shared tenant
     weight: float = 1.0  # the tenant's share
     deadline: float | None = None  # time.monotonic() seconds (one clock for all processes)
+    cache_salt: str = ""  # the tenant's cache group (omnibus.common.prefix); "": unsalted
 
     def __post_init__(self) -> None:
         # The caller's list may change after it is queued; the step loop reads this one.
@@ -45,6 +46,7 @@ class EngineRequest:
             adapter=msg.adapter or None,
             tenant=msg.tenant,
             weight=msg.tenant_weight or 1.0,
+            cache_salt=msg.cache_salt,
             deadline=deadline,
         )
 

@@ -139,6 +139,11 @@ def _tls_flags(p: argparse.ArgumentParser) -> None:
                    help="the key of --engine-tls-cert")
     g.add_argument("--engine-token-file", default=None, metavar="FILE",
                    help="send the token in FILE on every engine call (the engines' --token-file)")
+    g.add_argument("--http-tls-cert", default=None, metavar="PEM",
+                   help="serve the OpenAI HTTP front (--http-port) over HTTPS with this certificate")
+    g.add_argument("--http-tls-key", default=None, metavar="PEM", help="the key of --http-tls-cert")
+    g.add_argument("--http-tls-client-ca", default=None, metavar="PEM",
+                   help="mutual TLS on the HTTP front: clients must present a certificate this CA signed")
 
 
 def _validation_flags(p: argparse.ArgumentParser) -> None:
@@ -283,6 +288,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     config = RouterConfig(tenant_limits=limits, **values)
     config.public_security()  # unreadable or unpaired TLS and token files: exit 2 now
     config.engine_security()
+    config.http_tls()
     return config
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from omnibus.common.security import ClientSecurity, ServerSecurity
+from omnibus.common.security import ClientSecurity, ServerSecurity, http_ssl_context
 from omnibus.router.http.tool_parser import TOOL_CALL_PARSERS
 
 
@@ -146,11 +147,24 @@ class RouterConfig:
     engine_tls_cert: str | None = None  # present this client certificate (mutual TLS)
     engine_tls_key: str | None = None
     engine_token_file: str | None = None  # send "authorization: Bearer <token>" to engines
+    # TLS on the OpenAI HTTP front (--http-port): its certificate and key; with a client
+    # CA, clients must present a certificate it signed (mutual TLS).
+    http_tls_cert: str | None = None
+    http_tls_key: str | None = None
+    http_tls_client_ca: str | None = None
     log_level: str = "info"
 
     def public_security(self) -> ServerSecurity:
         """The public port's TLS, read from the files now; ValueError names a bad file."""
         return ServerSecurity.from_files(self.tls_cert, self.tls_key)
+
+    def http_tls(self) -> ssl.SSLContext | None:
+        """The HTTP front's TLS context (None: plaintext), read from the files now;
+        ValueError names a bad file."""
+        try:
+            return http_ssl_context(self.http_tls_cert, self.http_tls_key, self.http_tls_client_ca)
+        except ValueError as exc:
+            raise ValueError(f"HTTP front (--http-tls-*): {exc}") from None
 
     def engine_security(self) -> ClientSecurity:
         """How to reach engines, read from the files now; ValueError names a bad file."""
@@ -184,6 +198,9 @@ class RouterConfig:
         _check(0 <= self.port < 65536, "port", "in [0, 65535]", self.port)
         _check(0 <= self.metrics_port < 65536, "metrics_port", "in [0, 65535]", self.metrics_port)
         _check(0 <= self.http_port < 65536, "http_port", "in [0, 65535]", self.http_port)
+        if self.http_port == 0 and (self.http_tls_cert or self.http_tls_key or self.http_tls_client_ca):
+            raise ValueError("--http-tls-cert, --http-tls-key and --http-tls-client-ca need the "
+                             "HTTP front: set --http-port")
         _check(
             self.max_model_len is None or self.max_model_len >= 2,
             "max_model_len",

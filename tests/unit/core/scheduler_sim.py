@@ -16,7 +16,9 @@ After every step `Simulator` checks the invariants the scheduler promises and ra
   it in the order and could not be displaced back by it;
 - the plan stays within the token budget and the seat cap; planned requests are unique;
 - KV integrity: the allocator's own check, adapter slot pins match the running set,
-  and every KV slot a request reads holds its own token (prefix-cache hits included);
+  and every KV slot a request reads holds its own token, written under its own adapter
+  and cache group (prefix-cache hits included: tenants t1 and t2 share a cache salt,
+  t0 has none, so a block shared across groups is caught);
 - no request whose deadline passed is prefilled;
 - priority order: no request is seated while an eligible waiting one of higher
   priority stays behind;
@@ -42,6 +44,7 @@ from omnibus.engine.spec.proposer import NgramProposer
 EOS = 2
 VOCAB = 40
 T0 = 1000.0  # the simulated clock's start (monotonic seconds)
+CACHE_SALTS = ("", "g1", "g1")  # tenant i's prefix-cache salt (the router's cache group): t0 unsalted
 
 
 class InvariantViolation(AssertionError):
@@ -222,8 +225,9 @@ def make_workload(cfg: SimConfig, rng: random.Random) -> list[Arrival]:
         seq = Sequence(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
                                                        temperature=0.0),
                        priority=5 if rng.random() < 0.15 and not flood else 0, adapter=adapter,
-                       cache_salt=f"salt-{adapter}" if adapter else None,
-                       tenant=f"t{tenant}", weight=cfg.tenants[tenant], deadline=deadline, arrival_time=t)
+                       adapter_salt=f"salt-{adapter}" if adapter else None,
+                       cache_salt=CACHE_SALTS[tenant % len(CACHE_SALTS)], tenant=f"t{tenant}",
+                       weight=cfg.tenants[tenant], deadline=deadline, arrival_time=t)
         cancel = rng.randint(0, 6) if rng.random() < 0.12 else None
         arrivals.append(Arrival(step, seq, cancel))
     arrivals.sort(key=lambda a: (a.step, a.seq.arrival_index))
@@ -258,7 +262,8 @@ class Simulator:
             self.allocator, policy, (EOS,), self.adapters, speculator)  # type: ignore[arg-type]
         self.arrivals = make_workload(cfg, self.rng)
         self._watch_displacements()
-        self.kv: dict[tuple[int, int], tuple[str | None, int]] = {}  # (block, offset) -> (salt, token)
+        # (block, offset) -> (adapter salt, cache salt, token): whose KV the slot holds
+        self.kv: dict[tuple[int, int], tuple[str | None, str, int]] = {}
         self.tables: dict[int, list[list[int]]] = {}  # id(plan) -> its items' block tables at launch
         self.finished: dict[str, RequestOutput] = {}
         self.outputs: dict[str, list[int]] = {}
@@ -318,7 +323,7 @@ class Simulator:
 
     def _arrive(self, a: Arrival) -> None:
         s = a.seq
-        a.expected = solo_output(s.prompt_token_ids, s.cache_salt, min(s.params.max_tokens, self.cfg.max_model_len
+        a.expected = solo_output(s.prompt_token_ids, s.adapter_salt, min(s.params.max_tokens, self.cfg.max_model_len
                                                                         - s.num_prompt_tokens), s.params.ignore_eos)
         self.scheduler.add(s)
         self.outputs[s.request_id] = []
@@ -357,7 +362,7 @@ class Simulator:
                 continue
             seq = item.seq
             for j in range(len(item.guess) + 1):  # a speculating decode: a pick after each guess
-                rows.append(model_token(seq.token_ids + item.guess[:j], seq.cache_salt, not seq.params.ignore_eos))
+                rows.append(model_token(seq.token_ids + item.guess[:j], seq.adapter_salt, not seq.params.ignore_eos))
         self._check_kv(plan)
         for out in self.scheduler.update(plan, SamplerOutput(rows, [None] * len(rows))):
             self._record(out)
@@ -446,15 +451,17 @@ class Simulator:
             seq = item.seq
             inputs = seq.token_ids + item.guess if item.guess else seq.token_ids
             for p in range(item.start, item.start + item.num_tokens):  # (-1: a token that never came)
-                self.kv[(table[p // bs], p % bs)] = (seq.cache_salt, inputs[p] if p < len(inputs) else -1)
+                self.kv[(table[p // bs], p % bs)] = (
+                    seq.adapter_salt, seq.cache_salt, inputs[p] if p < len(inputs) else -1)
             if seq.status is SequenceStatus.FINISHED and seq.finish_reason == "abort":
                 continue  # aborted after launch: the step still ran, but nothing reads it
             for p in range(item.start + item.num_tokens):
                 got = self.kv.get((table[p // bs], p % bs))
-                if got != (seq.cache_salt, inputs[p]):
+                want = (seq.adapter_salt, seq.cache_salt, inputs[p])
+                if got != want:
                     raise InvariantViolation(
-                        f"KV: {seq.request_id} position {p} reads {got}, expected "
-                        f"{(seq.cache_salt, inputs[p])}, step {self.step} ({self.cfg})")
+                        f"KV: {seq.request_id} position {p} reads {got}, expected {want}, step "
+                        f"{self.step} ({self.cfg})")
 
     def _check_after_step(self) -> None:
         s = self.scheduler

@@ -153,10 +153,30 @@ def test_prefix_cache_is_salted_by_adapter():
     s.add(seq("base", 10, max_tokens=2))
     run_to_end(s)
     other = seq("lora", 10, max_tokens=2)
-    other.cache_salt = "a1@v1"
+    other.adapter_salt = "a1@v1"
     s.add(other)
     plan, _ = fake_step(s)
     assert plan.scheduled[0].start == 0  # nothing reused across adapters
+
+
+def test_prefix_cache_is_salted_by_cache_group():
+    """Tenants in different cache groups (the router's cache salt) never share a block,
+    whatever the adapter; the same group does, and so do unsalted requests."""
+    s = make_scheduler(block_size=4)
+
+    def cached(rid: str, cache_salt: str, adapter_salt: str | None = None) -> int:
+        sequence = seq(rid, 10, max_tokens=2)
+        sequence.cache_salt, sequence.adapter_salt = cache_salt, adapter_salt
+        s.add(sequence)
+        run_to_end(s)
+        return sequence.num_cached_tokens
+
+    assert cached("a", "group-a") == 0
+    assert cached("b", "group-b") == 0  # the same prompt, another group
+    assert cached("unsalted", "") == 0
+    assert cached("a-lora", "group-a", "a1@v1") == 0  # its group, another adapter
+    assert [cached("a2", "group-a"), cached("b2", "group-b"), cached("unsalted2", ""),
+            cached("a-lora2", "group-a", "a1@v1")] == [8, 8, 8, 8]
 
 
 def test_full_prompt_hit_still_computes_last_token():
@@ -639,7 +659,7 @@ def test_a_request_runs_salted_as_the_weights_its_slot_holds():
 
     def salted(rid: str) -> Sequence:
         sequence = seq(rid, 13, max_tokens=2)
-        sequence.adapter, sequence.cache_salt = "a", "v1"
+        sequence.adapter, sequence.adapter_salt = "a", "v1"
         return sequence
 
     old = salted("old")
@@ -654,9 +674,9 @@ def test_a_request_runs_salted_as_the_weights_its_slot_holds():
     late = salted("late")  # arrived salted "v1", gated onto "v2" weights
     s.add(late)
     run_to_end(s)
-    assert late.cache_salt == "v2" and late.num_cached_tokens == 0
+    assert late.adapter_salt == "v2" and late.num_cached_tokens == 0
     fresh = seq("fresh", 13, max_tokens=2)
-    fresh.adapter, fresh.cache_salt = "a", "v2"
+    fresh.adapter, fresh.adapter_salt = "a", "v2"
     s.add(fresh)
     run_to_end(s)
     assert fresh.num_cached_tokens == 12  # the blocks `late` computed are v2's

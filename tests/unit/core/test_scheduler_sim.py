@@ -48,6 +48,25 @@ def test_the_fixed_seeds_cover_every_feature():
     assert preempting >= 5
 
 
+def test_the_kv_check_catches_a_prefix_cache_shared_across_cache_groups(monkeypatch):
+    """The simulated tenants send the same prompt families from different cache groups
+    (scheduler_sim.CACHE_SALTS). Were block hashes blind to the cache salt (vLLM's
+    CVE-2025-46570: one tenant's prompt warms another's cache), requests would read blocks
+    another group wrote, and the KV check names the first such read."""
+    import omnibus.engine.core.block_allocator as allocator
+
+    salted = allocator.block_hash
+    monkeypatch.setattr(allocator, "block_hash",
+                        lambda parent, tokens, adapter_salt, _: salted(parent, tokens, adapter_salt, ""))
+    caught = []
+    for seed in range(10):
+        try:
+            simulate(SimConfig(seed=seed))
+        except InvariantViolation as e:
+            caught.append(str(e))
+    assert len(caught) >= 5 and all(e.startswith("KV: ") for e in caught)  # 9 of 10 when written
+
+
 def test_a_flooding_tenant_with_client_timeouts_does_not_starve_a_light_one():
     """The reported hang: tenant A sends 48 requests of 100-300 tokens at once, B sends 4
     short ones 100 steps later, everyone with a 600 s client timeout, 2 seats. Before the

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from omnibus.common.fairness import VirtualTokenCounters
-from omnibus.common.prefix import block_key, leading_block_keys, matched_blocks
+from omnibus.common.prefix import block_hash, block_key, leading_block_keys, matched_blocks
 from omnibus.engine.core.block_allocator import BlockAllocator
 from omnibus.engine.core.policies import make_policy
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
@@ -300,3 +300,31 @@ def test_router_block_keys_are_the_allocators_hashes():
     assert set(alloc.cached_keys(10)) == set(keys) and alloc.cached_keys(2) == keys[::-1][:2]
     assert matched_blocks(keys, set(keys[:2])) == 2 and matched_blocks(keys, {keys[1]}) == 0
     assert leading_block_keys(s.token_ids, 4, "adapter-x", 64)[0] != keys[0]  # salted
+
+
+@pytest.mark.parametrize("adapter_salt", [None, "a1@1024:17+0"])
+def test_cache_salted_block_keys_are_the_allocators_hashes(adapter_salt):
+    """A request's cache salt (its tenant's cache group) is chained after the adapter's
+    identity: the router's keys with the same salts are the allocator's hashes, every
+    block differs from the unsalted chain's and from another group's, and an empty cache
+    salt is the unsalted chain itself."""
+    alloc = BlockAllocator(32, 4)
+    s = seq("p", 14)
+    s.adapter_salt, s.cache_salt = adapter_salt, "group-a"
+    alloc.allocate_prefix(s)
+    alloc.allocate_slots(s, 14)
+    s.num_computed_tokens = 14
+    alloc.cache_blocks(s)
+    keys = leading_block_keys(s.token_ids, 4, adapter_salt, 64, "group-a")
+    assert keys == [block_key(h) for h in s.block_hashes[:3]]
+    assert alloc.cached_keys(10) == keys[::-1]
+    unsalted = leading_block_keys(s.token_ids, 4, adapter_salt, 64)
+    other = leading_block_keys(s.token_ids, 4, adapter_salt, 64, "group-b")
+    assert all(k not in unsalted and k not in other for k in keys)
+    assert leading_block_keys(s.token_ids, 4, adapter_salt, 64, "") == unsalted
+    # Without a cache salt a block hashes as before cache salts existed (routers and engines
+    # of both versions agree on a fleet without keys files while it is upgraded).
+    before = {None: "df21e1b3c0fbe7a18fb6c9639ddaf592", "a1@1024:17+0": "ef72b61146252bbef73a9b9b6dfcf588"}
+    assert block_hash(b"", [10, 11, 12, 13], adapter_salt, "").hex() == before[adapter_salt]
+    assert block_hash(b"", [10, 11, 12, 13], adapter_salt, "group-a").hex() != before[adapter_salt]
+    assert block_hash(b"", [10, 11, 12, 13], None, "x") != block_hash(b"", [10, 11, 12, 13], "x", "")

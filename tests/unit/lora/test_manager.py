@@ -52,6 +52,25 @@ def test_gate_waits_for_the_load_then_pins_the_slot(manager):
     assert (manager.stats().loads, manager.stats().evictions) == (2, 1)
 
 
+def test_loads_evictions_and_pins_are_counted_per_adapter_and_tier(manager):
+    """One device slot, two host places: three adapters in turn. Each is read once; each
+    refill evicts the slot's occupant; the third read drops the least recently used host
+    copy that no slot holds (qv-r2)."""
+    for name in ("qv-r2", "k-r2", "all-r8"):
+        manager.prefetch(name)
+        settle(lambda: manager.gate(name))
+        assert manager.inventory().pins == ((name, 1),)
+        if name != "all-r8":
+            manager.release(name)
+    stats, inventory = manager.stats(), manager.inventory()
+    assert stats.adapter_loads == (("all-r8", 1), ("k-r2", 1), ("qv-r2", 1))
+    assert stats.adapter_evictions == (("k-r2", "device", 1), ("qv-r2", "device", 1), ("qv-r2", "host", 1))
+    assert (stats.loads, stats.evictions) == (3, 2)
+    assert (inventory.resident, inventory.cached) == (("all-r8",), ("all-r8", "k-r2"))
+    manager.release("all-r8")
+    assert (manager.inventory().pins, manager.inventory().running) == ((), 0)
+
+
 def test_inventory_salts_follow_the_adapter_files_read(manager, model):
     """The salt is the version in memory: a file replaced on disk changes it only once the
     adapter is read again (after an unload), so KV of one version never serves another."""

@@ -120,6 +120,32 @@ def test_prefix_hits_are_weighed_against_room():
     asyncio.run(main())
 
 
+def test_a_request_goes_to_the_engine_holding_its_cache_groups_prefix():
+    """Engines report salted block keys; a tenant's ticket scores only the blocks hashed
+    with its own cache salt (as the router stamps it on the request), so it goes where its
+    group's prefix is, not where another group's copy of the same prompt is."""
+    from omnibus.router.admission.auth import cache_salt
+
+    salt_a, salt_b = cache_salt("a", "team"), cache_salt("b", None)
+    assert cache_salt("c", "team") == salt_a and salt_b not in (salt_a, "")
+
+    def cached(salt: str, room: int) -> _Engine:
+        return _Engine(salt or "unsalted", room=room, keys=frozenset(leading_block_keys(PROMPT, 4, None, 64, salt)))
+
+    async def main():
+        group_a, group_b, unsalted = cached(salt_a, 2), cached(salt_b, 3), cached("", 4)
+        d = Dispatcher(Fleet([unsalted, group_b, group_a]), RequestQueue(0))
+        ticket_a = Ticket(0, 1, 0.0, tenant="c", prompt_ids=PROMPT, cache_salt=salt_a)
+        ticket_b = Ticket(0, 1, 0.0, tenant="b", prompt_ids=PROMPT, cache_salt=salt_b)
+        shares = [[t.prefix_share(e) for e in (group_a, group_b, unsalted)]
+                  for t in (ticket_a, ticket_b, Ticket(0, 1, 0.0, prompt_ids=PROMPT))]
+        assert shares == [[16 / 17, 0.0, 0.0], [0.0, 16 / 17, 0.0], [0.0, 0.0, 16 / 17]]
+        assert d.best_engine(ticket_a) is group_a  # 2/8 room + 16/17 beats 4/8 room
+        assert d.best_engine(ticket_b) is group_b
+
+    asyncio.run(main())
+
+
 def test_an_adapter_request_goes_to_the_engine_reporting_its_salted_prefix():
     from omnibus.router.config import RouterConfig
     from omnibus.router.dispatch.engines import EngineClient
@@ -144,6 +170,13 @@ def test_an_adapter_request_goes_to_the_engine_reporting_its_salted_prefix():
             ticket = Ticket(0, 1, 0.0, adapter="ad", prompt_ids=PROMPT)
             assert ticket.prefix_share(adapter_cached) == 16 / 17
             assert ticket.prefix_share(base_cached) == 0.0  # the same tokens, unsalted
+            grouped = Ticket(0, 1, 0.0, adapter="ad", prompt_ids=PROMPT, cache_salt="g")
+            assert grouped.prefix_share(adapter_cached) == 0.0  # the adapter's, another group's
+            both = engine(leading_block_keys(PROMPT, 4, salt, 64, "g"))  # adapter, then group
+            try:
+                assert grouped.prefix_share(both) == 16 / 17 and ticket.prefix_share(both) == 0.0
+            finally:
+                await both.close()
             assert d.best_engine(ticket) is adapter_cached
             base = Ticket(0, 1, 0.0, prompt_ids=PROMPT)
             reverse = Dispatcher(Fleet([adapter_cached, base_cached]), RequestQueue(0))

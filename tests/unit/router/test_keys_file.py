@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from omnibus.router.admission.auth import KeyStore
+from omnibus.router.admission.auth import KeyStore, cache_salt
 from omnibus.router.config import TenantLimits
 
 
@@ -67,3 +67,27 @@ def test_a_name_twice_in_one_object_is_refused(tmp_path, text, twice):
     with pytest.raises(ValueError) as err:
         _open(tmp_path, text)
     assert str(err.value) == f"cannot read keys file {tmp_path / 'keys.json'}: {twice} twice in one object"
+
+
+def test_tenants_share_a_cache_salt_only_within_a_cache_group(tmp_path):
+    """Each keys-file tenant's prefix-cache salt is a digest of its cache_group, else of its
+    name: tenants of one group share it, every other tenant has its own (a group named as
+    a tenant included), the same on every router; without a keys file there is none."""
+    store = _open(tmp_path, '{"tenants": {"a": {"keys": ["ka"], "cache_group": "team"}, '
+                            '"b": {"keys": ["kb"]}, "c": {"keys": ["kc"], "cache_group": "team"}, '
+                            '"d": {"keys": ["kd"], "cache_group": "b"}}}')
+    salt = {t.name: t.cache_salt for t in store.tenants}
+    assert salt["a"] == salt["c"] == cache_salt("a", "team") == cache_salt("anyone", "team")
+    assert len({salt["a"], salt["b"], salt["d"]}) == 3 and salt["b"] == cache_salt("b", None)
+    assert salt["b"] == "5820683fa4f99d20dcf4ad7e024eca00"  # a fixed digest: routers agree across restarts
+    assert all(len(s) == 32 and int(s, 16) >= 0 for s in salt.values())
+    assert KeyStore.open(None, TenantLimits()).authenticate([]).cache_salt == ""
+
+
+@pytest.mark.parametrize("value", ['""', "1", "null", '["team"]'])
+def test_a_cache_group_must_be_a_non_empty_string(tmp_path, value):
+    with pytest.raises(ValueError) as err:
+        _open(tmp_path, f'{{"tenants": {{"a": {{"keys": ["k"], "cache_group": {value}}}}}}}')
+    shown = {'""': "''", "1": "1", "null": "None", '["team"]': "['team']"}[value]
+    assert str(err.value) == (f"keys file {tmp_path / 'keys.json'}, tenant 'a': 'cache_group' must be a "
+                              f"non-empty string, got {shown}")

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from omnibus.router.admission.limits import Admission, Cost, TokenBucket
-from omnibus.router.admission.auth import KeyStore, Tenant
+from omnibus.router.admission.auth import KeyStore, Tenant, cache_salt
 from omnibus.router.config import TenantLimits
 from omnibus.router.service.errors import RequestError
 
@@ -182,8 +182,10 @@ def test_keys_map_to_tenants_with_their_limits_or_the_defaults(tmp_path):
     store = KeyStore.open(path, TenantLimits(max_concurrent=9, tokens_per_minute=7))
     alice = store.authenticate([("authorization", "Bearer ka2")])
     bob = store.authenticate([("authorization", "bearer kb")])
-    assert alice == Tenant("alice", TenantLimits(max_concurrent=1, tokens_per_minute=7))
-    assert bob == Tenant("bob", TenantLimits(max_concurrent=9, tokens_per_minute=50), ("x",))
+    assert alice == Tenant("alice", TenantLimits(max_concurrent=1, tokens_per_minute=7),
+                           cache_salt=cache_salt("alice", None))
+    assert bob == Tenant("bob", TenantLimits(max_concurrent=9, tokens_per_minute=50), ("x",),
+                         cache_salt=cache_salt("bob", None))
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,11 @@ is in exactly one state:
 - referenced: ref count > 0 (it may also be cached, shared by several sequences).
 
 Free and cached blocks share one LRU queue, so allocation and freeing are O(1).
-A full block's hash chains the previous block's hash, its token ids and a salt (the
-LoRA adapter's identity), so equal hashes mean equal prefixes under the same weights
-(the rule is omnibus.common.prefix, which the router's prefix-aware routing shares).
+A full block's hash chains the previous block's hash, its token ids, the LoRA adapter's
+identity and the request's cache salt (its tenant's cache group), so equal hashes mean
+equal prefixes under the same weights for the same cache group: tenants in different
+groups never share a block (the rule is omnibus.common.prefix, which the router's
+prefix-aware routing shares).
 This module is the one place that frees blocks.
 """
 
@@ -169,7 +171,8 @@ class BlockAllocator:
         bs = self.block_size
         for i in range(len(seq.block_hashes), num_tokens // bs):
             parent = seq.block_hashes[i - 1] if i else b""
-            seq.block_hashes.append(block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt))
+            seq.block_hashes.append(
+                block_hash(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.adapter_salt, seq.cache_salt))
 
     def cached_keys(self, limit: int) -> list[int]:
         """Keys (omnibus.common.prefix.block_key) of at most `limit` cached blocks, the

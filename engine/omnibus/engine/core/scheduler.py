@@ -417,10 +417,10 @@ class Scheduler:
         seq.lora_slot = gate.slot
         if seq.lora_slot is None:
             return "wait"
-        if gate.salt is not None and gate.salt != seq.cache_salt:
+        if gate.salt is not None and gate.salt != seq.adapter_salt:
             # Its adapter's files were read again after it arrived (it left memory, and was
             # rewritten): its KV will be these weights', so it is salted and hashed as theirs.
-            seq.cache_salt = gate.salt
+            seq.adapter_salt = gate.salt
             seq.block_hashes.clear()
         return "ok"
 

@@ -63,7 +63,8 @@ class Sequence:
     params: SamplingParams
     priority: int = 0
     adapter: str | None = None  # LoRA adapter name; None = base model
-    cache_salt: str | None = None  # prefix-cache salt: the adapter's identity (name + file version)
+    adapter_salt: str | None = None  # prefix-cache salt: the adapter's identity (name + file version)
+    cache_salt: str = ""  # prefix-cache salt: the tenant's cache group (set by the router); "": none
     tenant: str = ""  # whose request (fair share between tenants); "" = one shared tenant
     weight: float = 1.0  # the tenant's share (its virtual token counter grows by tokens / weight)
     deadline: float | None = None  # monotonic seconds by which it should finish; None: none

@@ -93,13 +93,29 @@ class AdapterInventory:
     # (name, prefix-cache salt) of every adapter whose config was read, sorted: the salt
     # `prefetch` returned for its latest request (the router hashes prompts with it)
     salts: tuple[tuple[str, str], ...] = ()
+    # (name, running sequences pinning its device slot) of every pinned slot, sorted
+    pins: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class LoraStats:
-    loads: int  # adapters read from disk into host memory since start
-    evictions: int  # device slots refilled with another adapter since start
-    load_seconds: tuple[float, ...]  # duration of each successful disk read
+    """Counters since start, per adapter (sorted by name; adapters never counted are absent)."""
+
+    load_seconds: tuple[float, ...] = ()  # duration of each successful disk read
+    adapter_loads: tuple[tuple[str, int], ...] = ()  # (adapter, reads from disk into host memory)
+    # (adapter, tier, times it was evicted from that tier to make room for another):
+    # "device", its slot refilled; "host", dropped from host memory
+    adapter_evictions: tuple[tuple[str, str, int], ...] = ()
+
+    @property
+    def loads(self) -> int:
+        """Adapters read from disk into host memory."""
+        return sum(n for _, n in self.adapter_loads)
+
+    @property
+    def evictions(self) -> int:
+        """Device slots refilled with another adapter."""
+        return sum(n for _, tier, n in self.adapter_evictions if tier == "device")
 
 
 class LoraManager:
@@ -121,7 +137,8 @@ class LoraManager:
         self._wanted: dict[str, float] = {}  # name -> when a request last asked for it
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-loader")
         self._lock = threading.Lock()
-        self._loads = 0
+        self._loads: dict[str, int] = {}  # adapter -> reads from disk into host memory
+        self._host_evictions: dict[str, int] = {}  # adapter -> drops from host memory for another
         self._load_seconds: list[float] = []  # appended by the loader thread
 
     # ---- requests: Engine and Scheduler -------------------------------------
@@ -247,12 +264,16 @@ class LoraManager:
         names = self._slots.names
         if self._salts is None:
             self._salts = tuple(sorted((n, spec.fingerprint) for n, spec in self._specs.items()))
+        pins = tuple(sorted((n, p) for n, p in zip(names, self._slots.pins) if n is not None and p))
         return AdapterInventory(tuple(sorted(n for n in names if n is not None)), tuple(sorted(self._host)),
-                                sum(1 for pins in self._slots.pins if pins), self._salts)
+                                len(pins), self._salts, pins)
 
     def stats(self) -> LoraStats:
-        """Load and eviction counters; safe from any thread."""
-        return LoraStats(self._loads, self._slots.evictions, tuple(self._load_seconds))
+        """Load and eviction counters; safe from any thread (each dict is copied whole)."""
+        evicted = [(n, "device", k) for n, k in dict(self._slots.evicted).items()]
+        evicted += [(n, "host", k) for n, k in self._host_evictions.copy().items()]
+        return LoraStats(tuple(self._load_seconds), tuple(sorted(self._loads.copy().items())),
+                         tuple(sorted(evicted)))
 
     def available(self) -> list[str]:
         """The adapter names under the adapter root. Only lists the root: safe from any thread."""
@@ -337,7 +358,7 @@ class LoraManager:
     def _admit_host(self, name: str, weights: AdapterWeights) -> None:
         self._host[name] = weights
         self._fresh.add(name)
-        self._loads += 1
+        self._loads[name] = self._loads.get(name, 0) + 1
         while len(self._host) > self.config.max_cpu_loras:
             # least recently used first; never the newcomer, one in a device slot or one
             # kept for its waiting requests
@@ -346,6 +367,7 @@ class LoraManager:
             if victim is None:
                 break  # keep them all: reads wait for room (_load_async)
             del self._host[victim]
+            self._host_evictions[victim] = self._host_evictions.get(victim, 0) + 1
             self._fresh.discard(victim)
             self._wanted.pop(victim, None)
 

@@ -8,7 +8,7 @@ holds zeros: ranks and projections an adapter lacks contribute nothing.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +56,14 @@ class DeviceSlots:
         self.names: list[str | None] = [None] * n
         self.targets: list[frozenset[str]] = [frozenset()] * n  # projections each slot's adapter adapts
         self.pins = [0] * n  # running sequences using each slot
-        self.evictions = 0  # fills that replaced another adapter
+        self.evicted: Counter[str] = Counter()  # adapter -> fills that replaced it with another
         self._footprints = [Footprint()] * n  # kept after an unload: the next fill clears it
         self._lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n))
+
+    @property
+    def evictions(self) -> int:
+        """Fills that replaced another adapter."""
+        return sum(self.evicted.values())
 
     def slot_of(self, name: str) -> int | None:
         try:
@@ -83,8 +88,9 @@ class DeviceSlots:
         """Put `weights` into `slot`. Zeroes only what the previous occupant wrote and this
         adapter does not overwrite; copies are non-blocking (the host tensors are pinned on
         CUDA, and the caching host allocator keeps them alive until the copies ran)."""
-        if self.names[slot] is not None:
-            self.evictions += 1
+        old_name = self.names[slot]
+        if old_name is not None:
+            self.evicted[old_name] += 1
         old = self._footprints[slot]
         for key in old.keys:
             lo = weights.tensors[key][0].shape[0] if key in weights.tensors else 0  # its rank

@@ -1,5 +1,12 @@
 """The engine process's Prometheus metrics: request outcomes and latencies, token
-counts, and gauges read from the step loop's latest stats at scrape time."""
+counts, and gauges read from the step loop's latest stats at scrape time.
+
+Among them the model-server protocol of the Gateway API Inference Extension, whose
+endpoint picker scrapes every pod (docs/deployment.md#gateway-api-inference-extension):
+waiting and running requests (`omnibus_engine_{waiting,running}_sequences`), KV-cache use
+from 0 to 1 (`omnibus_engine_kv_cache_usage_ratio`), the LoRA info gauge
+(`omnibus_engine_lora_requests_info`) and the cache config info gauge
+(`omnibus_engine_cache_config_info`), shaped as vLLM's `vllm:*` ones are."""
 
 from __future__ import annotations
 
@@ -90,6 +97,12 @@ class _StatsCollector(Collector):
         yield GaugeMetricFamily(
             "omnibus_engine_kv_cache_usage_ratio", "KV blocks held by sequences / usable (0-1)", value=used
         )
+        # vLLM's cache_config_info: the endpoint picker's prefix scorer reads the block size here.
+        cache = GaugeMetricFamily("omnibus_engine_cache_config_info",
+                                  "KV cache configuration in the labels (value 1)",
+                                  labels=["block_size", "num_gpu_blocks"])
+        cache.add_metric([str(self._aengine.config.block_size), str(s.num_total_blocks)], 1)
+        yield cache
         yield CounterMetricFamily("omnibus_engine_steps", "Engine steps run", value=s.num_steps)
         yield CounterMetricFamily(
             "omnibus_engine_preemptions", "Sequences preempted", value=s.num_preemptions
@@ -133,6 +146,7 @@ def _spec_metrics(spec: SpecStats) -> Iterator[GaugeMetricFamily | CounterMetric
 def _adapter_metrics(
     s: EngineStats, config: EngineConfig
 ) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+    yield _lora_info(s, config)
     gauges = {
         "adapter_slots": ("Device adapter slots (--max-loras)", config.max_loras),
         "adapters_resident": ("Adapters in device slots", len(s.resident_adapters)),
@@ -143,14 +157,21 @@ def _adapter_metrics(
     }
     for name, (doc, value) in gauges.items():
         yield GaugeMetricFamily(f"omnibus_engine_{name}", doc, value=value)
-    yield CounterMetricFamily(
-        "omnibus_engine_adapter_loads", "Adapters read from disk into host memory",
-        value=s.adapter_loads,
+    yield from _residency(s)
+    loads = CounterMetricFamily("omnibus_engine_adapter_loads",
+                                "Adapter reads from disk into host memory", labels=["adapter"])
+    for name, n in s.adapter_loads:
+        loads.add_metric([name], n)
+    yield loads
+    evictions = CounterMetricFamily(
+        "omnibus_engine_adapter_evictions",
+        "Adapters evicted to make room for another: tier device (its slot refilled), "
+        "host (dropped from host memory)",
+        labels=["adapter", "tier"],
     )
-    yield CounterMetricFamily(
-        "omnibus_engine_adapter_evictions", "Device slots refilled with another adapter",
-        value=s.adapter_evictions,
-    )
+    for name, tier, n in s.adapter_evictions:
+        evictions.add_metric([name, tier], n)
+    yield evictions
     # One duration per successful disk load (a copy taken atomically); the histogram is
     # rebuilt from it at scrape time.
     seconds = s.adapter_load_seconds
@@ -162,3 +183,43 @@ def _adapter_metrics(
         buckets=buckets,
         sum_value=sum(seconds),
     )
+
+
+def _lora_info(s: EngineStats, config: EngineConfig) -> GaugeMetricFamily:
+    """vLLM's lora_requests_info, which the endpoint picker's LoRA affinity reads: one
+    series whose labels name the adapters in device slots (running: they serve with no
+    load) and those that waiting requests need in a slot (waiting), comma-separated;
+    its value is the time of the scrape (the picker takes the newest series)."""
+    family = GaugeMetricFamily(
+        "omnibus_engine_lora_requests_info",
+        "Adapters in device slots (running_lora_adapters) and waiting for one "
+        "(waiting_lora_adapters); value: the time of the scrape",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+    )
+    family.add_metric([str(config.max_loras), ",".join(sorted(s.resident_adapters)),
+                       ",".join(s.waiting_adapters)], time.time())
+    return family
+
+
+def _residency(s: EngineStats) -> Iterator[GaugeMetricFamily]:
+    """Where each adapter in memory is: its fastest tier, and the pins on its device slot."""
+    resident = set(s.resident_adapters)
+    loaded = GaugeMetricFamily(
+        "omnibus_engine_adapter_loaded",
+        "1 for each adapter in memory, in its fastest tier: device (a device slot; its host "
+        "copy stays) or host (host memory only)",
+        labels=["adapter", "tier"],
+    )
+    for name in sorted(resident.union(s.cached_adapters)):
+        loaded.add_metric([name, "device" if name in resident else "host"], 1)
+    yield loaded
+    pins = dict(s.adapter_pins)
+    pinned = GaugeMetricFamily(
+        "omnibus_engine_adapter_pins",
+        "Running sequences pinning each device-resident adapter's slot (0: unpinned, the "
+        "slot may be refilled with another adapter)",
+        labels=["adapter"],
+    )
+    for name in sorted(resident):
+        pinned.add_metric([name], pins.get(name, 0))
+    yield pinned

@@ -4,7 +4,7 @@ The keys file is JSON:
 
     {"tenants": {"acme": {"keys": ["sk-acme-1"], "max_concurrent": 8,
                           "tokens_per_minute": 60000, "adapters": ["support-bot"],
-                          "weight": 2.0},
+                          "weight": 2.0, "cache_group": "acme-corp"},
                  "ops":  {"keys": ["sk-ops-1"], "admin": true}}}
 
 Only `keys` is required; missing limits take the router's --tenant-* defaults.
@@ -14,6 +14,15 @@ makes the tenant's keys admin keys too (the omnibus.v1.Admin service), as is the
 key in the router's --admin-key-file. `weight` (> 0, default 1) is the tenant's share
 under fair queueing (--queue-policy vtc): a weight-2 tenant is served twice the tokens
 of a weight-1 tenant when both are backlogged. Keys are kept only as SHA-256 digests in memory.
+
+Prefix cache: with a keys file, each tenant's requests carry a cache salt that the
+engines chain into every KV block's hash, so tenants share cached prefixes only within
+a cache group: a tenant's `cache_group` (a non-empty string) if set, else the tenant
+alone (its name). A shared cache lets one tenant learn from its time to first token
+whether another sent a prompt (vLLM's CVE-2025-46570); tenants that trust each other
+(one customer's keys) can name the same group to keep their hits. The salt is a SHA-256
+digest of the group (or name), the same on every router, and only the router sets it:
+no client field does. Without a keys file the one tenant "default" is unsalted.
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ from omnibus.router.service.errors import RequestError
 
 DEFAULT_TENANT = "default"
 ANY_ADAPTER = "*"
-_TENANT_FIELDS = {"keys", "max_concurrent", "tokens_per_minute", "adapters", "admin", "weight"}
+_TENANT_FIELDS = {
+    "keys", "max_concurrent", "tokens_per_minute", "adapters", "admin", "weight", "cache_group"}
 _MAX_LIMIT = 2**53  # limits stay exact as floats (token buckets, Redis's Lua numbers)
 
 
@@ -46,9 +56,18 @@ class Tenant:
     adapters: tuple[str, ...] | None = None  # the adapters it may use; None: any
     admin: bool = False  # its keys may call the admin API
     weight: float = 1.0  # its share under fair queueing (virtual token counters grow by tokens / weight)
+    cache_salt: str = ""  # salts its requests' prefix-cache blocks (cache_salt()); "": unsalted
 
     def may_use(self, adapter: str) -> bool:
         return self.adapters is None or adapter in self.adapters
+
+
+def cache_salt(tenant: str, cache_group: str | None) -> str:
+    """The prefix-cache salt of a keys-file tenant: a digest of its cache group, or of its
+    name when it has none (a group and a tenant of the same name stay apart). 32 hex
+    characters (omnibus.common.prefix.check_cache_salt allows 64)."""
+    what = b"group\x00" + cache_group.encode() if cache_group is not None else b"tenant\x00" + tenant.encode()
+    return hashlib.sha256(b"omnibus-cache-salt\x00" + what).hexdigest()[:32]
 
 
 def _digest(key: str) -> bytes:
@@ -225,7 +244,11 @@ def _parse_tenant(
     weight = entry.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < 1e6:
         raise ValueError(f"{where}: 'weight' must be a number in (0, 1e6), got {weight!r}")
-    return Tenant(name, limits, adapters, admin, float(weight)), [k.strip() for k in keys]
+    group = entry.get("cache_group")
+    if "cache_group" in entry and (not isinstance(group, str) or not group):
+        raise ValueError(f"{where}: 'cache_group' must be a non-empty string, got {group!r}")
+    return (Tenant(name, limits, adapters, admin, float(weight), cache_salt(name, group)),
+            [k.strip() for k in keys])
 
 
 def _limit(where: str, entry: dict, name: str, default: int) -> int:

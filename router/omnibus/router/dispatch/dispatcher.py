@@ -15,7 +15,8 @@ KV blocks it reports cached (omnibus.common.prefix, the engine's own hashing), s
 request goes where its prefix is unless that engine is much busier than another.
 An adapter request's blocks are salted with the adapter file's fingerprint, so its
 keys are computed with the salt that engine reports for the adapter (none reported:
-no prefix there).
+no prefix there), and every request's with its tenant's cache salt (auth.py), as the
+router stamps it on the request: a tenant's score counts only its cache group's blocks.
 
 Each dispatch charges the request's prompt tokens to its tenant's virtual token
 counter (the pipeline charges output tokens as they stream), which orders the queue
@@ -60,6 +61,7 @@ class Ticket:
     prompt_ids: Sequence[int] = ()  # for prefix-aware routing and the prompt charge
     affinity: Affinity | None = None  # set on dispatch when there is an adapter
     avoid: frozenset[str] = frozenset()  # engines (addresses) that refused to continue it
+    cache_salt: str = ""  # the tenant's prefix-cache salt (as sent to the engine)
     # (block size, salt) -> leading block keys
     _keys: dict[tuple[int, str | None], list[int]] = field(default_factory=dict)
     future: asyncio.Future[EngineClient] = field(
@@ -68,7 +70,8 @@ class Ticket:
 
     def prefix_share(self, engine: EngineClient) -> float:
         """Share of the prompt in `engine`'s reported prefix cache (an adapter's blocks
-        hashed with the salt `engine` reports for it)."""
+        hashed with the salt `engine` reports for it, every block with the ticket's
+        cache salt)."""
         bs = engine.block_size
         if not self.prompt_ids or not bs:
             return 0.0
@@ -79,7 +82,8 @@ class Ticket:
                 return 0.0
         keys = self._keys.get((bs, salt))
         if keys is None:
-            keys = self._keys[bs, salt] = leading_block_keys(self.prompt_ids, bs, salt, MAX_PREFIX_BLOCKS)
+            keys = self._keys[bs, salt] = leading_block_keys(
+                self.prompt_ids, bs, salt, MAX_PREFIX_BLOCKS, self.cache_salt)
         return matched_blocks(keys, engine.prefix_keys) * bs / len(self.prompt_ids)
 
 

@@ -190,7 +190,8 @@ class OpenAIFront:
         )
         logging.getLogger("aiohttp.server").addFilter(_bad_http_request)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self._config.host, self._config.http_port).start()
+        await web.TCPSite(self._runner, self._config.host, self._config.http_port,
+                          ssl_context=self._config.http_tls()).start()
 
     async def stop(self) -> None:
         """Stops listening, then lets running requests finish for --drain-seconds."""

@@ -167,6 +167,8 @@ async def serve(config: RouterConfig) -> None:
         "router_serving",
         port=config.port,
         http_port=config.http_port or None,
+        http_tls=config.http_tls_cert is not None,
+        http_client_certs=config.http_tls_client_ca is not None,
         chat_template=chat is not None,
         engines=list(config.engines),
         model=limits.model_id,

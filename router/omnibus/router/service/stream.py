@@ -206,6 +206,7 @@ class Streamer:
         ticket = Ticket(
             job.request.priority, job.request.cost, job.arrival, job.adapter,
             tenant.name, tenant.weight, job.request.prompt_ids, avoid=frozenset(job.refused_by),
+            cache_salt=tenant.cache_salt,
         )
         self._dispatcher.submit(ticket)
         queue_left = (job.queued_at + self._config.max_queue_seconds - job.queued_before
@@ -263,6 +264,7 @@ class Streamer:
                 adapter=job.adapter,
                 tenant=job.caller.tenant.name,
                 tenant_weight=job.caller.tenant.weight,
+                cache_salt=job.caller.tenant.cache_salt,  # the tenant's cache group: never the client's
             ),
             timeout=job.caller.time_remaining(),  # the client's deadline, passed on
         )
