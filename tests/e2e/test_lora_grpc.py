@@ -368,6 +368,14 @@ def test_engine_metrics_count_loads_evictions_and_requests(cluster):
     assert metric(text, "omnibus_engine_adapters_cached") == 3
     assert metric(text, "omnibus_engine_adapter_slots") == 2
     assert residency(text) == {"a-r2": "host", "b-r8": "device", "c-r4": "device"}
+    # ListAdapters says the same per adapter as the metrics (tier, loads, evictions by tier)
+    rows = {r.adapter: (r.tier, r.loads, r.device_evictions, r.host_evictions) for r in listing.residency}
+    assert rows == {name: (residency(text)[name],
+                           total(text, "omnibus_engine_adapter_loads_total", adapter=name),
+                           total(text, "omnibus_engine_adapter_evictions_total", adapter=name, tier="device"),
+                           total(text, "omnibus_engine_adapter_evictions_total", adapter=name, tier="host"))
+                    for name in NAMES}
+    assert all(r.pins == 0 for r in listing.residency)  # nothing runs now
 
 
 def total(text: str, name: str, **labels: str) -> float:
@@ -490,6 +498,7 @@ def test_admin_load_and_unload_fan_out_to_the_engines(cluster):
     )
     engines = listing(cluster, "key-ops")  # an admin tenant's key works too
     assert "c-r4" in engines[b].resident and "c-r4" not in engines[a].cached
+    assert {r.adapter: r.tier for r in engines[b].residency}["c-r4"] == "device"
     assert list(engines[a].available) == ["a-r2", "b-r8", "broken", "c-r4", "pickled"]
     assert (engines[a].reachable, engines[a].max_loras) == (True, 2)
     # Without engines: every healthy engine that has it (both have it on disk).

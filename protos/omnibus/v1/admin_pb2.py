@@ -22,27 +22,28 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from omnibus.v1 import engine_pb2 as omnibus_dot_v1_dot_engine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16omnibus/v1/admin.proto\x12\nomnibus.v1\"7\n\x13\x41\x64minAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07\x65ngines\x18\x02 \x03(\t\"I\n\x11\x41\x64minEngineResult\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x10\n\x08resident\x18\x02 \x01(\x08\x12\x12\n\nwas_loaded\x18\x03 \x01(\x08\"W\n\x14\x41\x64minAdapterResponse\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12.\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1d.omnibus.v1.AdminEngineResult\"\x1a\n\x18\x41\x64minListAdaptersRequest\"\x8f\x01\n\x13\x41\x64minEngineAdapters\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x10\n\x08resident\x18\x04 \x03(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x03(\t\x12\x11\n\tavailable\x18\x06 \x03(\t\x12\x11\n\tmax_loras\x18\x07 \x01(\x05\"M\n\x19\x41\x64minListAdaptersResponse\x12\x30\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1f.omnibus.v1.AdminEngineAdapters2\x8a\x02\n\x05\x41\x64min\x12P\n\x0bLoadAdapter\x12\x1f.omnibus.v1.AdminAdapterRequest\x1a .omnibus.v1.AdminAdapterResponse\x12R\n\rUnloadAdapter\x12\x1f.omnibus.v1.AdminAdapterRequest\x1a .omnibus.v1.AdminAdapterResponse\x12[\n\x0cListAdapters\x12$.omnibus.v1.AdminListAdaptersRequest\x1a%.omnibus.v1.AdminListAdaptersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16omnibus/v1/admin.proto\x12\nomnibus.v1\x1a\x17omnibus/v1/engine.proto\"7\n\x13\x41\x64minAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x0f\n\x07\x65ngines\x18\x02 \x03(\t\"I\n\x11\x41\x64minEngineResult\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x10\n\x08resident\x18\x02 \x01(\x08\x12\x12\n\nwas_loaded\x18\x03 \x01(\x08\"W\n\x14\x41\x64minAdapterResponse\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12.\n\x07\x65ngines\x18\x02 \x03(\x0b\x32\x1d.omnibus.v1.AdminEngineResult\"\x1a\n\x18\x41\x64minListAdaptersRequest\"\xc0\x01\n\x13\x41\x64minEngineAdapters\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x10\n\x08resident\x18\x04 \x03(\t\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x03(\t\x12\x11\n\tavailable\x18\x06 \x03(\t\x12\x11\n\tmax_loras\x18\x07 \x01(\x05\x12/\n\tresidency\x18\x08 \x03(\x0b\x32\x1c.omnibus.v1.AdapterResidency\"M\n\x19\x41\x64minListAdaptersResponse\x12\x30\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1f.omnibus.v1.AdminEngineAdapters2\x8a\x02\n\x05\x41\x64min\x12P\n\x0bLoadAdapter\x12\x1f.omnibus.v1.AdminAdapterRequest\x1a .omnibus.v1.AdminAdapterResponse\x12R\n\rUnloadAdapter\x12\x1f.omnibus.v1.AdminAdapterRequest\x1a .omnibus.v1.AdminAdapterResponse\x12[\n\x0cListAdapters\x12$.omnibus.v1.AdminListAdaptersRequest\x1a%.omnibus.v1.AdminListAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnibus.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADMINADAPTERREQUEST']._serialized_start=38
-  _globals['_ADMINADAPTERREQUEST']._serialized_end=93
-  _globals['_ADMINENGINERESULT']._serialized_start=95
-  _globals['_ADMINENGINERESULT']._serialized_end=168
-  _globals['_ADMINADAPTERRESPONSE']._serialized_start=170
-  _globals['_ADMINADAPTERRESPONSE']._serialized_end=257
-  _globals['_ADMINLISTADAPTERSREQUEST']._serialized_start=259
-  _globals['_ADMINLISTADAPTERSREQUEST']._serialized_end=285
-  _globals['_ADMINENGINEADAPTERS']._serialized_start=288
-  _globals['_ADMINENGINEADAPTERS']._serialized_end=431
-  _globals['_ADMINLISTADAPTERSRESPONSE']._serialized_start=433
-  _globals['_ADMINLISTADAPTERSRESPONSE']._serialized_end=510
-  _globals['_ADMIN']._serialized_start=513
-  _globals['_ADMIN']._serialized_end=779
+  _globals['_ADMINADAPTERREQUEST']._serialized_start=63
+  _globals['_ADMINADAPTERREQUEST']._serialized_end=118
+  _globals['_ADMINENGINERESULT']._serialized_start=120
+  _globals['_ADMINENGINERESULT']._serialized_end=193
+  _globals['_ADMINADAPTERRESPONSE']._serialized_start=195
+  _globals['_ADMINADAPTERRESPONSE']._serialized_end=282
+  _globals['_ADMINLISTADAPTERSREQUEST']._serialized_start=284
+  _globals['_ADMINLISTADAPTERSREQUEST']._serialized_end=310
+  _globals['_ADMINENGINEADAPTERS']._serialized_start=313
+  _globals['_ADMINENGINEADAPTERS']._serialized_end=505
+  _globals['_ADMINLISTADAPTERSRESPONSE']._serialized_start=507
+  _globals['_ADMINLISTADAPTERSRESPONSE']._serialized_end=584
+  _globals['_ADMIN']._serialized_start=587
+  _globals['_ADMIN']._serialized_end=853
 # @@protoc_insertion_point(module_scope)

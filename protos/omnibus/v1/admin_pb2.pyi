@@ -1,3 +1,4 @@
+from omnibus.v1 import engine_pb2 as _engine_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -37,7 +38,7 @@ class AdminListAdaptersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AdminEngineAdapters(_message.Message):
-    __slots__ = ("engine", "reachable", "error", "resident", "cached", "available", "max_loras")
+    __slots__ = ("engine", "reachable", "error", "resident", "cached", "available", "max_loras", "residency")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +46,7 @@ class AdminEngineAdapters(_message.Message):
     CACHED_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     engine: str
     reachable: bool
     error: str
@@ -52,7 +54,8 @@ class AdminEngineAdapters(_message.Message):
     cached: _containers.RepeatedScalarFieldContainer[str]
     available: _containers.RepeatedScalarFieldContainer[str]
     max_loras: int
-    def __init__(self, engine: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., resident: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ..., available: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    residency: _containers.RepeatedCompositeFieldContainer[_engine_pb2.AdapterResidency]
+    def __init__(self, engine: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., resident: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ..., available: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., residency: _Optional[_Iterable[_Union[_engine_pb2.AdapterResidency, _Mapping]]] = ...) -> None: ...
 
 class AdminListAdaptersResponse(_message.Message):
     __slots__ = ("engines",)

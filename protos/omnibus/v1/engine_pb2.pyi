@@ -221,7 +221,7 @@ class ListAdaptersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
-    __slots__ = ("resident", "cached", "available", "max_loras", "max_cpu_loras", "max_lora_rank", "enabled")
+    __slots__ = ("resident", "cached", "available", "max_loras", "max_cpu_loras", "max_lora_rank", "enabled", "residency")
     RESIDENT_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class ListAdaptersResponse(_message.Message):
     MAX_CPU_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     ENABLED_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
     resident: _containers.RepeatedScalarFieldContainer[str]
     cached: _containers.RepeatedScalarFieldContainer[str]
     available: _containers.RepeatedScalarFieldContainer[str]
@@ -236,7 +237,24 @@ class ListAdaptersResponse(_message.Message):
     max_cpu_loras: int
     max_lora_rank: int
     enabled: bool
-    def __init__(self, resident: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ..., available: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., enabled: _Optional[bool] = ...) -> None: ...
+    residency: _containers.RepeatedCompositeFieldContainer[AdapterResidency]
+    def __init__(self, resident: _Optional[_Iterable[str]] = ..., cached: _Optional[_Iterable[str]] = ..., available: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., max_cpu_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., enabled: _Optional[bool] = ..., residency: _Optional[_Iterable[_Union[AdapterResidency, _Mapping]]] = ...) -> None: ...
+
+class AdapterResidency(_message.Message):
+    __slots__ = ("adapter", "tier", "pins", "loads", "device_evictions", "host_evictions")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    tier: str
+    pins: int
+    loads: int
+    device_evictions: int
+    host_evictions: int
+    def __init__(self, adapter: _Optional[str] = ..., tier: _Optional[str] = ..., pins: _Optional[int] = ..., loads: _Optional[int] = ..., device_evictions: _Optional[int] = ..., host_evictions: _Optional[int] = ...) -> None: ...
 
 class EngineEmbedRequest(_message.Message):
     __slots__ = ("inputs", "pooling", "normalize", "priority", "queue_timeout_ms")

@@ -32,6 +32,7 @@ from omnibus.v1 import engine_pb2, engine_pb2_grpc, inference_pb2
 
 from omnibus.engine.core.sequence import RequestOutput
 from omnibus.engine.engine import EngineStats, UnknownAdapterError
+from omnibus.engine.lora import AdapterInventory
 from omnibus.engine.request import EngineRequest
 from omnibus.engine.serving.async_engine import AsyncEngine, StepLoopDown
 from omnibus.engine.serving.batcher import QueueFullError, QueueTimeoutError
@@ -298,6 +299,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             reply.max_loras = config.max_loras
             reply.max_cpu_loras = config.max_cpu_loras
             reply.max_lora_rank = config.max_lora_rank
+        reply.residency.extend(residency(inventory, self.aengine.stats()))
         return reply
 
     async def _adapter_refusal(
@@ -339,3 +341,18 @@ async def _wait_until(done: Callable[[], bool], timeout: float, poll: float = 0.
             return False
         await asyncio.sleep(poll)
     return True
+
+
+def residency(inventory: AdapterInventory, stats: EngineStats) -> list[engine_pb2.AdapterResidency]:
+    """Each adapter in memory or counted since start: its tier (device, host, else disk),
+    the sequences pinning its slot, its loads and evictions per tier."""
+    pins = dict(inventory.pins)
+    loads = dict(stats.adapter_loads)
+    evictions = {(name, tier): n for name, tier, n in stats.adapter_evictions}
+    resident = set(inventory.resident)
+    names = sorted(set(inventory.cached) | resident | set(loads) | {name for name, _ in evictions})
+    return [engine_pb2.AdapterResidency(
+        adapter=name, tier="device" if name in resident else "host" if name in inventory.cached else "disk",
+        pins=pins.get(name, 0), loads=loads.get(name, 0),
+        device_evictions=evictions.get((name, "device"), 0), host_evictions=evictions.get((name, "host"), 0),
+    ) for name in names]

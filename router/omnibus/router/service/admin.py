@@ -185,6 +185,7 @@ async def _engine_listing(engine: EngineClient, timeout: float) -> admin_pb2.Adm
         cached=reply.cached,
         available=reply.available,
         max_loras=reply.max_loras,
+        residency=reply.residency,
     )
 
 
