@@ -39,12 +39,16 @@ system-deps:
 
 # The lint (errors only), the type check, then the whole CPU suite (Triton kernels run under
 # the interpreter) on TEST_WORKERS parallel workers, one file per worker at a time (module
-# fixtures stay shared), the slowest tests listed at the end.
+# fixtures stay shared), the slowest tests listed at the end. No test runs longer than
+# TEST_TIMEOUT seconds: past it, pytest-timeout prints every thread's stack and fails it
+# (its worker restarts), so a hang costs minutes and names itself.
 TEST_WORKERS ?= 3
+TEST_TIMEOUT ?= 600
 test: setup system-deps
 	$(BIN)/ruff check --quiet .
 	$(PY) -m mypy --config-file pyproject.toml
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=15 \
+	  --timeout $(TEST_TIMEOUT) --timeout-method thread tests
 
 # mypy, strict on engine core and the shared rules ([tool.mypy] in pyproject.toml; about
 # 20 s on 2 cores with no cache in build/mypy-cache, 1 s with one; docs/testing.md).
