@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import openai
 import pytest
 import transformers
@@ -173,6 +174,21 @@ def test_a_named_function_is_xgrammar_in_transformers_and_streams_the_same(serve
     content, calls, finish, ids = streamed(client, **kw)
     assert (content, calls, finish) == ("", calls_of(choice.message), "tool_calls")
     assert ids[0].startswith("call_") and ids[0] != call.id
+
+
+def test_sampled_arguments_with_a_length_bounded_string_are_strict_json(served):
+    """(xgrammar 0.2.8 let a string with maxLength take raw control characters, which the
+    engine works around: engine/omnibus/engine/worker/json_schema.py)"""
+    note = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 12}},
+            "required": ["text"]}
+    tools = [{"type": "function", "function": {"name": "note", "parameters": note}}]
+    reply = served.client().chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=tools, max_tokens=MAX_TOKENS, temperature=1.5,
+        seed=1, n=8, tool_choice={"type": "function", "function": {"name": "note"}})
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), note)  # strict: no raw controls
 
 
 def test_required_is_vllms_array_schema_and_streams_the_same(served):

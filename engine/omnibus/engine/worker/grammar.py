@@ -14,7 +14,9 @@ allow to -inf; rows of other requests are untouched.
 Formats (omnibus.common.sampling.StructuredOutput): a JSON schema, any JSON object, a
 regular expression, a choice of strings (an EBNF alternation of their exact text) and a
 grammar: EBNF (xgrammar's GBNF dialect, rule `root`) when it has a `::=`, else Lark,
-converted to EBNF first (engine/omnibus/engine/worker/lark.py), as vLLM does.
+converted to EBNF first (engine/omnibus/engine/worker/lark.py), as vLLM does. A JSON
+schema is converted to EBNF too (engine/omnibus/engine/worker/json_schema.py), around
+what xgrammar's converter gets wrong, so every output is strict JSON the schema accepts.
 
 The engine never tokenizes text here: the tokenizer is read only for its vocabulary
 (each token's bytes), which the grammar engine needs to know which tokens fit.
@@ -33,6 +35,7 @@ from tokenizers import Tokenizer
 
 from omnibus.common.model_files import open_model
 from omnibus.common.sampling import StructuredOutput
+from omnibus.engine.worker.json_schema import UnservableSchema, json_schema_ebnf
 from omnibus.engine.worker.lark import ebnf_literal, is_lark, lark_to_ebnf
 
 log = structlog.get_logger(__name__)
@@ -81,12 +84,15 @@ class Grammars:
 
     def compile(self, fmt: StructuredOutput) -> Any:
         """The compiled grammar of `fmt`. xgrammar's compiler caches each by its kind and
-        text (a regex and an EBNF grammar of the same text are different entries), so a
-        format compiles once while it stays in CACHE_BYTES. ValueError naming
-        structured_output when the grammar engine refuses it."""
+        text (a regex and an EBNF grammar of the same text are different entries; a JSON
+        schema by its EBNF), so a format compiles once while it stays in CACHE_BYTES.
+        ValueError naming structured_output when the grammar engine refuses it, or when
+        it would hold outputs to a JSON schema wrongly."""
         ebnf = lark_to_ebnf(fmt.schema) if _is_lark(fmt) else fmt.schema  # refuses Lark it cannot convert
         try:
             return self._compile(fmt, ebnf)
+        except UnservableSchema as exc:  # says what is wrong and what to write instead
+            raise ValueError(f"structured_output: {exc}") from None
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar raises RuntimeError for a bad format
             what = "Lark grammar, converted to EBNF," if _is_lark(fmt) else _NAMES[fmt.kind]
             raise ValueError(f"structured_output: the {what} does not compile: {_first_line(exc)}") from None
@@ -94,9 +100,9 @@ class Grammars:
     def _compile(self, fmt: StructuredOutput, ebnf: str) -> Any:
         ws = self.max_whitespace
         if fmt.kind == "json_object":
-            return self._compiler.compile_json_schema(_ANY_OBJECT, strict_mode=False, max_whitespace_cnt=ws)
+            return self._compiler.compile_grammar(json_schema_ebnf(_ANY_OBJECT, ws, strict=False))
         if fmt.kind == "json_schema":
-            return self._compiler.compile_json_schema(fmt.schema, max_whitespace_cnt=ws)
+            return self._compiler.compile_grammar(json_schema_ebnf(fmt.schema, ws))
         if fmt.kind == "regex":
             return self._compiler.compile_regex(fmt.schema)
         if fmt.kind == "choice":
