@@ -120,6 +120,42 @@ def test_store_kv(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_kv_cache_serving_batch(dtype: torch.dtype) -> None:
+    """--kv-cache-dtype fp8: the store kernel writes what torch's saturated e4m3 cast of
+    key / scale gives (random values: every rounding case, which the interpreter gets
+    wrong), and attention over the FP8 cache with its scales equals the reference on the
+    same cache."""
+    from omnibus.kernels.attention.reference import to_cache_dtype
+    from omnibus.kernels.attention.triton_kernels import paged_attention_triton, store_kv_triton
+
+    fp8, k_scale, v_scale = torch.float8_e4m3fn, 0.02, 0.01
+    num_tokens, num_blocks = 512, 64
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.zeros(shape, device="cuda", dtype=fp8)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE - BLOCK_SIZE, device="cuda")[:num_tokens] + BLOCK_SIZE
+    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=dtype) * 4
+    value = torch.randn_like(key) * 4
+    store_kv_triton(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    flat_k, flat_v = k_cache.view(-1, NUM_KV_HEADS, HEAD_DIM), v_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)
+    assert torch.equal(flat_k[slots].view(torch.uint8), to_cache_dtype(key, fp8, k_scale).view(torch.uint8))
+    assert torch.equal(flat_v[slots].view(torch.uint8), to_cache_dtype(value, fp8, v_scale).view(torch.uint8))
+
+    specs = serving_specs(seed=2)
+    q, k16, v16, block_tables, query_start_loc, seq_lens = make_batch(specs, dtype, 2)
+    k8, v8 = to_cache_dtype(k16.nan_to_num(), fp8, k_scale), to_cache_dtype(v16.nan_to_num(), fp8, v_scale)
+    scale = HEAD_DIM ** -0.5
+    max_query_len = max(q_len for q_len, _ in specs)
+    for partition_size in (None, 256):
+        out = paged_attention_triton(q, k8, v8, block_tables, query_start_loc, seq_lens, scale, max_query_len,
+                                     partition_size=partition_size, k_scale=k_scale, v_scale=v_scale)
+        ref = paged_attention_ref(q.float(), k8, v8, block_tables, query_start_loc, seq_lens, scale,
+                                  k_scale=k_scale, v_scale=v_scale)
+        assert out.dtype == dtype
+        assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("max_rank", [16, 64])
 def test_lora_serving_batch(dtype: torch.dtype, max_rank: int) -> None:
     from omnibus.kernels.lora.reference import lora_expand_triton, lora_shrink_triton

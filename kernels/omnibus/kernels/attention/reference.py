@@ -82,11 +82,13 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """`x` as a KV cache of `dtype` stores it: divided by the layer's scale, and for FP8
-    saturated to its range (a plain cast of a larger value is not finite on every device)."""
+    """`x` as a KV cache of `dtype` stores it: divided by the layer's scale (times its
+    float32 reciprocal, which the Triton store multiplies by too: a product rounds the same
+    everywhere, a GPU's float32 division need not), and for FP8 saturated to its range (a
+    plain cast of a larger value is not finite on every device)."""
     if dtype == torch.float8_e4m3fn:
-        return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
-    return (x if scale == 1.0 else x.float() / scale).to(dtype)
+        return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
+    return (x if scale == 1.0 else x.float() * (1.0 / scale)).to(dtype)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

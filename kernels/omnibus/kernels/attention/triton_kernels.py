@@ -50,11 +50,11 @@ def _store_kv_kernel(
     stride_vt, stride_vh, stride_vd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    k_scale, v_scale,
+    k_inv_scale, v_inv_scale,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     """One program per token: copies its (KVH, D) key and value into its slot (an FP8
-    cache: divided by the layer's scale and saturated, as `to_cache_dtype`)."""
+    cache: times the layer's reciprocal scale and saturated, as `to_cache_dtype`)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     block = slot // block_size
@@ -69,8 +69,8 @@ def _store_kv_kernel(
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
     if FP8:
-        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
-        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
+        k = tl.clamp(k.to(tl.float32) * k_inv_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) * v_inv_scale, -448.0, 448.0)
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -92,7 +92,7 @@ def store_kv_triton(
         key, value, k_cache, v_cache, slot_mapping,
         k_cache.shape[1], num_kv_heads, head_dim,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        k_scale, v_scale,
+        1.0 / k_scale, 1.0 / v_scale,
         BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim),
         FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
