@@ -8,9 +8,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Under pytest-xdist (`make test` runs several workers) each worker takes one thread: the
-# workers share the cores, and torch's default would oversubscribe them.
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, os.cpu_count() or 1))
+# Under pytest-xdist (`make test` runs several workers) each worker takes one thread, and so
+# does every engine, router or script a test starts (OMP_NUM_THREADS, inherited; a test that
+# sets its own keeps it): the workers and their processes share the cores, and torch's
+# default of one OpenMP thread per core oversubscribes them. Its threads spin while they
+# wait, so two 2-thread engines on 2 busy cores ran test_continuation's 6,000-token
+# reference in 23.5 s against 3.6 s with one thread each.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+else:
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
 
 from hypothesis import settings  # noqa: E402
 
