@@ -145,7 +145,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # omnibus.common.finish_reasons.ENGINE_REASONS: stop | length | abort | deadline
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0

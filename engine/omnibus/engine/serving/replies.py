@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 from omnibus.v1 import engine_pb2, inference_pb2
 
+from omnibus.common import finish_reasons
 from omnibus.engine.core.sequence import RequestOutput, TokenLogprobs
 from omnibus.engine.lora import AdapterStateError, UnknownAdapterError
 from omnibus.engine.serving.async_engine import StepLoopDown
@@ -14,11 +15,6 @@ from omnibus.engine.serving.batcher import QueueFullError, QueueTimeoutError
 
 SHUTTING_DOWN = "the engine is shutting down; send the request to another engine"
 STALLED = "the engine's step loop is stalled (watchdog); send the request to another engine"
-_FINISH = {
-    "stop": inference_pb2.STOP,
-    "length": inference_pb2.LENGTH,
-    "abort": inference_pb2.ABORTED,
-}
 
 
 class Refusal(Exception):
@@ -38,7 +34,7 @@ def fill(msg: engine_pb2.EngineGenerateResponse, out: RequestOutput) -> engine_p
     token of every step); returns `msg`."""
     msg.token_ids.extend(out.new_token_ids)
     if out.finished and out.finish_reason:
-        msg.finish_reason = _FINISH[out.finish_reason]
+        msg.finish_reason = finish_reasons.PROTO[out.finish_reason]
     msg.num_prompt_tokens = out.num_prompt_tokens
     msg.num_cached_tokens = out.num_cached_tokens
     msg.num_output_tokens = out.num_output_tokens
@@ -64,7 +60,7 @@ def output_error(out: RequestOutput) -> Exception | None:
     """The failure an output reports, when the engine ended the request itself: its
     deadline passed before its first token (TimeoutError), or its adapter failed to load
     (AdapterStateError); None for any other output."""
-    if out.finish_reason == "deadline":
+    if out.finish_reason == finish_reasons.DEADLINE:
         return TimeoutError(out.error) if out.error else TimeoutError()
     if out.error is not None:
         return AdapterStateError(out.error)

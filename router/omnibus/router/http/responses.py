@@ -20,6 +20,7 @@ from typing import Any, Literal
 import grpc
 from omnibus.v1 import inference_pb2 as pb
 
+from omnibus.common import finish_reasons
 from omnibus.router.http import bodies, shapes
 from omnibus.router.http.bodies import Int32, Strict
 from omnibus.router.service.errors import RequestError, invalid
@@ -32,7 +33,6 @@ _TEXT_PARTS = {"input_text": {"type", "text"},
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
 # The chat path's field names in refusals, as a Responses body names them.
 _FORMAT_NAME = re.compile(r"\bresponse_format(?:\.json_schema)?\b")
-_STATUS = {"stop": "completed", "length": "incomplete", "abort": "failed"}  # by finish reason
 _INCOMPLETE = {"reason": "max_output_tokens"}  # the one way a response ends incomplete here
 
 
@@ -184,7 +184,7 @@ class Reply:
     def status(self) -> str:
         if self.error is not None:
             return "failed"
-        return _STATUS[self.choice.finish] if self.choice.finish else "in_progress"
+        return finish_reasons.RESPONSES_STATUS[self.choice.finish] if self.choice.finish else "in_progress"
 
     def part(self, text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -13,12 +13,12 @@ from typing import Any
 
 from omnibus.v1 import inference_pb2 as pb
 
+from omnibus.common import finish_reasons
 from omnibus.router.http.tool_parser import ToolCall
 from omnibus.router.http.tools import Tools
 from omnibus.router.text.detokenizer import IncrementalDetokenizer
 from omnibus.router.text.token_bytes import TokenBytes
 
-FINISH_REASONS = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORTED: "abort"}
 
 
 class Choice:
@@ -43,7 +43,7 @@ class Choice:
         if response.prompt_logprobs:
             self.prompt_logprobs.extend(response.prompt_logprobs)
         if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            self.finish = FINISH_REASONS[response.finish_reason]
+            self.finish = finish_reasons.OPENAI[response.finish_reason]
             self.usage = response.usage
 
 

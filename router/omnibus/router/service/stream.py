@@ -23,6 +23,7 @@ import grpc
 import structlog
 from omnibus.v1 import engine_pb2, inference_pb2
 
+from omnibus.common import finish_reasons
 from omnibus.router.config import RouterConfig
 from omnibus.router.dispatch.dispatcher import Dispatcher, Ticket
 from omnibus.router.dispatch.engines import EngineClient
@@ -42,7 +43,6 @@ T = TypeVar("T")
 # before its call reached the router (a new connection's handshake), so its cancel can
 # come a moment before the router's clock reaches the deadline it was sent.
 DEADLINE_CANCEL_SLACK_S = 0.1
-_OUTCOMES = {value: name.lower() for name, value in inference_pb2.FinishReason.items()}
 # The engine's request ids: this process's random prefix and a count, unique across the
 # routers sharing an engine as uuid4s are, without a getrandom call per request.
 _engine_request_ids = map(f"{uuid.uuid4().hex[:16]}-{{}}".format, itertools.count())
@@ -97,7 +97,7 @@ class Streamer:
             async with aclosing(self._serve(job)) as responses:
                 async for response in responses:
                     if response.finish_reason != UNSPECIFIED:
-                        outcome = _OUTCOMES[response.finish_reason]
+                        outcome = finish_reasons.OUTCOME[response.finish_reason]
                     job.wait("client")
                     yield response
                     job.wait("")
