@@ -90,9 +90,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, D)
+        # Computed on the CPU even inside a meta-device context (loader.empty_model builds
+        # the model there): these ops on meta would import torch's Python decompositions,
+        # 1.7 s of an engine's start, for tables that are computed again on the device.
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # (max_len, D)
         # On one thread: a process's first vectorized cos on the CPU can return the share
         # of its other OpenMP threads at low accuracy (torch 2.13, 2 threads: in ~7% of
         # fresh processes, cos rows of the second half off by up to 1.5e-4, which flipped
@@ -220,7 +224,11 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its (uninitialized) weight, the table skips nn.Embedding's normal_ init: on the
+        # meta device that init imports torch's Python decompositions, 1.7 s of an engine's
+        # start. Every weight is loaded (or random_model fills it) after.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
