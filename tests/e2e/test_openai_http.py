@@ -250,6 +250,27 @@ def test_structured_output_equals_grpc_and_a_bad_schema_is_400(cluster):
     assert err.value.body["message"].startswith("response_format: the JSON schema does not compile")
 
 
+def test_logit_bias_is_grpcs_and_a_bad_one_is_400_naming_it(cluster):
+    """OpenAI's logit_bias (token ids as strings) is gRPC's logit_bias map: +100 on a token
+    makes greedy take it every step; bad keys, biases and ids are 400 with param logit_bias."""
+    client = cluster.client()
+    expected = grpc_result(cluster.grpc(greedy_grpc(PROMPT_IDS, 6, logit_bias={123: 100.0})))
+    reply = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=6, temperature=0,
+                                      logit_bias={"123": 100}, extra_body={"return_token_ids": True})
+    (choice,) = reply.choices
+    assert (choice.text, choice.token_ids, choice.finish_reason) == expected
+    assert choice.token_ids == [123] * 6
+    for bias, message in (
+        ({"x": 1}, "logit_bias keys must be token ids (integers >= 0 as strings), got 'x'"),
+        ({"123": 101}, "logit_bias of token 123 must be a number in [-100, 100], got 101"),
+        ({"99999": 1}, "logit_bias: token id 99999 is outside the vocabulary"),
+    ):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=2, logit_bias=bias)
+        assert err.value.body["param"] == "logit_bias"
+        assert message in err.value.body["message"]
+
+
 def test_raw_sse_is_what_the_openai_api_sends(cluster):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip

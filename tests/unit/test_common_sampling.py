@@ -21,6 +21,7 @@ CASES = [
     SamplingParams(structured_output=StructuredOutput("regex", r"[a-z]+@(foo|bar)\.com")),
     SamplingParams(structured_output=StructuredOutput("choice", options=("yes", 'say "no"\n', "日本", "yes"))),
     SamplingParams(structured_output=StructuredOutput("grammar", 'root ::= "a" | "b" root')),
+    SamplingParams(logit_bias={17: 100.0, 3: -0.5, 0: -100.0}),  # float32-exact biases
 ]
 
 
@@ -37,6 +38,25 @@ def test_every_field_crosses_to_the_engine():
     assert names == proto_names
     unset_seed = SamplingParams(seed=None).to_proto()
     assert not unset_seed.HasField("seed")
+
+
+@pytest.mark.parametrize(("bias", "message"), [
+    ({5: 100.5}, "logit_bias of token 5 must be a number in [-100, 100], got 100.5"),
+    ({5: float("nan")}, "logit_bias of token 5 must be a number in [-100, 100], got nan"),
+    ({-1: 1.0}, "logit_bias token ids must be integers >= 0, got -1"),
+    ({True: 1.0}, "logit_bias token ids must be integers >= 0, got True"),
+    ([(1, 2.0), (1, 3.0)], "logit_bias names token 1 twice"),
+    ({i: 1.0 for i in range(1025)}, "logit_bias names 1025 tokens; at most 1024 are allowed"),
+    ("17", "logit_bias must map token ids to biases, got '17'"),
+])
+def test_a_bad_logit_bias_is_refused_naming_it(bias, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        SamplingParams(logit_bias=bias)
+    assert err.value.field == "logit_bias"
+
+
+def test_a_logit_bias_is_kept_as_sorted_pairs():
+    assert SamplingParams(logit_bias={9: 1, 2: -3.5}).logit_bias == ((2, -3.5), (9, 1.0))
 
 
 def test_out_of_range_messages_are_refused_as_the_router_would():

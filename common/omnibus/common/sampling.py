@@ -12,7 +12,7 @@ import json
 import math
 import numbers
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from omnibus.v1 import engine_pb2, inference_pb2
@@ -227,6 +227,10 @@ class SamplingParams:
     # The format the output must follow (structured output); None: free text. Sets
     # speculative_off: guesses are not masked by the grammar.
     structured_output: StructuredOutput | None = None
+    # (token id, bias) pairs, ids ascending and distinct, added to those logits before the
+    # penalties and sampling (OpenAI's logit_bias); biases in [-100, 100], at most
+    # MAX_LOGIT_BIAS pairs. A dict or a proto map is read too.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -256,6 +260,7 @@ class SamplingParams:
         put("output_offset", _int_field("output_offset", self.output_offset, ">= 0", lo=0))
         if not isinstance(self.speculative_off, bool):
             raise FieldError("speculative_off", f"speculative_off must be a bool, got {self.speculative_off!r}")
+        put("logit_bias", _logit_bias(self.logit_bias))
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise FieldError("structured_output", "structured_output must be a StructuredOutput, "
@@ -268,6 +273,7 @@ class SamplingParams:
         kwargs = {name: getattr(p, name) for name in _FIELDS}
         kwargs["seed"] = p.seed if p.HasField("seed") else None
         kwargs["stop_token_ids"] = tuple(p.stop_token_ids)
+        kwargs["logit_bias"] = dict(p.logit_bias)
         if p.HasField("structured_output"):
             kwargs["structured_output"] = StructuredOutput.from_proto(p.structured_output)
         return cls(**kwargs)
@@ -275,7 +281,8 @@ class SamplingParams:
     def to_proto(self) -> engine_pb2.EngineSamplingParams:
         """The message the router sends the engine for these parameters."""
         fields = {name: getattr(self, name) for name in _FIELDS}
-        out = engine_pb2.EngineSamplingParams(**fields, stop_token_ids=list(self.stop_token_ids))
+        out = engine_pb2.EngineSamplingParams(**fields, stop_token_ids=list(self.stop_token_ids),
+                                              logit_bias=dict(self.logit_bias))
         if self.structured_output is not None:
             out.structured_output.CopyFrom(self.structured_output.to_proto())
         return out
@@ -297,10 +304,40 @@ class SamplingParams:
 
 
 # Every field, as EngineSamplingParams names it too (stop_token_ids aside: a repeated field;
-# structured_output: a message).
+# logit_bias: a map; structured_output: a message).
 _FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
            "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
            "output_offset", "speculative_off", "prompt_logprobs")
+
+
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+_MAX_BIAS = 100.0  # OpenAI's range: [-100, 100]
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs; FieldError naming what is wrong."""
+    if isinstance(value, Mapping):
+        items: list[object] = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise FieldError("logit_bias", f"logit_bias must map token ids to biases, got {value!r}")
+    pairs: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise FieldError("logit_bias", f"logit_bias entries must be (token id, bias) pairs, got {item!r}")
+        token, bias = item
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise FieldError("logit_bias", f"logit_bias token ids must be integers >= 0, got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -_MAX_BIAS <= bias <= _MAX_BIAS:
+            raise FieldError("logit_bias", f"logit_bias of token {token} must be a number in [-100, 100], "
+                             f"got {bias!r}")
+        if token in pairs:
+            raise FieldError("logit_bias", f"logit_bias names token {token} twice")
+        pairs[int(token)] = float(bias)
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise FieldError("logit_bias", f"logit_bias names {len(pairs)} tokens; at most {MAX_LOGIT_BIAS} are allowed")
+    return tuple(sorted(pairs.items()))
 
 
 def _stop_ids(value: object) -> tuple[int, ...]:

@@ -156,6 +156,8 @@ class Engine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         self._check_tokens(prompt, "the prompt")
+        if params.logit_bias:
+            self._check_tokens([token for token, _ in params.logit_bias], "logit_bias")
         check_context(len(prompt), params.max_tokens, self.model_config.max_model_len)
         if params.output_offset >= len(prompt):
             raise ValueError(

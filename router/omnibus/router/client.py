@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int32, default=0, help="0: off")
     p.add_argument("--seed", type=uint64, default=None, help="seeded sampling (unset: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
+    p.add_argument("--logit-bias", type=_bias, action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit; repeat for several")
     p.add_argument("--priority", type=int32, default=0, help="higher runs first")
     p.add_argument("--adapter", default="", help="LoRA adapter (x-adapter-id)")
     p.add_argument("--key", default=None, help="API key (default: $OMNIBUS_API_KEY)")  # never shown
@@ -38,12 +40,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _bias(text: str) -> tuple[int, float]:
+    """--logit-bias ID=BIAS as (token id, bias)."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (a token id and a number), got {text!r}") from None
+
+
 def make_request(args: argparse.Namespace) -> inference_pb2.GenerateRequest:
     sampling = inference_pb2.SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         stop=args.stop,
+        logit_bias=dict(args.logit_bias),
     )
     if args.top_p is not None:
         sampling.top_p = args.top_p

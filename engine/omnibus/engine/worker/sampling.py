@@ -46,6 +46,7 @@ __all__ = [
     "Sampler",
     "SeededDraws",
     "allowed_tokens",
+    "apply_logit_bias",
     "apply_penalties",
     "make_generator",
 ]
@@ -300,6 +301,20 @@ def _token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.devic
     return counts[:, :vocab]
 
 
+def apply_logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`x` (B, V) plus each row's logit_bias, out of place (`x` itself when no row has one):
+    what the sampler, its greedy argmax and the logprobs read. Token ids are < V (the
+    engine checks them against the vocabulary when the request arrives)."""
+    rows = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return x
+    device = x.device
+    row_index = to_device([i for i, bias in rows for _ in bias], torch.long, device)
+    token_index = to_device([t for _, bias in rows for t, _ in bias], torch.long, device)
+    values = to_device([b for _, bias in rows for _, b in bias], torch.float32, device)
+    return x.index_put((row_index, token_index), values.to(x.dtype), accumulate=True)
+
+
 def apply_penalties(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -440,10 +455,11 @@ class Sampler:
         """
         _check_batch(logits, params, prompt_ids, output_ids, generators)
         batch = logits.shape[0]
-        if all(p.greedy and not p.has_penalties and p.logprobs == 0 for p in params):
+        if all(p.greedy and not p.has_penalties and not p.logit_bias and p.logprobs == 0 for p in params):
             return SampledBatch(logits.argmax(dim=-1))  # the common serving case
 
         x = apply_penalties(logits, params, prompt_ids, output_ids)  # (B, V) float32, read-only
+        x = apply_logit_bias(x, params)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) == batch:
             tokens = self._sample(x, params, generators)

@@ -223,14 +223,18 @@ class Validator:
                 prompt_logprobs=p.prompt_logprobs,
                 speculative_off=p.speculative == inference_pb2.SPECULATIVE_OFF,
                 structured_output=structured,
+                logit_bias=dict(p.logit_bias),
                 **optional,
             )
-            if params.stop_token_ids:
-                check_token_ids(list(params.stop_token_ids), self.limits.vocab_size, "stop_token_ids")
         except FieldError as exc:
             raise invalid(str(exc), exc.field) from None
-        except ValueError as exc:  # check_token_ids: the stop token ids
-            raise invalid(str(exc), "stop_token_ids") from None
+        for name, ids in (("stop_token_ids", list(params.stop_token_ids)),
+                          ("logit_bias", [token for token, _ in params.logit_bias])):
+            try:
+                if ids:
+                    check_token_ids(ids, self.limits.vocab_size, name)
+            except ValueError as exc:
+                raise invalid(str(exc), name) from None
         return params.to_proto()
 
     def _stop_strings(self, p: inference_pb2.SamplingParams) -> tuple[str, ...]:

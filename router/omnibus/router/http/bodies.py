@@ -58,7 +58,7 @@ class GenerationBody(Strict):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None  # only empty: no biasing here
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's) -> bias in [-100, 100]
     user: str | None = None  # accepted and ignored, as the OpenAI API only logs it
     # Extensions (vLLM's names): sampling the OpenAI API lacks, and scheduling.
     top_k: Int32 = 0
@@ -81,8 +81,6 @@ class GenerationBody(Strict):
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field set to something this server cannot do, and a message."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported; remove it"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream: true"
         return None

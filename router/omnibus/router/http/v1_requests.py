@@ -99,6 +99,20 @@ def structured_output(body: GenerationBody) -> tuple[pb.StructuredOutput, str] |
     return None if fmt is None else (fmt, name)
 
 
+def logit_bias(value: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as strings) as token ids; the ranges are the
+    Validator's (omnibus.common.sampling)."""
+    out: dict[int, float] = {}
+    for key, bias in (value or {}).items():
+        if not key.isascii() or not key.isdigit() or len(key) > 10 or int(key) > 2**31 - 1:
+            raise invalid(f"logit_bias keys must be token ids (integers >= 0 as strings), got {key!r}",
+                          "logit_bias")
+        if int(key) in out:
+            raise invalid(f"logit_bias names token {int(key)} twice", "logit_bias")
+        out[int(key)] = bias
+    return out
+
+
 def sampling(
     body: GenerationBody, max_tokens: int | None, logprobs: int | None
 ) -> pb.SamplingParams:
@@ -115,6 +129,7 @@ def sampling(
         frequency_penalty=body.frequency_penalty,
         logprobs=0 if logprobs is None else max(logprobs, 1),  # in range: bodies.check_logprobs
         speculative=pb.SPECULATIVE_OFF if body.speculative == "off" else pb.SPECULATIVE_AUTO,
+        logit_bias=logit_bias(body.logit_bias),
     )
     for name, value in (
         ("max_tokens", max_tokens),
