@@ -813,7 +813,7 @@ async def test_dispatcher_prefers_adapter_affinity_and_lets_others_pass_a_blocke
         report(b, 0, available=["y"])
         first = Ticket(0, 1, 0.0, "y")
         assert dispatch(first) == [a.address] and first.affinity.label == "resident"
-        a.release("y")
+        a.seats.release("y")
         # A is full; x is only on A: the base request behind it passes it, and so does a
         # request for y (on B's disk too); x waits in the queue.
         report(a, 2, resident=["y"], available=["x", "y"])
@@ -821,8 +821,8 @@ async def test_dispatcher_prefers_adapter_affinity_and_lets_others_pass_a_blocke
         assert dispatch(x, base, y) == [None, b.address, b.address]
         assert len(queue) == 1 and y.affinity.label == "cold"
         dispatcher.withdraw(x)
-        b.release("")
-        b.release("y")
+        b.seats.release("")
+        b.seats.release("y")
         # A burst for an adapter resident nowhere sticks to the engine its first request
         # went to (A wins the tie), although B has more room for the second.
         report(a, 0, available=["z"])

@@ -166,7 +166,7 @@ async def test_a_hung_engine_is_reported_before_the_callers_deadline(fleet):
 async def test_a_named_engine_the_router_sees_down_is_reported_without_waiting_on_it(fleet):
     admin, (_, e1) = fleet
     e1.stub.hung = True
-    e1.mark_failed("no load report for 5 s")
+    e1.link.mark_failed("no load report for 5 s")
     request = admin_pb2.AdminAdapterRequest(adapter="a", engines=[E0, E1])
     with pytest.raises(Aborted) as err:
         await admin.LoadAdapter(request, Context())

@@ -96,13 +96,13 @@ async def test_a_departed_engine_takes_no_new_requests_and_leaves_when_drained()
     try:
         await until(lambda: len(engines) == 2, "both engines to join")
         leaving = next(e for e in engines if e.address == "10.0.0.1:7")
-        leaving.acquire()  # a request in flight
+        leaving.seats.acquire()  # a request in flight
         world.addresses = {"10.0.0.2:7"}
-        await until(lambda: leaving.retiring, "the engine to retire")
-        assert not leaving.accepting and leaving.room() == 0
+        await until(lambda: leaving.seats.retiring, "the engine to retire")
+        assert not leaving.seats.accepting and leaving.seats.room() == 0
         await asyncio.sleep(0.2)
         assert leaving in engines  # still streaming its request
-        leaving.release()
+        leaving.seats.release()
         await until(lambda: addresses(engines) == ["10.0.0.2:7"], "the drained engine to leave")
     finally:
         await discovery.close()
@@ -122,7 +122,7 @@ async def test_a_failed_lookup_keeps_the_engines_and_a_failure_triggers_a_lookup
         lookups = world.lookups
         (engine,) = engines
         engine.take_report(engine_pb2.LoadReport())  # healthy, as its first report makes it
-        engine.mark_failed("connection refused")  # wakes the 60 s lookup loop
+        engine.link.mark_failed("connection refused")  # wakes the 60 s lookup loop
         await until(lambda: world.lookups > lookups, "a lookup soon after the failure")
         assert addresses(engines) == ["10.0.0.1:7"]  # the failed lookup dropped nothing
     finally:

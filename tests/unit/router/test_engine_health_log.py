@@ -82,7 +82,7 @@ async def test_an_engine_refusing_the_token_is_logged_once_not_at_every_retry():
                 while stub.tries < 4:
                     await asyncio.sleep(0.01)
         assert _unhealthy(logs) == [("warning", REFUSED)]
-        assert not client.healthy
+        assert not client.link.healthy
     finally:
         await client.close()
         await channel.close()
@@ -108,6 +108,6 @@ async def test_a_new_reason_or_a_new_failure_is_logged_again():
         assert _unhealthy(logs) == [("warning", "UNAVAILABLE: connection refused"),
                                     ("warning", REFUSED), ("warning", REFUSED)]
         assert [e["event"] for e in logs if e["log_level"] == "info"] == ["engine_healthy"]
-        assert not client.healthy
+        assert not client.link.healthy
     finally:
         await client.close()

@@ -36,7 +36,7 @@ async def test_a_lost_engine_is_tried_again_once_its_channel_connects():
         tries.append(channel.get_state())
         return "UNAVAILABLE: connection refused"
 
-    client._channel, client._follow_reports = channel, follow_reports
+    client.link._channel, client.link._follow_reports = channel, follow_reports
     client.start()
     try:
         while not tries:

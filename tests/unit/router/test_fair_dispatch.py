@@ -74,9 +74,11 @@ def test_aging_lifts_a_request_into_the_top_class_where_counters_decide():
 
 
 class _Engine:
-    """What the dispatcher reads of an EngineClient."""
+    """What the dispatcher reads of an EngineClient (of its `seats` and its `load`, both
+    this one object)."""
 
     def __init__(self, name: str, room: int, capacity: int = 8, keys: frozenset[int] = frozenset()):
+        self.seats = self.load = self
         self.address, self._room, self.capacity, self.prefix_keys = name, room, capacity, keys
         self.block_size = 4
         self.acquired = 0
@@ -165,7 +167,7 @@ def test_an_adapter_request_goes_to_the_engine_reporting_its_salted_prefix():
         base_cached = engine(leading_block_keys(PROMPT, 4, None, 64))
         adapter_cached = engine(leading_block_keys(PROMPT, 4, salt, 64))
         try:
-            assert adapter_cached.adapter_salts == {"ad": salt}
+            assert adapter_cached.load.adapter_salts == {"ad": salt}
             d = Dispatcher(Fleet([base_cached, adapter_cached]), RequestQueue(0))
             ticket = Ticket(0, 1, 0.0, adapter="ad", prompt_ids=PROMPT)
             assert ticket.prefix_share(adapter_cached) == 16 / 17
@@ -227,18 +229,18 @@ def test_a_tenant_under_its_share_passes_the_cap_while_another_is_over_it(policy
             b = submit("b", 3)  # shares: 4 x 1/2 = 2 each; a holds 4
             dispatched = [t.future.done() for t in b]
             if policy == "fifo":
-                assert dispatched == [False] * 3 and engine.inflight == 4
+                assert dispatched == [False] * 3 and engine.seats.inflight == 4
                 return
             assert dispatched == [True, True, False]  # up to b's share, past the cap
-            assert dict(engine.tenant_inflight) == {"a": 4, "b": 2} and engine.inflight == 6
+            assert dict(engine.seats.tenant_inflight) == {"a": 4, "b": 2} and engine.seats.inflight == 6
             for t in a[:3]:  # a drops to 1, under its share: b is over, nobody may pass
-                engine.release("", "a")
+                engine.seats.release("", "a")
             d._match()  # noqa: SLF001
             # room for one (cap 4, 3 in flight); counters tie (no prompts): queue order, a's
             assert [t.future.done() for t in a[4:]] + [b[2].future.done()] == [True, False, False]
             c = submit("c", 9)  # three tenants: shares 4/3; b holds 2, a 2
             assert sum(t.future.done() for t in c) == 1  # c's one seat of its share
-            assert engine.overflow_room() == 8 - 5
+            assert engine.seats.overflow_room() == 8 - 5
         finally:
             await engine.close()
 
@@ -277,8 +279,8 @@ def test_an_under_share_tenant_is_not_over_admitted_ahead_of_a_higher_priority()
             d.submit(a)
             d._match()  # noqa: SLF001
             assert [t.future.done() for t in b] == [True, True, False, False, False, False]
-            assert not a.future.done() and engine.inflight == 2
-            engine.release("", "b")
+            assert not a.future.done() and engine.seats.inflight == 2
+            engine.seats.release("", "b")
             d._match()  # noqa: SLF001
             assert b[2].future.done() and not a.future.done()
         finally:

@@ -40,21 +40,21 @@ async def fleet():
 async def test_the_served_context_is_the_longest_of_engines_not_leaving(fleet):
     short, long_, _ = fleet
     assert fleet.served_context() == 512
-    long_.mark_failed("connection refused")  # down for now: its context still counts
+    long_.link.mark_failed("connection refused")  # down for now: its context still counts
     assert fleet.served_context() == 512 and fleet.accepting() == [short]
-    long_.retiring = True
+    long_.seats.retiring = True
     assert fleet.served_context() == 48
 
 
 async def test_who_can_take_a_request_of_a_size(fleet):
     short, long_, _ = fleet
     pool = kv_tokens(20, 16)  # long_'s KV pool, by the engine's own rule: under its context
-    assert pool < 512 and long_.max_request_tokens() == pool and short.max_request_tokens() == 48
+    assert pool < 512 and long_.load.max_request_tokens() == pool and short.load.max_request_tokens() == 48
     assert fleet.taking(tokens=pool) and not fleet.taking(tokens=pool + 1)
     assert not fleet.taking(tokens=49, avoid={"long:1"})
     assert fleet.taking("b", 100) and not fleet.taking("c")
     assert (fleet.most_request_tokens(), fleet.most_request_tokens("b"), fleet.fill_tokens()) == (pool, pool, pool)
-    long_.mark_failed("connection refused")
+    long_.link.mark_failed("connection refused")
     assert not fleet.taking(tokens=49) and fleet.fill_tokens() == 48
     assert fleet.most_request_tokens() == pool  # down, not gone: what it holds still counts
 
@@ -63,7 +63,7 @@ async def test_adapters_and_unheard_engines(fleet):
     short, long_, silent = fleet
     assert fleet.adapters() == {"a", "b"} and fleet.serves_adapter("b")
     assert (fleet.unheard(), fleet.healthy()) == (1, 2)
-    long_.retiring = True
+    long_.seats.retiring = True
     assert fleet.adapters() == {"a"} and not fleet.serves_adapter("b")
     silent.take_report(engine_pb2.LoadReport(available_adapters=["c"]))
     assert (fleet.unheard(), fleet.healthy(), fleet.adapters()) == (0, 3, {"a", "c"})
@@ -71,10 +71,10 @@ async def test_adapters_and_unheard_engines(fleet):
 
 async def test_the_embeddings_target_is_the_least_loaded_whose_context_holds_the_input(fleet):
     short, long_, silent = fleet
-    long_.acquire()
+    long_.seats.acquire()
     assert fleet.embed_target(40) is short  # both hold 40 tokens; short is idle
     assert fleet.embed_target(100) is long_
-    long_.mark_failed("connection refused")
+    long_.link.mark_failed("connection refused")
     assert fleet.embed_target(100) is None
 
 

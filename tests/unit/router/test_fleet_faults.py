@@ -103,7 +103,7 @@ async def test_a_new_request_for_an_adapter_whose_engines_are_down_is_unavailabl
     try:
         router.engine.report_load(available_adapters=["ad"])
         router.add_engine("127.0.0.1:2")  # up, the base model only
-        router.engine.mark_failed("connection refused")  # restarting: its last report stays
+        router.engine.link.mark_failed("connection refused")  # restarting: its last report stays
         _, err = await served(router, caller(router, "ad"))
         assert err is not None and (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE,
                                                               "adapter_unavailable")
@@ -119,7 +119,7 @@ async def test_a_new_request_for_an_adapter_whose_engines_are_down_is_unavailabl
         _, err = await served(router, caller(router, "ad"))
         assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE
 
-        router.engine.retiring = True  # gone from DNS: it will not come back
+        router.engine.seats.retiring = True  # gone from DNS: it will not come back
         _, err = await served(router, caller(router, "ad"))
         assert err is not None and err.code == grpc.StatusCode.NOT_FOUND
         assert not router.pipeline.list_models(tenant).adapters
@@ -135,7 +135,7 @@ async def test_over_http_an_adapter_whose_engines_are_down_is_503_an_unknown_one
     try:
         router.engine.report_load(available_adapters=["ad"])
         router.add_engine("127.0.0.1:2")
-        router.engine.mark_failed("connection refused")
+        router.engine.link.mark_failed("connection refused")
         async with aiohttp.ClientSession(headers={"Authorization": "Bearer sk-t"}) as session:
             statuses = []
             for model in ("ad", "zz"):
@@ -184,8 +184,8 @@ async def test_the_queue_limit_holds_for_the_time_a_request_is_queued_in_all(tmp
     router = await Router(tmp_path, TENANTS, max_queue_seconds=1).start()
     first, other = router.engine, router.add_engine("127.0.0.1:2")
     for engine in (first, other):  # both full
-        for _ in range(engine.capacity):
-            engine.acquire(tenant="t")  # its own: no fair over-admission
+        for _ in range(engine.seats.capacity):
+            engine.seats.acquire(tenant="t")  # its own: no fair over-admission
     lost = asyncio.Event()
 
     async def dies(request, timeout=None):
@@ -195,10 +195,10 @@ async def test_the_queue_limit_holds_for_the_time_a_request_is_queued_in_all(tmp
 
     async def frees() -> None:
         await asyncio.sleep(0.7)
-        first.release(tenant="t")
+        first.seats.release(tenant="t")
         await lost.wait()
         await asyncio.sleep(0.65)
-        other.release(tenant="t")
+        other.seats.release(tenant="t")
 
     first.generate = dies
     freeing = asyncio.create_task(frees())
@@ -235,7 +235,7 @@ async def test_a_request_goes_only_to_engines_whose_kv_pool_can_hold_it(tmp_path
         small.report_load(block_size=4, num_total_blocks=4, num_free_blocks=4, max_num_seqs=16)
         big = router.add_engine("127.0.0.1:2")
         big.report_load(block_size=4, num_total_blocks=64, num_free_blocks=64)  # 257 tokens
-        assert small.fits(17) and not small.fits(18) and big.fits(257) and not big.fits(258)
+        assert small.load.fits(17) and not small.load.fits(18) and big.load.fits(257) and not big.load.fits(258)
         for _ in range(3):  # 18 tokens; `small` has the more room
             _, err = await served(router, caller(router), prompt(10, 8))
             assert err is None, err
@@ -260,9 +260,9 @@ async def test_a_request_goes_only_to_engines_whose_kv_pool_can_hold_it(tmp_path
         silent = router.add_engine("127.0.0.1:3", reported=False)  # not reported yet (a restart)
         _, err = await served(router, caller(router), prompt(10, 248))
         assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE, err
-        silent.retiring = True
+        silent.seats.retiring = True
 
-        big.mark_failed("connection refused")  # restarting: only `small` takes requests
+        big.link.mark_failed("connection refused")  # restarting: only `small` takes requests
         _, err = await served(router, caller(router), prompt(10, 8))
         assert err is not None and (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "no_engine")
         assert err.message == ("no engine that can hold this request (prompt + max_tokens = 18 "
@@ -375,8 +375,8 @@ async def test_a_deadline_ending_is_a_miss_and_not_a_refusal_once_an_engine_work
 async def test_a_deadline_that_passes_in_the_queue_is_a_refusal_and_a_miss(tmp_path):
     router = await Router(tmp_path, TENANTS).start()
     try:
-        for _ in range(router.engine.capacity):  # the only engine is full
-            router.engine.acquire(tenant="t")
+        for _ in range(router.engine.seats.capacity):  # the only engine is full
+            router.engine.seats.acquire(tenant="t")
         _, err = await served(router, caller(router, deadline=time.monotonic() + 0.05))
         assert err is not None and err.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "was never scheduled: its deadline passed" in err.message
@@ -448,7 +448,7 @@ async def test_a_silent_engines_load_gauges_are_absent_not_stale(tmp_path):
         assert gauges() == ('omnibus_router_engine_healthy{engine="127.0.0.1:1"} 1.0\n'
                             'omnibus_router_engine_running_sequences{engine="127.0.0.1:1"} 4.0\n'
                             'omnibus_router_engine_kv_blocks_free{engine="127.0.0.1:1"} 10.0')
-        router.engine.mark_failed("connection refused")
+        router.engine.link.mark_failed("connection refused")
         assert gauges() == 'omnibus_router_engine_healthy{engine="127.0.0.1:1"} 0.0'
     finally:
         await router.close()

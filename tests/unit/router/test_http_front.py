@@ -251,7 +251,7 @@ async def test_a_chat_without_max_tokens_fills_what_an_engine_can_hold(tmp_path)
         assert router.engine.requests[-1].sampling.max_tokens == 33 - 2
         big = router.add_engine("127.0.0.1:2")
         big.report_load(block_size=4, num_total_blocks=64, num_free_blocks=64, max_model_len=600)
-        big.mark_failed("connection refused")  # the longest context is down: the small one serves
+        big.link.mark_failed("connection refused")  # the longest context is down: the small one serves
         status, _, reply = await call(server.port, AUTH, body, b"/v1/chat/completions")
         assert status == 200 and router.engine.requests[-1].sampling.max_tokens == 31, reply
         # a max_completion_tokens no engine holds is refused under that name (openai probe)

@@ -49,7 +49,7 @@ async def test_health_follows_the_engines_and_the_drain_and_needs_no_key(setup):
     router, front, client = setup
     reply = await client.get("/health")
     assert (reply.status, await reply.read()) == (200, b"")
-    router.engine.mark_failed("connection refused")  # no engine takes requests
+    router.engine.link.mark_failed("connection refused")  # no engine takes requests
     reply = await client.get("/health")
     assert reply.status == 503
     assert (await reply.json())["error"]["message"] == "no engine worker is taking requests"

@@ -100,6 +100,6 @@ async def test_choices_whose_client_stops_reading_end_client_stalled(tmp_path):
         assert task.cancelled()
         assert stalled[0] is not None and stalled[0].reason == "client_stalled"
         assert counted(router, "client_stalled") == 3 and counted(router, "length") == 0
-        assert len(router.queue) == 0 and router.engine.inflight == 0
+        assert len(router.queue) == 0 and router.engine.seats.inflight == 0
     finally:
         await router.close()

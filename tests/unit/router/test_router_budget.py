@@ -35,7 +35,7 @@ async def whole_budget_is_left(router: Router) -> bool:
 
 async def queued(router: Router, request) -> asyncio.Task:
     """`request` waiting in the queue behind another tenant's request on the only seat."""
-    router.engine.acquire("", "other")
+    router.engine.seats.acquire("", "other")
     task = asyncio.create_task(collect(router, request))
     while not len(router.queue):
         await asyncio.sleep(0.01)
@@ -46,7 +46,7 @@ async def cancelled_in_the_queue(router: Router) -> None:
     task = await queued(router, prompt(5, 50))
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    router.engine.release("", "other")
+    router.engine.seats.release("", "other")
 
 
 async def timed_out_in_the_queue(router: Router) -> None:
@@ -54,7 +54,7 @@ async def timed_out_in_the_queue(router: Router) -> None:
     with pytest.raises(RequestError) as err:
         await task
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    router.engine.release("", "other")
+    router.engine.seats.release("", "other")
 
 
 async def refused_by_the_engine(router: Router) -> None:

@@ -89,11 +89,11 @@ async def test_engines_with_different_contexts_serve_up_to_the_longest(tmp_path)
         [r async for r in pipeline.generate(prompt(40, 8), Caller(tenant))]  # fits both
         assert len(short.requests) + len(long_.requests) == 3
 
-        long_.mark_failed("connection refused")  # restarting: its context still counts
+        long_.link.mark_failed("connection refused")  # restarting: its context still counts
         with pytest.raises(RequestError) as err:
             [r async for r in pipeline.generate(prompt(40, 60), Caller(tenant))]
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
-        long_.retiring = True  # gone for good: the short engine's context is the limit
+        long_.seats.retiring = True  # gone for good: the short engine's context is the limit
         with pytest.raises(RequestError) as err:
             [r async for r in pipeline.generate(prompt(40, 60), Caller(tenant))]
         assert err.value.message == "max_tokens must be in [1, 47], got 60"
@@ -123,7 +123,7 @@ async def test_an_embed_input_goes_to_an_engine_whose_context_holds_it(tmp_path)
         short.take_report(report(48))
         long_ = router.add_engine("127.0.0.1:2", stub=embedder("long"))
         long_.take_report(report(512))
-        long_.inflight = 3  # busier: the short engine would be picked by load alone
+        long_.seats.inflight = 3  # busier: the short engine would be picked by load alone
         tenant = router.pipeline.authenticate([("authorization", "Bearer sk-t")])
 
         def request(tokens: int) -> inference_pb2.EmbedRequest:
@@ -133,7 +133,7 @@ async def test_an_embed_input_goes_to_an_engine_whose_context_holds_it(tmp_path)
         await router.pipeline.embed(request(10), Caller(tenant))
         await router.pipeline.embed(request(100), Caller(tenant))
         assert calls == ["short", "long"]
-        long_.mark_failed("connection refused")
+        long_.link.mark_failed("connection refused")
         with pytest.raises(RequestError) as err:
             await router.pipeline.embed(request(100), Caller(tenant))
         assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value

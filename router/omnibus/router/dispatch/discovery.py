@@ -176,8 +176,8 @@ class EngineDiscovery:
             return
         self._leaving.add(address)
         try:
-            log.info("engine_retiring", engine=address, inflight=engine.inflight)
-            await engine.retire()
+            log.info("engine_retiring", engine=address, inflight=engine.seats.inflight)
+            await engine.seats.retire()
             self._engines.remove(engine)
             await engine.close(CLOSE_GRACE_S)
             log.info("engine_removed", engine=address)

@@ -72,19 +72,19 @@ class Ticket:
         """Share of the prompt in `engine`'s reported prefix cache (an adapter's blocks
         hashed with the salt `engine` reports for it, every block with the ticket's
         cache salt)."""
-        bs = engine.block_size
+        bs = engine.load.block_size
         if not self.prompt_ids or not bs:
             return 0.0
         salt = None
         if self.adapter:
-            salt = engine.adapter_salts.get(self.adapter)
+            salt = engine.load.adapter_salts.get(self.adapter)
             if salt is None:  # the engine has read no config of it: nothing cached
                 return 0.0
         keys = self._keys.get((bs, salt))
         if keys is None:
             keys = self._keys[bs, salt] = leading_block_keys(
                 self.prompt_ids, bs, salt, MAX_PREFIX_BLOCKS, self.cache_salt)
-        return matched_blocks(keys, engine.prefix_keys) * bs / len(self.prompt_ids)
+        return matched_blocks(keys, engine.load.prefix_keys) * bs / len(self.prompt_ids)
 
 
 MAX_PREFIX_BLOCKS = 256  # leading blocks hashed per request at most
@@ -123,7 +123,7 @@ class Dispatcher:
         engine slot if one was assigned in the same instant."""
         self.queue.remove(ticket)
         if ticket.future.done() and not ticket.future.cancelled():
-            ticket.future.result().release(ticket.adapter, ticket.tenant)
+            ticket.future.result().seats.release(ticket.adapter, ticket.tenant)
         else:
             ticket.future.cancel()
 
@@ -137,12 +137,12 @@ class Dispatcher:
         passed: list[Ticket] = []  # no engine with their adapter has room: others go first
         try:
             while len(self.queue):
-                overflow = not any(e.room() > 0 for e in self._engines)
+                overflow = not any(e.seats.room() > 0 for e in self._engines)
                 if not overflow:
                     ticket = self.queue.pop()
                 else:  # every engine is at its cap: only a tenant under its share passes it
                     under = self.under_share()
-                    if not under or not any(e.overflow_room() > 0 for e in self._engines):
+                    if not under or not any(e.seats.overflow_room() > 0 for e in self._engines):
                         break
                     try:
                         ticket = self.queue.pop(among=under)
@@ -155,8 +155,8 @@ class Dispatcher:
                     passed.append(ticket)
                     continue
                 if ticket.adapter:
-                    ticket.affinity = engine.affinity(ticket.adapter)
-                engine.acquire(ticket.adapter, ticket.tenant)
+                    ticket.affinity = engine.seats.affinity(ticket.adapter)
+                engine.seats.acquire(ticket.adapter, ticket.tenant)
                 self.queue.charge(ticket.tenant, len(ticket.prompt_ids), ticket.weight)
                 ticket.future.set_result(engine)
         finally:
@@ -171,12 +171,12 @@ class Dispatcher:
             return set()
         inflight: Counter[str] = Counter()
         for e in self._engines:
-            inflight.update(e.tenant_inflight)
+            inflight.update(e.seats.tenant_inflight)
         queued = self.queue.backlogged()
         active = inflight.keys() | set(queued)
         if len(active) < 2:
             return set()
-        capacity = sum(e.capacity for e in self._engines if e.accepting)
+        capacity = sum(e.seats.capacity for e in self._engines if e.seats.accepting)
         total = sum(self._weights.get(t, 1.0) for t in active)
         share = {t: capacity * self._weights.get(t, 1.0) / total for t in active}
         if not any(inflight[t] > share[t] for t in active):
@@ -194,7 +194,7 @@ class Dispatcher:
         room = methodcaller("overflow_room" if overflow else "room")
         open_ = [
             e for e in self._engines
-            if room(e) > 0 and (not adapter or e.has_adapter(adapter)) and e.fits(ticket.cost)
+            if room(e.seats) > 0 and (not adapter or e.load.has_adapter(adapter)) and e.load.fits(ticket.cost)
             and e.address not in ticket.avoid
         ]
         if len(open_) < 2:  # nothing to weigh (one engine: no prompt hashed for prefix scores)
@@ -203,8 +203,8 @@ class Dispatcher:
         return max(
             open_,
             key=lambda e: (
-                e.affinity(adapter) if adapter else 0,
-                room(e) / e.capacity + (weight * ticket.prefix_share(e) if weight else 0.0),
-                e.free_block_share(),
+                e.seats.affinity(adapter) if adapter else 0,
+                room(e.seats) / e.seats.capacity + (weight * ticket.prefix_share(e) if weight else 0.0),
+                e.load.free_block_share(),
             ),
         )

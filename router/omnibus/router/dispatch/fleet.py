@@ -60,44 +60,44 @@ class Fleet:
 
     def accepting(self) -> list[EngineClient]:
         """The engines taking new requests now."""
-        return [e for e in self._engines if e.accepting]
+        return [e for e in self._engines if e.seats.accepting]
 
     def serving(self) -> bool:
         """Some engine takes requests now."""
-        return any(e.accepting for e in self._engines)
+        return any(e.seats.accepting for e in self._engines)
 
     def taking(self, adapter: str = "", tokens: int = 0, avoid: Iterable[str] = ()) -> bool:
         """Whether some engine taking requests now can serve `adapter` ("": the base
         model) and hold a request of `tokens` (prompt + max_tokens) in its KV pool, other
         than those in `avoid`."""
-        return any(e.accepting and (not adapter or e.has_adapter(adapter)) and e.fits(tokens)
+        return any(e.seats.accepting and (not adapter or e.load.has_adapter(adapter)) and e.load.fits(tokens)
                    and e.address not in avoid for e in self._engines)
 
     def unheard(self) -> int:
         """Engines that have not reported since this router started (starting or down):
         what they serve is unknown."""
-        return sum(not e.reported and not e.retiring for e in self._engines)
+        return sum(not e.load.reported and not e.seats.retiring for e in self._engines)
 
     def healthy(self) -> int:
         """Engines whose load reports arrive."""
-        return sum(e.healthy for e in self._engines)
+        return sum(e.link.healthy for e in self._engines)
 
     def served_context(self) -> int:
         """The longest context an engine (not leaving) reports serving; 0: none reported."""
-        return max((e.max_model_len for e in self._engines if not e.retiring), default=0)
+        return max((e.load.max_model_len for e in self._engines if not e.seats.retiring), default=0)
 
     def most_request_tokens(self, adapter: str = "") -> int:
         """The most tokens (prompt + max_tokens) one request for `adapter` may span on any
         engine that has reported and is not leaving, down or draining or not; 0: none."""
-        limits = [e.max_request_tokens() for e in self._engines
-                  if not e.retiring and (not adapter or e.has_adapter(adapter))]
+        limits = [e.load.max_request_tokens() for e in self._engines
+                  if not e.seats.retiring and (not adapter or e.load.has_adapter(adapter))]
         return max((n for n in limits if n is not None), default=0)
 
     def fill_tokens(self) -> int | None:
         """The most tokens one request may span on an engine taking requests now (else on
         any engine that has reported and is not leaving); None: no engine has said."""
-        for engines in (self.accepting(), [e for e in self._engines if not e.retiring]):
-            limits = [n for n in map(EngineClient.max_request_tokens, engines) if n is not None]
+        for engines in (self.accepting(), [e for e in self._engines if not e.seats.retiring]):
+            limits = [n for n in (e.load.max_request_tokens() for e in engines) if n is not None]
             if limits:
                 return max(limits)
         return None
@@ -105,8 +105,8 @@ class Fleet:
     def embed_target(self, longest: int) -> EngineClient | None:
         """The least loaded engine taking requests whose context holds a `longest`-token
         input (engines' contexts may differ; their KV pools play no part); None: none."""
-        fit = [e for e in self._engines if e.accepting and not 0 < e.max_model_len < longest]
-        return min(fit, key=lambda e: e.load, default=None)
+        fit = [e for e in self._engines if e.seats.accepting and not 0 < e.load.max_model_len < longest]
+        return min(fit, key=lambda e: e.seats.occupied, default=None)
 
     # ---- adapters ----------------------------------------------------------------
 
@@ -114,13 +114,13 @@ class Fleet:
         """Whether some engine has adapter `name` under its adapter root, as it last
         reported: one taking requests, or one down or draining for now (a restart). An
         engine leaving discovery no longer counts."""
-        return any(not e.retiring and e.has_adapter(name) for e in self._engines)
+        return any(not e.seats.retiring and e.load.has_adapter(name) for e in self._engines)
 
     def adapters(self) -> set[str]:
         """The adapters on the disk of any engine, as it last reported (one down or
         draining for now counts, one leaving discovery does not)."""
         names: set[str] = set()
         for engine in self._engines:
-            if not engine.retiring:
-                names |= engine.adapters_available
+            if not engine.seats.retiring:
+                names |= engine.load.adapters_available
         return names

@@ -126,15 +126,15 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         # deleted adapter stays loaded); any other engine would answer NOT_FOUND.
         adapter = request.adapter
         if action == "load":
-            listed = [e for e in targets if e.has_adapter(adapter)]
+            listed = [e for e in targets if e.load.has_adapter(adapter)]
         else:
-            listed = [e for e in targets if e.has_adapter(adapter) or adapter in e.adapters_cached
-                      or adapter in e.adapters_resident]
+            listed = [e for e in targets if e.load.has_adapter(adapter) or adapter in e.load.adapters_cached
+                      or adapter in e.load.adapters_resident]
         if listed:
             return listed, False
         # An adapter copied in (or loaded) a moment ago is there before a report lists it:
         # every engine that serves adapters looks for itself.
-        looking = [e for e in targets if e.adapters_available]
+        looking = [e for e in targets if e.load.adapters_available]
         if not looking:
             raise _not_found(adapter, _WHERE[action])
         return looking, True
@@ -158,22 +158,22 @@ def _engine_timeout(context: grpc.aio.ServicerContext, cap: float) -> float:
 async def _engine_call(
     engine: EngineClient, action: str, adapter: str, timeout: float
 ) -> _EngineReply | grpc.aio.AioRpcError:
-    if not engine.healthy:  # a named engine the router sees down: do not wait on it
+    if not engine.link.healthy:  # a named engine the router sees down: do not wait on it
         return rpc_error(
             grpc.StatusCode.UNAVAILABLE,
             "the router has marked the engine unhealthy (no current load report); not asked",
         )
     try:
         if action == "load":
-            return await engine.load_adapter(adapter, timeout)
-        return await engine.unload_adapter(adapter, timeout)
+            return await engine.link.load_adapter(adapter, timeout)
+        return await engine.link.unload_adapter(adapter, timeout)
     except grpc.aio.AioRpcError as exc:
         return exc
 
 
 async def _engine_listing(engine: EngineClient, timeout: float) -> admin_pb2.AdminEngineAdapters:
     try:
-        reply = await engine.list_adapters(timeout)
+        reply = await engine.link.list_adapters(timeout)
     except grpc.aio.AioRpcError as exc:
         return admin_pb2.AdminEngineAdapters(
             engine=engine.address, reachable=False, error=f"{exc.code().name}: {exc.details()}"

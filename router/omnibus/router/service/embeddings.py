@@ -45,7 +45,7 @@ class Embedder:
         permit = await self._admitter.admit_embedding(caller.tenant, tokens)
         used = 0  # nothing unless the engine embeds them
         try:
-            reply = await engine.embed(
+            reply = await engine.link.embed(
                 engine_pb2.EngineEmbedRequest(
                     inputs=[inference_pb2.TokenIds(ids=x) for x in inputs],
                     pooling=request.pooling,

@@ -122,7 +122,7 @@ class StreamWatch:
             now = time.monotonic()
             for job in list(self.jobs):
                 engine = job.serving
-                if job.waiting == "engine" and engine is not None and not engine.healthy:
+                if job.waiting == "engine" and engine is not None and not engine.link.healthy:
                     job.interrupt("engine", f"engine {engine.address} was marked unhealthy")
                 elif job.waiting == "client" and now - job.waiting_since > self.stall:
                     writer = job.writing

@@ -151,17 +151,17 @@ class _StateCollector(Collector):
         )
         for e in self._engines:  # a snapshot: discovery replaces it on the event loop
             labels = [e.address]
-            healthy.add_metric(labels, float(e.accepting))
-            inflight.add_metric(labels, e.inflight)
-            if e.reported and e.healthy:  # a silent engine's last report is stale: absent
-                running.add_metric(labels, e.running)
-                waiting.add_metric(labels, e.waiting)
-                free.add_metric(labels, e.free_blocks)
-                total.add_metric(labels, e.total_blocks)
-                resident.add_metric(labels, len(e.adapters_resident))
-                cached.add_metric(labels, len(e.adapters_cached))
-                available.add_metric(labels, len(e.adapters_available))
-                for adapter in sorted(e.adapters_resident):
+            healthy.add_metric(labels, float(e.seats.accepting))
+            inflight.add_metric(labels, e.seats.inflight)
+            if e.load.reported and e.link.healthy:  # a silent engine's last report is stale: absent
+                running.add_metric(labels, e.load.running)
+                waiting.add_metric(labels, e.load.waiting)
+                free.add_metric(labels, e.load.free_blocks)
+                total.add_metric(labels, e.load.total_blocks)
+                resident.add_metric(labels, len(e.load.adapters_resident))
+                cached.add_metric(labels, len(e.load.adapters_cached))
+                available.add_metric(labels, len(e.load.adapters_available))
+                for adapter in sorted(e.load.adapters_resident):
                     where.add_metric([e.address, adapter], 1)
         yield from (healthy, inflight, running, waiting, free, total)
         yield from (resident, cached, available, where)

@@ -148,7 +148,7 @@ class Streamer:
                     self._moving(job, engine, attempt, lost)
                 finally:
                     job.serving = None
-                    engine.release(job.adapter, job.caller.tenant.name)
+                    engine.seats.release(job.adapter, job.caller.tenant.name)
         except _Drained:
             yield self._shaper.final(job, ABORTED)
 
@@ -309,7 +309,7 @@ class Streamer:
     ) -> Exception:
         code, details = exc.code(), exc.details() or ""
         if code == grpc.StatusCode.UNAVAILABLE:
-            engine.mark_failed(details)
+            engine.link.mark_failed(details)
             return self._lost(job, engine, "engine_unavailable",
                               f"engine {engine.address} is unavailable ({details})")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
