@@ -1,8 +1,9 @@
 """The OpenAI Responses API (POST /v1/responses), the part a text model serves: a
 Responses body becomes the chat request /v1/chat/completions would make of the same
-messages (ResponsesBody.chat_body), which app.py serves as it serves chat (one chat
-template, the same admission, adapter and priority rules, the same Pipeline calls), and
-the chat choice goes back as a `response` object or as its stream of typed events.
+messages (ResponsesBody.chat_body), which ResponsesServing serves as chat.py serves chat
+(one chat template, the same admission, adapter and priority rules, the same Pipeline
+calls), and the chat choice goes back as a `response` object or as its stream of typed
+events.
 
 Nothing is stored here, so `store: true` and `previous_response_id` are refused rather
 than silently ignored; tools, images, files and audio are refused by name.
@@ -15,14 +16,20 @@ import json
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any, Literal
 
 import grpc
+from aiohttp import web
 from omnibus.v1 import inference_pb2 as pb
 
 from omnibus.common import finish_reasons
-from omnibus.router.http import bodies, shapes
+from omnibus.router.http import bodies, shapes, v1_requests
 from omnibus.router.http.bodies import Int32, Strict
+from omnibus.router.http.chat import ChatServing
+from omnibus.router.http.errors import REQUEST_ID_HEADER, error_response
+from omnibus.router.http.serving import request_id_of
+from omnibus.router.http.sse import first_of_each, send_sse
 from omnibus.router.service.errors import RequestError, invalid
 
 _ROLES = ("user", "system", "developer", "assistant")
@@ -304,3 +311,37 @@ def sse(event: dict[str, Any]) -> bytes:
     """One event as the Responses API frames it: its type on an `event:` line."""
     data = json.dumps(event, separators=(",", ":"))
     return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+class ResponsesServing(ChatServing):
+    """The Responses endpoint: a chat request underneath (ChatServing._chat_request)."""
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/responses: the chat request a Responses body makes, served as a chat
+        request is, answered in the Responses API's shapes."""
+        request_id = request_id_of(request)
+        try:
+            caller, body = await self._start(request, ResponsesBody, request_id)
+            chat = body.chat_body()
+            prompts, _ = await self._chat_request(chat)
+            priority = self._priority(request, chat.priority)
+            requests = v1_requests.fan_out(chat, prompts, 1, request_id, priority)
+        except RequestError as err:
+            return error_response(self._pipeline.refused(as_sent(err), request_id))
+        reply = Reply(body, request_id)
+        async with aclosing(self._pipeline.generate_choices(requests, caller, 1)) as merged:
+            try:  # a stream's headers wait for its first tokens, as chat's: 429 is a status
+                first = await (first_of_each(merged, 1) if body.stream else _all(merged))
+            except RequestError as err:
+                return error_response(as_sent(err))
+            if not body.stream:
+                return web.json_response(finished(reply, first),
+                                         headers={REQUEST_ID_HEADER: request_id})
+            stream = events(reply, first, merged)
+            return await send_sse(request, stream, request_id, sse, done=b"")
+
+
+async def _all(
+    merged: AsyncIterator[tuple[int, pb.GenerateResponse]],
+) -> list[tuple[int, pb.GenerateResponse]]:
+    return [item async for item in merged]
