@@ -82,10 +82,12 @@ def test_each_cache_dtype_stays_within_its_tolerance(checkpoint, reference, tmp_
     assert low.check_integrity().referenced == 0
 
 
-def test_the_checkpoints_kv_scales_reach_each_layer(checkpoint, tmp_path):
-    eng = engine(with_kv_scales(checkpoint, tmp_path / "scaled", 0.05, 0.02), "fp8")
-    for layer in eng.runner.model.layers:
-        assert (layer.self_attn.k_scale, layer.self_attn.v_scale) == (pytest.approx(0.05), pytest.approx(0.02))
+def test_the_checkpoints_kv_scales_reach_each_layer_of_an_fp8_cache_only(checkpoint, tmp_path):
+    path = with_kv_scales(checkpoint, tmp_path / "scaled", 0.05, 0.02)
+    for kind, scales in (("fp8", (pytest.approx(0.05), pytest.approx(0.02))), ("auto", (1.0, 1.0))):
+        eng = engine(path, kind)
+        for layer in eng.runner.model.layers:
+            assert (layer.self_attn.k_scale, layer.self_attn.v_scale) == scales, kind
 
 
 @pytest.mark.parametrize(("value", "error"), [

@@ -91,8 +91,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int) -> None:
         super().__init__()
         # Computed on the CPU even inside a meta-device context (loader.empty_model builds
-        # the model there): these ops on meta would import torch's Python decompositions,
-        # 1.7 s of an engine's start, for tables that are computed again on the device.
+        # the model there and moves these to the device): these ops on meta would import
+        # torch's Python decompositions, 1.7 s of an engine's start.
         with torch.device("cpu"):
             inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
             freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
@@ -142,7 +142,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = cfg.head_dim**-0.5
         # An FP8 KV cache holds k / k_scale and v / v_scale (the checkpoint's self_attn.k_scale
-        # and v_scale, loader.load_weights); any other cache holds k and v as they are.
+        # and v_scale, loader.load_weights); the model runner sets them back to 1.0 for any
+        # other cache, which holds k and v as they are.
         self.k_scale = self.v_scale = 1.0
 
     def forward(
@@ -165,12 +166,11 @@ class Attention(nn.Module):
             o = dense_causal_attention(q, k, v, batch.query_start_loc.tolist(), self.scale)
         else:
             k_cache, v_cache = kv_cache
-            k_scale, v_scale = (self.k_scale, self.v_scale) if k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
-            store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.attn_plan, k_scale, v_scale)
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping, batch.attn_plan, self.k_scale, self.v_scale)
             o = paged_attention(
                 q, k_cache, v_cache, batch.block_tables, batch.query_start_loc,
                 batch.seq_lens, self.scale, batch.max_query_len, plan=batch.attn_plan,
-                k_scale=k_scale, v_scale=v_scale,
+                k_scale=self.k_scale, v_scale=self.v_scale,
             )  # (T, H, D)
         o = o.reshape(-1, self.q_size)
         out = self.o_proj(o)

@@ -149,6 +149,10 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
     never allocated."""
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_len)
+    # The rope's float32 tables were computed at construction (on the CPU): kept out of the
+    # dtype cast and the empty pass below, and moved once.
+    rope = model.rope
+    del model.rope
     # dtype first, on meta (free): materializing in float32 and converting after would
     # transiently hold the whole model in float32 on the device (32 GB at 8B).
     model = model.to(dtype)
@@ -160,9 +164,9 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
     # to_empty, without its empty_like of each meta tensor: that goes through torch's Python
     # decompositions, whose first use imports them (0.75 s of an engine's start).
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model.rope = rope.to(device)
     for layer in linears:
         layer.home = (dtype, device)
-    model.rope = type(model.rope)(cfg, max_len).to(device)  # buffers are computed, not loaded
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()

@@ -21,7 +21,7 @@ from omnibus.engine.core.scheduler import SchedulerOutput
 from omnibus.engine.core.sequence import Sequence
 from omnibus.engine.lora import LoraManager
 from omnibus.engine.model.cpu_linear import pack_linears
-from omnibus.engine.model.llama import ForwardBatch
+from omnibus.engine.model.llama import Attention, ForwardBatch
 from omnibus.engine.model.loader import load_model, random_model
 from omnibus.engine.model.null import NullModel
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
@@ -83,6 +83,10 @@ class ModelRunner:
         else:
             self.model = load_model(model_config, config.model, self.dtype, self.device, model_config.max_model_len,
                                     config.quantization)
+        if self.kv_dtype != torch.float8_e4m3fn:  # a checkpoint's KV scales serve an FP8 cache only
+            for module in self.model.modules():
+                if isinstance(module, Attention):
+                    module.k_scale = module.v_scale = 1.0
         packed = 0
         if self.device.type == "cpu" and config.cpu_matmul == "onednn":
             packed = pack_linears(self.model)
