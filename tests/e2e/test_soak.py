@@ -1,5 +1,5 @@
 """A short soak (bench/omnibus/bench/soak.py): router + 2 null-model engines under the mixed workload
-(streams, client cancels, deadlines, Embed, overload bursts) for ~20 s; no growth past
+(streams, client cancels, deadlines, Embed, overload bursts) for ~10 s (two overload bursts, five samples); no growth past
 the tolerances, every KV block free at the end, every call an expected status.
 `make soak DURATION=600` runs the long one."""
 
@@ -9,7 +9,7 @@ from omnibus.bench import soak
 
 
 def test_a_short_soak_leaks_nothing(tmp_path):
-    run = soak.run(20.0, tmp_path)
+    run = soak.run(10.0, tmp_path)
     assert run.failures == [], soak.report(run)
     assert run.final is not None and run.final.free_blocks == run.total_blocks
     for kind in ("full_stream:OK", "cancelled_stream:CANCELLED",

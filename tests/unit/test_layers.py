@@ -266,16 +266,18 @@ def test_engine_core_is_torch_free():
 # entry names a package's modules too, unless one of them has an entry of its own. Two
 # modules sit below their folder's layer: the configuration holds SpecConfig, so
 # spec/proposer.py (torch-free, the scheduler's side of speculation) sits under it, and
-# the adapters stage their host copies with worker/transfer.py.
+# the adapters stage their host copies with worker/transfer.py. Tensor parallelism's group
+# and shard plan are the model's (its layers reduce over them); its ranks run model runners.
 ENGINE_LAYERS = (
     # torch-free
     ("omnibus.engine", "omnibus.engine.core"),  # the scheduler, the KV block allocator
     ("omnibus.engine.request", "omnibus.engine.spec.proposer"),
     ("omnibus.engine.config",),  # torch for annotations only
     # torch
-    ("omnibus.engine.model", "omnibus.engine.worker.transfer"),
+    ("omnibus.engine.model", "omnibus.engine.worker.transfer", "omnibus.engine.parallel.group",
+     "omnibus.engine.parallel.shard"),
     ("omnibus.engine.lora",),
-    ("omnibus.engine.worker",),  # the model runner, sampling, CUDA graphs
+    ("omnibus.engine.worker", "omnibus.engine.parallel"),  # the model runner, sampling, CUDA graphs; TP ranks
     ("omnibus.engine.spec",),  # the draft proposer runs a model runner
     ("omnibus.engine.engine",),  # the step loop
     ("omnibus.engine.serving", "omnibus.engine.__main__"),  # the gRPC service, the process

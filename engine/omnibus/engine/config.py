@@ -304,6 +304,9 @@ class EngineConfig:
     # at most (room to pretty-print a few levels deep; a bound on a model that would pad
     # with whitespace until max_tokens)
     structured_max_whitespace: int = 16
+    # Tensor parallelism: ranks (one per device of the host, cuda:k..k+N-1; processes on the
+    # CPU) that each hold 1/N of every layer (engine/omnibus/engine/parallel)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two from 1 to 128", self.block_size)
@@ -338,6 +341,9 @@ class EngineConfig:
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", " | ".join(KV_CACHE_DTYPES),
                self.kv_cache_dtype)
         self.spec_config()  # ValueError naming the flag
+        _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size", "in [1, 64]", self.tensor_parallel_size)
+        _check(self.tensor_parallel_size == 1 or self.load_format != "null", "tensor_parallel_size",
+               "1 with load_format null (the null model has no layers to split)", self.tensor_parallel_size)
         _check(self.batch_window_ms is None or 0 <= self.batch_window_ms < math.inf, "batch_window_ms",
                "finite and >= 0", self.batch_window_ms)
         # Named as the flags that set them, as the command line has always said them.

@@ -264,6 +264,10 @@ class Engine:
         self.study = StudyCounters() if self.config.study_counters else None
         self.scheduler.observer = self.study
 
+    def close(self) -> None:
+        """Release what outlives the object: the tensor-parallel ranks' processes."""
+        self.runner.close()
+
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  priorities: list[int] | None = None) -> list[list[int]]:
         """Run prompts to completion (offline use); returns each prompt's output tokens."""

@@ -3,6 +3,12 @@
 Reads top to bottom: RMSNorm, rotary embedding, attention, MLP, decoder layer, model.
 Every forward takes one `ForwardBatch` with the step's metadata; there is no
 global state. Tokens of all sequences are packed along one dimension T.
+
+Under tensor parallelism (`tp`, parallel/) each rank builds this same model at its share
+of the sizes: its query and KV heads, its MLP channels and its block of the vocabulary
+(parallel/shard.py says which rows and columns); `o_proj` and `down_proj` then hold
+partial sums that are all-reduced, the embedding lookup is masked and summed, and the
+logits are gathered. At one rank every collective is the identity.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from torch import nn
 
 from omnibus.engine.config import ModelConfig, RopeScaling
 from omnibus.engine.model.linear import Linear
+from omnibus.engine.parallel.group import SINGLE, TensorParallel, padded_vocab_part, vocab_range
+from omnibus.engine.parallel.shard import local_kv_heads
 from omnibus.kernels import (
     AttentionPlan,
     add_rms_norm,
@@ -130,12 +138,12 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.layer_idx, self.tp = layer_idx, tp
+        self.num_heads, self.num_kv_heads, self.head_dim = tp.part(cfg.num_heads), local_kv_heads(cfg, tp), cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         # q, k and v projections fused into one matmul; loading fills the row slices.
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias,
                                parts=(self.q_size, self.kv_size, self.kv_size))
@@ -176,16 +184,16 @@ class Attention(nn.Module):
         out = self.o_proj(o)
         if lora is not None:
             lora.apply(out, o, self.layer_idx, "o")
-        return out
+        return self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias,
-                                   parts=(cfg.intermediate_size, cfg.intermediate_size))
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.layer_idx, self.tp = layer_idx, tp
+        inter = tp.part(cfg.intermediate_size)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias, parts=(inter, inter))
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2I)
@@ -195,16 +203,16 @@ class MLP(nn.Module):
         out = self.down_proj(h)
         if lora is not None:
             lora.apply(out, h, self.layer_idx, "down")
-        return out
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = Attention(cfg, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer_idx)
+        self.mlp = MLP(cfg, layer_idx, tp)
 
     def forward(self, x, residual, batch, rotary, kv_cache, lora=None):
         """x: the previous layer's MLP output, added into the residual stream here (the
@@ -221,17 +229,19 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder stack plus LM head. `forward` returns final hidden states (T, hidden)."""
 
-    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_len: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
+        vocab = padded_vocab_part(cfg.vocab_size, tp)  # this rank's rows of the vocabulary
+        self.vocab_start, vocab_stop = vocab_range(cfg.vocab_size, tp)
+        self.vocab_rows = vocab_stop - self.vocab_start
         # Given its (uninitialized) weight, the table skips nn.Embedding's normal_ init: on the
         # meta device that init imports torch's Python decompositions, 1.7 s of an engine's
         # start. Every weight is loaded (or random_model fills it) after.
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(vocab, cfg.hidden_size, _weight=torch.empty(vocab, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, vocab, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg, max_len)
@@ -241,7 +251,7 @@ class LlamaForCausalLM(nn.Module):
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None
     ) -> torch.Tensor:
         """Final hidden states (T, hidden). kv_caches None: cache-free (embeddings)."""
-        x = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        x = self.embed(batch.input_ids)  # (T, hidden)
         if kv_caches:  # worked out once here, not by each layer
             plan = plan_attention(kv_caches[0][0], batch.block_tables, batch.query_start_loc,
                                   batch.seq_lens, batch.slot_mapping)
@@ -252,6 +262,17 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, batch, self.rope, kv_cache, batch.lora)
         return self.norm(x, residual)[0]
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `ids`; over several ranks each looks up the ids its block of
+        the vocabulary holds (zeros for the rest) and the blocks are summed."""
+        if self.tp.size == 1:
+            return self.embed_tokens(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_rows)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0.0))
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (S, vocab)
+        """(S, vocab) float32; each rank's block of the vocabulary gathered."""
+        return self.tp.gather_columns(self.lm_head(hidden).float(), self.cfg.vocab_size)

@@ -22,6 +22,8 @@ from omnibus.engine.config import ModelConfig, ModelLoadError
 from omnibus.engine.model.linear import Linear
 from omnibus.engine.model.llama import LlamaForCausalLM
 from omnibus.engine.model.quant.weights import DenseWeight, Weight, WeightFormatError
+from omnibus.engine.parallel.group import SINGLE, TensorParallel
+from omnibus.engine.parallel.shard import ShardPlan
 
 # checkpoint projection -> (fused parameter, index of the slice it fills)
 _FUSED = {
@@ -134,21 +136,22 @@ def _checkpoint_names(param: str, loaded: set[str]) -> list[str]:
     return [prefix + param.replace(fused, proj) for proj, idx in slices if f"{param}#{idx}" not in loaded]
 
 
-def _fused_slices(model: LlamaForCausalLM, fused: str) -> list[int]:
-    cfg = model.cfg
-    if fused == "qkv_proj":
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        return [0, q, q + kv, q + 2 * kv]
-    return [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
+def _fused_slices(model: LlamaForCausalLM, module: str) -> list[int]:
+    """The row bounds of a fused layer's parts (its q, k, v or gate, up), as this model
+    (this rank's shard) holds them."""
+    bounds = [0]
+    for n in model.get_submodule(module).parts:
+        bounds.append(bounds[-1] + n)
+    return bounds
 
 
 def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-                quantized: bool = False) -> LlamaForCausalLM:
-    """The model with uninitialized weights, allocated once on `device`. `quantized`: the
-    checkpoint brings its projections' own (smaller) storage, so their dense weights are
-    never allocated."""
+                quantized: bool = False, tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+    """The model (`tp`: this rank's shard of it) with uninitialized weights, allocated once
+    on `device`. `quantized`: the checkpoint brings its projections' own (smaller)
+    storage, so their dense weights are never allocated."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_len)
+        model = LlamaForCausalLM(cfg, max_len, tp)
     # The rope's float32 tables were computed at construction (on the CPU): kept out of the
     # dtype cast and the empty pass below, and moved once.
     rope = model.rope
@@ -173,13 +176,14 @@ def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_
 
 
 def load_model(cfg: ModelConfig, path: str | Path, dtype: torch.dtype, device: torch.device,
-               max_len: int, quantization: str = "auto") -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` and fill every parameter from the checkpoint:
-    a safetensors directory (full precision, or quantized as its config.json's
-    quantization_config says) or a GGUF file. `quantization`: EngineConfig.quantization."""
+               max_len: int, quantization: str = "auto", tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+    """Build the model (`tp`: this rank's shard) on `device` in `dtype` and fill every
+    parameter from the checkpoint: a safetensors directory (full precision, or quantized
+    as its config.json's quantization_config says) or a GGUF file. `quantization`:
+    EngineConfig.quantization."""
     path = Path(path)
     source = open_weights(path, cfg, quantization)
-    model = empty_model(cfg, dtype, device, max_len, quantized=source.quantized)
+    model = empty_model(cfg, dtype, device, max_len, quantized=source.quantized, tp=tp)
     load_weights(model, source.tensors(), str(path))
     finish_linears(model, quantization, source.head_quantized)
     return model
@@ -194,6 +198,7 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Ten
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
     loaded: set[str] = set()
     head = None  # a tied model's stored lm_head.weight, settled once the embeddings are in
+    plan = ShardPlan(model.cfg, model.tp) if model.tp.size > 1 else None
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
@@ -201,6 +206,8 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Ten
             _kv_scale(model, name, tensor)
             continue
         target, idx = _target(name)
+        if plan is not None:  # this rank's part of it
+            tensor = plan.shard(target, idx, tensor)
         module, _, suffix = target.rpartition(".")
         if model.cfg.tie_word_embeddings and target == "lm_head.weight":
             head = tensor.dequantize() if not isinstance(tensor, torch.Tensor) else tensor
@@ -306,9 +313,10 @@ def _tie_or_untie(model: LlamaForCausalLM, head: torch.Tensor, loaded: set[str],
 
 
 def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-                 seed: int = 0, quantization: str = "auto") -> LlamaForCausalLM:
-    """Random weights created on the device (benchmarks of large shapes, no checkpoint)."""
-    model = empty_model(cfg, dtype, device, max_len)
+                 seed: int = 0, quantization: str = "auto", tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+    """Random weights created on the device (benchmarks of large shapes, no checkpoint;
+    under tensor parallelism each rank draws its own shard)."""
+    model = empty_model(cfg, dtype, device, max_len, tp=tp)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -331,7 +339,7 @@ def _copy(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], name: 
         raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint (not a {model.cfg.model_type} weight{hint})")
     dest = param.data
     if idx is not None:
-        bounds = _fused_slices(model, target.split(".")[-2])
+        bounds = _fused_slices(model, target.rpartition(".")[0])
         dest = dest[bounds[idx]:bounds[idx + 1]]
     if tuple(dest.shape) != tuple(tensor.shape):
         raise ModelLoadError(
@@ -342,6 +350,6 @@ def _copy(model: LlamaForCausalLM, params: dict[str, torch.nn.Parameter], name: 
     # A fused parameter counts as loaded once all its slices are in.
     loaded.add(f"{target}#{idx}" if idx is not None else target)
     if idx is not None:
-        n = len(_fused_slices(model, target.split(".")[-2])) - 1
+        n = len(_fused_slices(model, target.rpartition(".")[0])) - 1
         if all(f"{target}#{i}" in loaded for i in range(n)):
             loaded.add(target)

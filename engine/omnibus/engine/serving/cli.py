@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True,
                    help="Hugging Face model directory (safetensors) or .gguf file")
     p.add_argument("--device", default=_ENGINE["device"], help="cpu, cuda or cuda:N")
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=_ENGINE["tensor_parallel_size"], metavar="N",
+        help="split every layer over N ranks, one per device of this host (cuda:K..K+N-1 for "
+        "--device cuda:K; N processes on a CPU): the engine serves a model N devices hold. Heads, "
+        "KV heads and MLP channels must divide by N (KV heads are replicated when fewer than N)",
+    )
     p.add_argument("--dtype", default=_ENGINE["dtype"], choices=["auto", *DTYPE_NAMES],
                    help="auto: the checkpoint's dtype on CUDA, float32 on a CPU")
     p.add_argument(

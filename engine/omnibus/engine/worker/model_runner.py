@@ -24,6 +24,9 @@ from omnibus.engine.model.cpu_linear import pack_linears
 from omnibus.engine.model.llama import Attention, ForwardBatch
 from omnibus.engine.model.loader import load_model, random_model
 from omnibus.engine.model.null import NullModel
+from omnibus.engine.parallel.group import SINGLE, TensorParallel
+from omnibus.engine.parallel.ranks import Ranks, ShardedModel
+from omnibus.engine.parallel.shard import check_divisible, local_kv_heads
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
 from omnibus.engine.worker.grammar import GrammarMatcher, Grammars
 from omnibus.engine.worker.memory import MemoryUse, kv_cache_budget, lora_stack_bytes
@@ -75,23 +78,21 @@ class ModelRunner:
         self.adapters = adapters  # None when the engine serves no adapters
         self.sampler = Sampler(seed=config.seed)  # before sizing: the warm-up samples
         self.grammars: Grammars | None = None  # structured output: made by the first such request
-        if config.load_format == "null":
-            self.model = NullModel(model_config, self.device)
-        elif config.load_format == "dummy":
-            self.model = random_model(model_config, self.dtype, self.device, model_config.max_model_len,
-                                      config.seed or 0, config.quantization)
-        else:
-            self.model = load_model(model_config, config.model, self.dtype, self.device, model_config.max_model_len,
-                                    config.quantization)
-        if self.kv_dtype != torch.float8_e4m3fn:  # a checkpoint's KV scales serve an FP8 cache only
-            for module in self.model.modules():
-                if isinstance(module, Attention):
-                    module.k_scale = module.v_scale = 1.0
-        packed = 0
-        if self.device.type == "cpu" and config.cpu_matmul == "onednn":
-            packed = pack_linears(self.model)
+        self.ranks: Ranks | None = None  # tensor parallelism: the other ranks (parallel/ranks.py)
+        tp = SINGLE
+        if config.tensor_parallel_size > 1:
+            check_divisible(model_config, config.tensor_parallel_size)  # before any rank starts
+            self.ranks = Ranks.start(config, model_config)
+            tp = self.ranks.tp
+        self.tp = tp
+        model, packed = build_model(config, model_config, self.dtype, self.device, tp)
+        self.model = model if self.ranks is None else ShardedModel(model, self.ranks)
         self.num_blocks = self._num_kv_blocks()
+        if self.ranks is not None:
+            self.model.allocate_pool(self.num_blocks)
         self.kv_caches = self._kv_caches(self.num_blocks)
+        if self.ranks is not None:
+            self.model.pool = self.kv_caches
         self.graphs = None
         if self.graphs_wanted:
             self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
@@ -107,18 +108,14 @@ class ModelRunner:
                  kv_blocks=self.num_blocks, block_size=self.block_size, onednn_linears=packed)
 
     def _kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Each layer's (K, V) cache of `num_blocks` blocks, zeros (not empty: padded
-        attention reads of the null block must be finite)."""
-        mc = self.model_config
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device)) for _ in range(mc.num_layers)]
+        return kv_caches(self.model_config, self.tp, num_blocks, self.block_size, self.kv_dtype, self.device)
 
     @property
     def kv_bytes_per_block(self) -> int:
+        """One block's bytes on this rank (its KV heads)."""
         mc = self.model_config
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * elem
+        return 2 * mc.num_layers * self.block_size * local_kv_heads(mc, self.tp) * mc.head_dim * elem
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -143,6 +140,8 @@ class ModelRunner:
         cfg = self.config
         if cfg.load_format == "null":
             return False  # nothing to capture: the null forward launches no kernels worth it
+        if self.ranks is not None:
+            return False  # under tensor parallelism decode runs eager (graphs per rank: not yet)
         return cfg.decode_graphs if cfg.decode_graphs is not None else self.device.type == "cuda"
 
     def _cuda_kv_budget(self) -> int:
@@ -434,6 +433,70 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> SamplerOutput:
         """Run one step to completion: launch it and wait for its picks."""
         return self.launch(plan).result()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+
+def build_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel = SINGLE) -> tuple[torch.nn.Module, int]:
+    """The model (this rank's shard of it) as configured, and how many linear layers were
+    packed for oneDNN."""
+    if config.load_format == "null":
+        model: torch.nn.Module = NullModel(model_config, device)
+    elif config.load_format == "dummy":
+        model = random_model(model_config, dtype, device, model_config.max_model_len, config.seed or 0,
+                             config.quantization, tp=tp)
+    else:
+        model = load_model(model_config, config.model, dtype, device, model_config.max_model_len,
+                           config.quantization, tp=tp)
+    if resolve_kv_dtype(config, dtype) != torch.float8_e4m3fn:  # a checkpoint's KV scales serve an FP8 cache only
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.k_scale = module.v_scale = 1.0
+    packed = 0
+    if device.type == "cpu" and config.cpu_matmul == "onednn":
+        packed = pack_linears(model)
+    return model, packed
+
+
+def kv_caches(mc: ModelConfig, tp: TensorParallel, num_blocks: int, block_size: int, dtype: torch.dtype,
+              device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) cache of `num_blocks` blocks for this rank's KV heads, zeros (not
+    empty: padded attention reads of the null block must be finite)."""
+    shape = (num_blocks, block_size, local_kv_heads(mc, tp), mc.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(mc.num_layers)]
+
+
+class ShardRuntime:
+    """What a tensor-parallel rank other than 0 holds (parallel/ranks.py serves rank 0's
+    calls with it): its shard of the model and its heads' KV pool."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, tp: TensorParallel,
+                 device: torch.device) -> None:
+        bind_device(device)
+        self.config, self.model_config, self.tp, self.device = config, model_config, tp, device
+        self.dtype = resolve_dtype(config, model_config)
+        self.kv_dtype = resolve_kv_dtype(config, self.dtype)
+        self.model, _ = build_model(config, model_config, self.dtype, device, tp)
+        self.pool: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def allocate_pool(self, num_blocks: int) -> None:
+        self.pool = self._caches(num_blocks)
+
+    def caches(self, which: object) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The caches a forward of rank 0 named: "pool", None, or n scratch blocks."""
+        if which is None:
+            return None
+        if which == "pool":
+            return self.pool
+        return self._caches(int(which))  # type: ignore[call-overload]
+
+    def _caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return kv_caches(self.model_config, self.tp, num_blocks, self.config.block_size, self.kv_dtype, self.device)
 
 
 @dataclass

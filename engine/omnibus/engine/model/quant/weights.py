@@ -152,6 +152,25 @@ def take_rows(weight: Weight, index: torch.Tensor) -> Weight:
     return Fp8Weight(weight.q[index], weight.scale[index])
 
 
+def take_columns(weight: Weight, start: int, stop: int) -> Weight:
+    """The weight's input columns [start, stop) of the checkpoint's order (a row-parallel
+    tensor-parallel shard). A group-quantized weight splits on its group boundaries only,
+    and an act-order one (GPTQ desc_act: groups run in another column order) not at all."""
+    if isinstance(weight, DenseWeight):
+        return DenseWeight(weight.w[:, start:stop])
+    if isinstance(weight, (Int8Weight, Fp8Weight)):  # one scale per output row: unchanged
+        q = weight.q[:, start:stop]
+        return Int8Weight(q, weight.scale, weight.act_int8) if isinstance(weight, Int8Weight) else Fp8Weight(q, weight.scale)
+    g = weight.group
+    if weight.perm is not None:
+        raise WeightFormatError("act-order (desc_act) INT4 groups do not follow the column order, so the "
+                                "input columns cannot be split; serve it on one device or requantize without act-order")
+    if start % g or stop % g:
+        raise WeightFormatError(f"columns [{start}, {stop}) do not fall on the INT4 groups of {g} columns")
+    return Int4Weight(weight.q[:, start:stop], weight.scale[:, start // g:stop // g],
+                      weight.zero[:, start // g:stop // g], g, weight.kind)
+
+
 # --- quantizing a full-precision weight at load (--quantization) ----------------------------
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:

@@ -1,0 +1,238 @@
+"""The ranks of a tensor-parallel engine: processes the engine starts and owns.
+
+Rank 0 is the engine's own model runner (the scheduler, the block allocator and the step
+loop stay there, unchanged). It starts ranks 1..N-1 (`Ranks.start`), each a process that
+loads its shard of the checkpoint onto its device and then does what rank 0 tells it,
+call for call: rank 0's model is a `ShardedModel`, which first sends each forward's
+inputs (the step's plan, once: token ids, positions, block tables, slot mapping) over
+the group's CPU channel (gloo's broadcast) and then runs its own shard; every rank then
+meets in the same all-reduces (NCCL on CUDA, gloo on the CPU). The rest of the system
+sees one engine.
+
+A rank that dies breaks the group: rank 0's next collective raises and the engine's step
+loop ends as crashed (routers continue its streams elsewhere); one that hangs stalls the
+step, which the watchdog ends. A rank dies with the process that started it
+(PR_SET_PDEATHSIG) and leaves when rank 0 goes (its channel closes), so none is left
+running.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+from dataclasses import fields, replace
+from typing import Any
+
+import structlog
+import torch
+
+from omnibus.engine.config import EngineConfig, ModelConfig
+from omnibus.engine.model.llama import ForwardBatch
+from omnibus.engine.parallel.group import TensorParallel
+
+log = structlog.get_logger(__name__)
+
+# A collective that waits longer than this raises (a rank gone without closing its socket);
+# the watchdog's bound ends a stalled step sooner.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+JOIN_TIMEOUT_S = 120.0  # the ranks' processes must join the group within this
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """cuda:k+rank for an engine on cuda:k (the host's devices one per rank), or the CPU."""
+    device = config.torch_device
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def check_devices(config: EngineConfig) -> None:
+    """ValueError when the host has fewer devices than the ranks need."""
+    size = config.tensor_parallel_size
+    device = config.torch_device
+    if size == 1 or device.type != "cuda":
+        return
+    first, have = device.index or 0, torch.cuda.device_count()
+    if first + size > have:
+        raise ValueError(f"--tensor-parallel-size {size} on {config.device} needs devices cuda:{first}.."
+                         f"cuda:{first + size - 1}, but this host has {have} CUDA device(s)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(config: EngineConfig, rank: int, port: int) -> TensorParallel:
+    """Join the engine's group: NCCL between CUDA devices (with a gloo group beside it for
+    the CPU channel), gloo on the CPU."""
+    import torch.distributed as dist
+
+    cuda = config.torch_device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT)
+    cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if cuda else dist.group.WORLD
+    return TensorParallel(rank, config.tensor_parallel_size, dist.group.WORLD, cpu_group)
+
+
+class Ranks:
+    """Rank 0's handle on ranks 1..N-1: their processes and the channel to them."""
+
+    def __init__(self, procs: list[multiprocessing.process.BaseProcess], tp: TensorParallel) -> None:
+        self.procs, self.tp = procs, tp
+        self.closed = False
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_config: ModelConfig) -> "Ranks":
+        check_devices(config)
+        port = _free_port()
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited CUDA state
+        procs = [ctx.Process(target=rank_main, args=(config, model_config, rank, port, os.getpid()),
+                             name=f"omnibus-tp-rank-{rank}", daemon=True)
+                 for rank in range(1, config.tensor_parallel_size)]
+        for p in procs:
+            p.start()
+        try:
+            tp = init_group(config, 0, port)
+        except Exception:
+            for p in procs:
+                p.kill()
+            raise
+        log.info("tensor_parallel_group", size=tp.size, ranks=[p.pid for p in procs],
+                 backend="nccl" if config.torch_device.type == "cuda" else "gloo")
+        return cls(procs, tp)
+
+    def send(self, message: tuple) -> None:
+        """One message to every other rank (they act on it in order)."""
+        import torch.distributed as dist
+
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank(s) {', '.join(dead)} died")
+        dist.broadcast_object_list([message], src=0, group=self.tp.cpu_group)
+
+    def close(self) -> None:
+        """Stop the ranks (asked, then killed) and leave the group."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if all(p.is_alive() for p in self.procs):
+                self.send(("stop",))
+        except Exception:  # a broken group: the kill below ends them
+            pass
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        try:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+class ShardedModel:
+    """Rank 0's model under tensor parallelism: each call goes to every rank, then runs on
+    rank 0's own shard (`local`). `caches` tells the ranks which of their KV caches a
+    forward uses: the pool (`pool`), none (embeddings) or scratch ones of n blocks (the
+    memory warm-ups)."""
+
+    def __init__(self, local: torch.nn.Module, ranks: Ranks) -> None:
+        self.local, self.ranks = local, ranks
+        self.pool: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # rank 0's KV pool
+
+    def __getattr__(self, name: str) -> Any:  # modules(), cfg, lm_head, ...: the local shard's
+        return getattr(self.local, name)
+
+    def __call__(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None) -> torch.Tensor:
+        if kv_caches is None:
+            caches: object = None
+        elif kv_caches is self.pool:
+            caches = "pool"
+        else:
+            caches = kv_caches[0][0].shape[0]
+        self.ranks.send(("forward", host_batch(batch), caches))
+        return self.local(batch, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        hidden = hidden.contiguous()
+        self.ranks.send(("logits", tuple(hidden.shape), hidden.dtype))
+        dist.broadcast(hidden, src=0, group=self.ranks.tp.group)
+        return self.local.compute_logits(hidden)
+
+    def allocate_pool(self, num_blocks: int) -> None:
+        self.ranks.send(("pool", num_blocks))
+
+
+_BATCH_TENSORS = [f.name for f in fields(ForwardBatch)
+                  if f.name not in ("max_query_len", "lora", "attn_plan", "prompt_logprobs")]
+
+
+def host_batch(batch: ForwardBatch) -> ForwardBatch:
+    """The forward's inputs as the other ranks need them: host tensors, without what only
+    rank 0 uses (the attention plan is made by each rank's forward; prompt-logprob rows are
+    scored through compute_logits)."""
+    if batch.lora is not None:
+        raise RuntimeError("LoRA adapters are not served under tensor parallelism yet")
+    moved = {name: getattr(batch, name).cpu() for name in _BATCH_TENSORS}
+    return replace(batch, **moved, attn_plan=None, prompt_logprobs=None)
+
+
+def rank_main(config: EngineConfig, model_config: ModelConfig, rank: int, port: int, parent_pid: int) -> None:
+    """A rank's process: join the group, load this rank's shard, then serve rank 0's calls."""
+    _die_with(parent_pid)
+    from omnibus.engine.worker.model_runner import ShardRuntime
+
+    tp = init_group(config, rank, port)
+    runtime = ShardRuntime(config, model_config, tp, rank_device(config, rank))
+    try:
+        serve_rank(runtime, tp)
+    except Exception as exc:  # the group broke (rank 0 gone): leave quietly
+        log.info("tensor_parallel_rank_leaves", rank=rank, reason=repr(exc))
+    finally:
+        os._exit(0)
+
+
+def serve_rank(runtime: Any, tp: TensorParallel) -> None:
+    import torch.distributed as dist
+
+    device = runtime.device
+    box: list[Any] = [None]
+    with torch.inference_mode():
+        while True:
+            dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
+            message = box[0]
+            kind = message[0]
+            if kind == "forward":
+                batch, caches = message[1], message[2]
+                moved = {name: getattr(batch, name).to(device) for name in _BATCH_TENSORS}
+                runtime.model(replace(batch, **moved), runtime.caches(caches))
+            elif kind == "logits":
+                hidden = torch.empty(message[1], dtype=message[2], device=device)
+                dist.broadcast(hidden, src=0, group=tp.group)
+                runtime.model.compute_logits(hidden)
+            elif kind == "pool":
+                runtime.allocate_pool(message[1])
+            elif kind == "stop":
+                return
+
+
+def _die_with(parent_pid: int) -> None:
+    """SIGKILL this rank when the process that started it dies, however it dies (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(1)

@@ -1,0 +1,144 @@
+"""Tensor parallelism on this CPU (gloo, 2 ranks, one thread each): greedy outputs equal
+transformers' token for token on the tests' checkpoints, with chunked prefill, prefix-cache
+hits, preemption, speculation and prompt logprobs; shapes that do not split are refused
+before any rank starts.
+
+Summing two ranks' partial products can round differently from one matmul in float32's
+last bits; the checkpoints' logits are well separated (tests/checkpoints.py), so greedy
+outputs are expected to match exactly and the tests hold them to that. Prompt logprobs
+are held to 1e-4 against transformers' for the same reason.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from omnibus.engine.config import EngineConfig, ModelLoadError
+from omnibus.engine.engine import Engine
+from omnibus.engine.worker.sampling import SamplingParams
+from tests.checkpoints import hf_greedy, load_hf, make_checkpoint
+from tests.oracle.test_engine_oracle import workload
+from tests.oracle.test_prompt_logprobs import Reference, check, run
+from tests.oracle.test_prompt_logprobs import prompts as logprob_prompts
+
+VOCAB = 385  # odd: the last rank's block of the vocabulary is padded
+
+
+def tp_engine(path, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2, **kw))
+
+
+def greedy(max_tokens):
+    return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+
+
+def assert_transformers(engine: Engine, path, prompts, max_tokens) -> None:
+    hf = load_hf(path)
+    outputs = engine.generate(prompts, greedy(max_tokens))
+    for i, (prompt, m, got) in enumerate(zip(prompts, max_tokens, outputs)):
+        assert got == hf_greedy(hf, prompt, m), f"request {i} (prompt {len(prompt)} tokens) diverged"
+    assert engine.check_integrity().referenced == 0
+
+
+def no_rank_left() -> None:
+    alive = [p.name for p in multiprocessing.active_children() if p.name.startswith("omnibus-tp-rank")]
+    assert alive == []
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("llama", {}),  # 4 query heads, 2 KV heads: one of each per rank
+    ("qwen2", {}),  # q/k/v biases split with their rows
+    ("mistral", {"tie_word_embeddings": True, "num_key_value_heads": 1}),  # MQA: the KV head replicated; tied head
+    ("llama", {"attention_bias": True, "mlp_bias": True}),  # o/down biases added once
+])
+def test_two_ranks_match_transformers(tmp_path, arch, kw):
+    path = make_checkpoint(tmp_path / "ckpt", arch, vocab_size=VOCAB, **kw)
+    prompts, max_tokens = workload(seed=1, n=8)
+    engine = tp_engine(path, num_kv_blocks=256)
+    try:
+        assert engine.runner.tp.size == 2 and engine.runner.model.embed_tokens.weight.shape[0] == 193
+        assert_transformers(engine, path, prompts, max_tokens)
+    finally:
+        engine.close()
+    no_rank_left()
+
+
+def test_chunked_prefill_prefix_hits_and_preemption_on_two_ranks(tmp_path):
+    """A pool too small for the batch (preemption), 32-token steps (chunked prefill) and
+    the workload run twice (the second time from the prefix cache)."""
+    path = make_checkpoint(tmp_path / "ckpt", "llama", vocab_size=VOCAB)
+    prompts, max_tokens = workload(seed=2, n=10, shared_prefix=40)
+    engine = tp_engine(path, num_kv_blocks=48, block_size=8, max_num_batched_tokens=32)
+    try:
+        assert_transformers(engine, path, prompts, max_tokens)
+        hits = engine.stats().num_prefix_cache_hit_blocks
+        assert_transformers(engine, path, prompts, max_tokens)
+        stats = engine.stats()
+        assert stats.num_preemptions > 0 and stats.num_prefix_cache_hit_blocks > hits
+    finally:
+        engine.close()
+
+
+def test_speculation_and_prompt_logprobs_on_two_ranks(tmp_path):
+    """n-gram speculation (its guesses scored by the ranks' logits) on an echo model, and
+    prompt logprobs (scored in chunks through the gathered LM head) against transformers."""
+    path = make_checkpoint(tmp_path / "echo", "llama", vocab_size=VOCAB, echo=True)
+    engine = tp_engine(path, num_kv_blocks=128, speculative="ngram", num_speculative_tokens=3)
+    try:
+        assert_transformers(engine, path, [[5, 6, 7, 5, 6, 7, 5, 6], list(range(20, 37))], [12, 12])
+        assert engine.stats().speculative.accepted > 0
+    finally:
+        engine.close()
+    path = make_checkpoint(tmp_path / "plain", "llama", vocab_size=VOCAB)
+    ref = Reference(path)
+    engine = tp_engine(path, num_kv_blocks=128, max_num_batched_tokens=32)
+    try:
+        batch = logprob_prompts(3)
+        check(ref, batch, run(engine, batch))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("overrides,size,named", [
+    ({"num_attention_heads": 4, "num_key_value_heads": 2}, 3, "4 attention heads"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96}, 2, None),  # splits: no error
+    ({"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64}, 8, None),  # KV heads replicated
+    ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96}, 2, "3 KV heads"),
+    ({"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64}, 8 * 3, "8 attention heads"),
+    ({"num_attention_heads": 4, "intermediate_size": 129}, 2, "129 MLP channels"),
+])
+def test_shapes_that_do_not_split_are_refused_naming_them(overrides, size, named):
+    from omnibus.engine.config import ModelConfig
+    from omnibus.engine.parallel.shard import check_divisible
+
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=VOCAB,
+                max_position_embeddings=128, rms_norm_eps=1e-5, model_type="llama",
+                architectures=["LlamaForCausalLM"])
+    cfg = ModelConfig.from_dict(base | overrides)
+    if named is None:
+        check_divisible(cfg, size)
+        return
+    with pytest.raises(ModelLoadError, match=f"--tensor-parallel-size {size} does not divide the model's .*{named}"):
+        check_divisible(cfg, size)
+
+
+def test_an_engine_that_does_not_split_starts_no_rank(tmp_path):
+    path = make_checkpoint(tmp_path / "ckpt", "llama", vocab_size=VOCAB)
+    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 3 does not divide the model's 4 attention heads"):
+        Engine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=3, num_kv_blocks=16))
+    no_rank_left()
+
+
+def test_more_ranks_than_devices_are_refused(monkeypatch):
+    from omnibus.engine.parallel import ranks
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = EngineConfig(model="m", device="cuda:1", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"needs devices cuda:1..cuda:2, but this host has 2 CUDA device"):
+        ranks.check_devices(config)
+    ranks.check_devices(EngineConfig(model="m", device="cuda", tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1 with load_format null"):
+        EngineConfig(model="m", load_format="null", tensor_parallel_size=2)
