@@ -142,3 +142,38 @@ def test_more_ranks_than_devices_are_refused(monkeypatch):
     ranks.check_devices(EngineConfig(model="m", device="cuda", tensor_parallel_size=2))
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1 with load_format null"):
         EngineConfig(model="m", load_format="null", tensor_parallel_size=2)
+
+
+# --- quantized checkpoints: each format's weights split (tests/oracle/test_quantized.py builds them)
+
+from tests.oracle.test_quantized import PROMPTS as QPROMPTS  # noqa: E402
+from tests.oracle.test_quantized import TOLERANCE, built, scored  # noqa: E402,F401 (built: a fixture)
+
+
+@pytest.mark.parametrize("name", ["ct-w4a16", "ct-w8a8", "ct-fp8", "awq"])
+def test_quantized_checkpoints_split_over_two_ranks(built, name):  # noqa: F811
+    """INT4 groups (compressed-tensors, AWQ), INT8 W8A8 and FP8 split along rows, and on
+    group boundaries along columns; each rank's kernels multiply the checkpoint's own codes
+    (tests/unit/test_tp_shards.py: a shard dequantizes to the dense shard exactly). Against
+    the dequantized reference on one device they stay within the format's tolerance of
+    one device's kernels (test_quantized.TOLERANCE): a rank's bf16 INT4 partial products
+    round on their own, and W8A8/FP8 quantize each rank's slice of the activations per
+    token, as every tensor-parallel server does."""
+    ck = built(name)
+    ref = Engine(EngineConfig(model=str(ck.path), dtype="float32", quantization="none", num_kv_blocks=64))
+    two = tp_engine(ck.path, num_kv_blocks=64, max_num_batched_tokens=16)
+    try:
+        expected = ref.generate(QPROMPTS, greedy([6] * len(QPROMPTS)))
+        seqs = [p + g for p, g in zip(QPROMPTS, expected)]
+        deltas = [abs(a - b) for p, r, f in zip(QPROMPTS, scored(ref, seqs), scored(two, seqs))
+                  for a, b in zip(r[len(p) - 1:], f[len(p) - 1:])]
+        print(f"{name} on two ranks: max |d logprob| against the dequantized reference {max(deltas):.4f}")
+        assert len(deltas) == 6 * len(QPROMPTS) and max(deltas) <= TOLERANCE[name]
+    finally:
+        two.close()
+
+
+def test_an_act_order_checkpoint_is_refused_naming_why(built):  # noqa: F811
+    with pytest.raises(ModelLoadError, match=r"(o|down)_proj.weight cannot be split over 2 ranks: act-order"):
+        tp_engine(built("gptq-actorder").path, num_kv_blocks=16)
+    no_rank_left()

@@ -99,9 +99,10 @@ class Ranks:
             p.start()
         try:
             tp = init_group(config, 0, port)
-        except Exception:
+        except BaseException:
             for p in procs:
                 p.kill()
+                p.join(timeout=5)
             raise
         log.info("tensor_parallel_group", size=tp.size, ranks=[p.pid for p in procs],
                  backend="nccl" if config.torch_device.type == "cuda" else "gloo")
@@ -128,9 +129,15 @@ class Ranks:
             pass
         for p in self.procs:
             p.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        """End the ranks now (a start that failed) and leave the group."""
+        self.closed = True
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5)
+            p.join(timeout=5)
         try:
             import torch.distributed as dist
 

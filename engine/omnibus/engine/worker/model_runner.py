@@ -85,12 +85,17 @@ class ModelRunner:
             self.ranks = Ranks.start(config, model_config)
             tp = self.ranks.tp
         self.tp = tp
-        model, packed = build_model(config, model_config, self.dtype, self.device, tp)
-        self.model = model if self.ranks is None else ShardedModel(model, self.ranks)
-        self.num_blocks = self._num_kv_blocks()
-        if self.ranks is not None:
-            self.model.allocate_pool(self.num_blocks)
-        self.kv_caches = self._kv_caches(self.num_blocks)
+        try:
+            model, packed = build_model(config, model_config, self.dtype, self.device, tp)
+            self.model = model if self.ranks is None else ShardedModel(model, self.ranks)
+            self.num_blocks = self._num_kv_blocks()
+            if self.ranks is not None:
+                self.model.allocate_pool(self.num_blocks)
+            self.kv_caches = self._kv_caches(self.num_blocks)
+        except BaseException:
+            if self.ranks is not None:  # no rank outlives a runner that failed to start
+                self.ranks.kill()
+            raise
         if self.ranks is not None:
             self.model.pool = self.kv_caches
         self.graphs = None

@@ -165,10 +165,14 @@ def take_columns(weight: Weight, start: int, stop: int) -> Weight:
     if weight.perm is not None:
         raise WeightFormatError("act-order (desc_act) INT4 groups do not follow the column order, so the "
                                 "input columns cannot be split; serve it on one device or requantize without act-order")
-    if start % g or stop % g:
+    first, last = start // g, (stop - 1) // g
+    if first == last and (start % g or stop - start < g):  # inside one group: a group of its own width
+        g, groups = stop - start, slice(first, first + 1)
+    elif start % g or stop % g:
         raise WeightFormatError(f"columns [{start}, {stop}) do not fall on the INT4 groups of {g} columns")
-    return Int4Weight(weight.q[:, start:stop], weight.scale[:, start // g:stop // g],
-                      weight.zero[:, start // g:stop // g], g, weight.kind)
+    else:
+        groups = slice(first, last + 1)
+    return Int4Weight(weight.q[:, start:stop], weight.scale[:, groups], weight.zero[:, groups], g, weight.kind)
 
 
 # --- quantizing a full-precision weight at load (--quantization) ----------------------------
