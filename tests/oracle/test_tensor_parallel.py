@@ -177,3 +177,23 @@ def test_an_act_order_checkpoint_is_refused_naming_why(built):  # noqa: F811
     with pytest.raises(ModelLoadError, match=r"(o|down)_proj.weight cannot be split over 2 ranks: act-order"):
         tp_engine(built("gptq-actorder").path, num_kv_blocks=16)
     no_rank_left()
+
+
+def test_the_real_gguf_model_on_three_ranks_is_one_devices_token_for_token():
+    """SmolLM2-135M-Instruct's Q4_1 file (9 query and 3 KV heads: three ranks), its blocks
+    split along rows and on their 32-column boundaries, dequantized (--quantization none):
+    the greedy chat answer equals one device's for 24 tokens."""
+    from tests.e2e.test_real_model import SMOLLM2
+
+    chat = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+            19712, 8182, 2, 198, 1, 4093, 198, 10576, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    one = Engine(EngineConfig(model=str(SMOLLM2), quantization="none", num_kv_blocks=32))
+    expected = one.generate([chat], params)
+    three = Engine(EngineConfig(model=str(SMOLLM2), quantization="none", num_kv_blocks=32, tensor_parallel_size=3))
+    try:
+        assert three.runner.model.layers[0].self_attn.num_heads == 3
+        assert three.generate([chat], params) == expected
+    finally:
+        three.close()
+    no_rank_left()
