@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from omnibus.engine.config import EngineConfig
-from omnibus.engine.core.scheduler import Scheduler
+from omnibus.engine.core.bookkeeping import score_prompts
 from omnibus.engine.core.sequence import Sequence, TokenLogprobs
 from omnibus.engine.engine import Engine
 from omnibus.engine.worker.sampling import SamplingParams
@@ -142,11 +142,11 @@ def test_a_recomputed_chunk_adds_only_what_is_missing():
     what the sequence has; a gap would mean a position was never scored."""
     seq = Sequence("r", list(range(3, 13)), SamplingParams(prompt_logprobs=1))
     scored = [TokenLogprobs(t, -1.0, ((t, -1.0),)) for t in range(4, 13)]  # tokens 1..9
-    Scheduler._score_prompts({seq: (0, scored[:5])})
-    Scheduler._score_prompts({seq: (2, scored[2:7])})  # positions 2..6: 5 and 6 are new
+    score_prompts({seq: (0, scored[:5])})
+    score_prompts({seq: (2, scored[2:7])})  # positions 2..6: 5 and 6 are new
     assert seq.prompt_logprobs == scored[:7]
     with pytest.raises(RuntimeError, match="position 8 scored before position 7"):
-        Scheduler._score_prompts({seq: (8, scored[8:])})
+        score_prompts({seq: (8, scored[8:])})
 
 
 def test_prompt_logprobs_range_is_the_logprobs_range():

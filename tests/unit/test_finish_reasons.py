@@ -27,9 +27,11 @@ def test_every_finish_reason_has_one_row_and_each_column_is_one_to_one():
 
 
 def test_the_scheduler_writes_only_reasons_of_the_table():
-    source = (ROOT / "engine/omnibus/engine/core/scheduler.py").read_text()
-    written = set(re.findall(r'finish_reason = SequenceStatus\.FINISHED, "(\w+)"', source))
-    written |= set(re.findall(r'_end(?:_waiting)?\(seq, "(\w+)"', source))
+    # the scheduler's modules: Lifecycle.end / finish are called with each reason, and
+    # Bookkeeping._ends says why a token ends a sequence
+    core = ROOT / "engine/omnibus/engine/core"
+    source = "".join(p.read_text() for p in sorted(core.glob("*.py")))
+    written = set(re.findall(r'\.(?:end|finish)\(seq, "(\w+)"', source))
     ends = source.split("def _ends(", 1)[1].split("\n    def ", 1)[0]  # why a token ends a sequence
     written |= set(re.findall(r'return "(\w+)"', ends))
     assert written == set(finish_reasons.ENGINE_REASONS), written

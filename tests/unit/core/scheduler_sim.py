@@ -383,8 +383,8 @@ class Simulator:
 
     def _watch_displacements(self) -> None:
         """Checks each displacement right after the displacing request takes its seat."""
-        s, order = self.scheduler, self.scheduler.order
-        may_displace, start_running = order.may_displace, s._start_running  # noqa: SLF001
+        life, order = self.scheduler.lifecycle, self.scheduler.order
+        may_displace, seat = order.may_displace, life.seat
         displaced: dict[int, list[Sequence]] = {}  # id(displacing) -> displaced this step
 
         def watched_may_displace(seq: Sequence, running: Sequence, backlogged) -> bool:
@@ -393,18 +393,18 @@ class Simulator:
                 displaced.setdefault(id(seq), []).append(running)
             return ok
 
-        def watched_start_running(seq: Sequence, *args) -> None:
-            start_running(seq, *args)
+        def watched_seat(seq: Sequence, *args) -> None:
+            seat(seq, *args)
             for victim in displaced.pop(id(seq), []):
                 if victim.status is not SequenceStatus.WAITING:
                     continue  # not the request it displaced after all (only asked)
-                if not order.key(seq) < order.key(victim) or may_displace(victim, seq, s._waiting.backlogged()):
+                if not order.key(seq) < order.key(victim) or may_displace(victim, seq, life.waiting.backlogged()):
                     raise InvariantViolation(f"unstable: {victim.request_id}, displaced by {seq.request_id}, "
                                              f"precedes it or could take its seat back, step {self.step} ({self.cfg})")
             displaced.clear()
 
         order.may_displace = watched_may_displace  # type: ignore[method-assign]
-        s._start_running = watched_start_running  # type: ignore[method-assign]  # noqa: SLF001
+        life.seat = watched_seat  # type: ignore[method-assign]
 
     def _check_plan(self, plan: SchedulerOutput, before: dict[Sequence, SequenceStatus]) -> None:
         s, cfg, step = self.scheduler, self.cfg, self.step

@@ -103,7 +103,7 @@ def test_weighted_tenants_backlogged_together_share_tokens_by_weight():
 
     def counting(now=None):
         plan = schedule(now)
-        if sorted(sim.scheduler._waiting.backlogged()) == ["t0", "t1", "t2"]:  # noqa: SLF001
+        if sorted(sim.scheduler.lifecycle.waiting.backlogged()) == ["t0", "t1", "t2"]:
             for item in plan.scheduled:
                 served[item.seq.tenant] += item.num_tokens
         return plan

@@ -23,7 +23,7 @@ from omnibus.engine.core.order import SchedulingOrder
 from omnibus.engine.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from omnibus.engine.core.scheduler import ScheduledSeq
+    from omnibus.engine.core.plan import ScheduledSeq
 
 _stamps = itertools.count(1)
 

@@ -3,7 +3,8 @@
 adapters.py  names, the confined adapter root, adapter_config.json, weight files
 slots.py     the device tier: stacked slot tensors, pins, targeted slot fills
 batch.py     LoraBatch: one step's adapter segments, applied per projection
-manager.py   LoraManager: host tier, loader thread, load/unload policy, admission gate
+host.py      HostTier: the host tier, its loader thread, which adapters it keeps
+manager.py   LoraManager: the verbs; device slot pins, load/unload policy, admission gate
 """
 
 from omnibus.engine.lora.adapters import (

@@ -6,7 +6,7 @@ grammar engine vLLM, SGLang and TensorRT-LLM use).
 tokenizer.json cost a request without a grammar nothing). It compiles each format once
 (xgrammar's compiler caches compiled grammars by their text) and makes a
 `GrammarMatcher` for each request. The scheduler advances a request's matcher with every
-token it emits (engine/omnibus/engine/core/scheduler.py), so a preemption, which recomputes tokens
+token it emits (engine/omnibus/engine/core/bookkeeping.py), so a preemption, which recomputes tokens
 without emitting any, leaves it where it was. Before each sampling, `mask_logits` fills
 one bitmask row per structured row and sets the logits of the tokens the grammar does not
 allow to -inf; rows of other requests are untouched.

@@ -1,0 +1,138 @@
+"""Where each unfinished request is, and the one definition of every move between.
+
+A request waits (in the queue of core/waiting.py) or runs (holding a seat, KV blocks and
+perhaps an adapter slot) until it finishes. `Lifecycle` owns those sets, their counts and
+the number of the step being planned, and makes every move: `add` (arrival), `seat`
+(admitted), `preempt` (by recompute, back to the queue), `finish` (by a token of a step's
+results) and `end` (an abort, or the engine ending it: deadline, adapter failure).
+`leave_running` is the one place a request gives back its KV blocks (only the blocks of
+rejected guesses are trimmed elsewhere: core/bookkeeping.py) and its adapter slot.
+Requests ended outside a step's results are reported by `take_aborted`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+from omnibus.engine.core.block_allocator import BlockAllocator
+from omnibus.engine.core.order import SchedulingOrder
+from omnibus.engine.core.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprobs
+from omnibus.engine.core.waiting import WaitingQueue
+
+if TYPE_CHECKING:
+    from omnibus.engine.lora import LoraManager
+    from omnibus.engine.spec import Speculator
+
+
+class Lifecycle:
+    """The request sets. One owner: the scheduler (the step thread); its admission and
+    bookkeeping move requests only through these verbs."""
+
+    def __init__(self, allocator: BlockAllocator, order: SchedulingOrder,
+                 adapters: LoraManager | None = None, speculator: Speculator | None = None) -> None:
+        self.allocator = allocator
+        self.order = order
+        self.adapters = adapters  # the adapter slots requests pin while they run, or None
+        self.speculator = speculator  # its proposer may hold state per running request, or None
+        self.requests: dict[str, Sequence] = {}  # every unfinished request
+        self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
+        self.waiting = WaitingQueue(order)
+        self.num_waiting = 0
+        self.num_preemptions = 0
+        # The step being planned (Scheduler.schedule counts them): within one, a request is
+        # seated at most once and evicted at most once (Sequence.seated_step, evicted_step).
+        self.step = 0
+        self._aborted: list[RequestOutput] = []  # reported by the next take_aborted()
+
+    def add(self, seq: Sequence) -> None:
+        """A new request (its id is not in use): registered and queued."""
+        self.requests[seq.request_id] = seq
+        self.queue(seq)
+
+    def queue(self, seq: Sequence) -> None:
+        """Into the waiting queue: on arrival, or preempted."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.push(seq)
+        self.num_waiting += 1
+
+    def seat(self, seq: Sequence, cached: int) -> None:
+        """A waiting request, taken off the queue, joins the running set; the KV of its
+        first `cached` tokens came from the prefix cache."""
+        self.num_waiting -= 1
+        seq.num_computed_tokens = cached
+        if not seq.first_scheduled:
+            seq.first_scheduled, seq.num_cached_tokens = True, cached
+        seq.status = SequenceStatus.RUNNING
+        seq.seated_step = self.step
+        self.order.seat(seq)
+        bisect.insort(self.running, seq, key=Sequence.sort_key)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop the KV (prefix-cached blocks stay reusable)."""
+        self.running.remove(seq)
+        self.leave_running(seq)
+        seq.num_computed_tokens = 0
+        seq.evicted_step = self.step
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.queue(seq)
+
+    def leave_running(self, seq: Sequence) -> None:
+        """The one exit from the running set: blocks back to the pool, adapter slot unpinned
+        (also frees the blocks of a waiting request whose admission failed)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.order.unseat(seq)
+        self.allocator.free(seq)
+        if seq.lora_slot is not None and seq.adapter is not None:
+            self.lora().release(seq.adapter)
+            seq.lora_slot = None
+        if self.speculator is not None:
+            self.speculator.proposer.release(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """`seq` is finished for `reason`; a running one stays in `running` until
+        `drop_finished` (one pass per step's results, not a removal per request)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.leave_running(seq)
+        else:  # waiting (or preempted while its last token was in flight): its heap entry is skipped lazily
+            self.num_waiting -= 1
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        del self.requests[seq.request_id]
+
+    def drop_finished(self) -> None:
+        """Takes the requests `finish` ended out of `running`."""
+        self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+
+    def end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Finish a request outside a step's results, wherever it is: an abort, or the
+        engine ending it (`error` says why). Its blocks are free when this returns, and the
+        next `take_aborted` reports it."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        self.finish(seq, reason)
+        out = request_output(seq, [], [])
+        out.error = error
+        self._aborted.append(out)
+
+    def take_aborted(self) -> list[RequestOutput]:
+        out, self._aborted = self._aborted, []
+        return out
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._aborted)
+
+    def lora(self) -> LoraManager:
+        """The adapter manager: only requests for an adapter reach it, and the engine
+        refuses those when it serves no adapters."""
+        if self.adapters is None:
+            raise RuntimeError("a request for an adapter reached a scheduler without adapters")
+        return self.adapters
+
+
+def request_output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs]) -> RequestOutput:
+    """What `seq` reports now: `tokens` new (and their `logprobs`), finished or not."""
+    # positional, in RequestOutput's field order: this runs for every token of a step
+    return RequestOutput(seq.request_id, tokens, logprobs, seq.status is SequenceStatus.FINISHED,
+                         seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
+                         len(seq.token_ids) - seq.num_prompt_tokens)
