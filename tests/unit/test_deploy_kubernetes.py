@@ -42,7 +42,7 @@ from tests import kustomize
 from tests.grpc_helpers import ROOT
 
 KUBERNETES = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ["base", "overlays/cpu", "overlays/gpu", "overlays/gateway"]
+OVERLAYS = ["base", "overlays/cpu", "overlays/gpu", "overlays/gpu-tp", "overlays/gateway"]
 K8S_VERSION = "1.32.0"
 SCHEMAS = ROOT / "tests" / "schemas"
 # Custom kinds (no schema in the wheel): ours from tests/schemas, or structural checks.
@@ -51,7 +51,7 @@ CRD_KINDS = {"ScaledObject", "PodMonitor", *CRD_SCHEMAS}
 RENDERER = "kustomize binary" if kustomize.kustomize_command() else "Python stand-in"
 BASE_KINDS = (["Deployment"] * 3 + ["Service"] * 3 + ["PersistentVolumeClaim"] * 2
               + ["PodDisruptionBudget"] * 2 + ["HorizontalPodAutoscaler", "ScaledObject", "PodMonitor"])
-KINDS = {"base": BASE_KINDS, "overlays/cpu": BASE_KINDS, "overlays/gpu": BASE_KINDS,
+KINDS = {"base": BASE_KINDS, "overlays/cpu": BASE_KINDS, "overlays/gpu": BASE_KINDS, "overlays/gpu-tp": BASE_KINDS,
          "overlays/gateway": BASE_KINDS + ["Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
                                            "ConfigMap", "InferencePool", "HTTPRoute"]}
 
@@ -132,8 +132,8 @@ def test_probes_and_grace_periods_match_the_drain(overlay):
     assert router["livenessProbe"]["grpc"] == {"port": 50051, "service": "liveness"}
     assert "tcpSocket" in container(docs, "omnibus-engine")["livenessProbe"]
     for name in ("omnibus-router", "omnibus-engine"):
-        mounts = container(docs, name)["volumeMounts"]
-        assert all(m["readOnly"] for m in mounts)
+        mounts = container(docs, name)["volumeMounts"]  # models and adapters: read-only; /dev/shm is memory
+        assert all(m.get("readOnly") for m in mounts if m["mountPath"] != "/dev/shm")
 
 
 def test_gpu_engines_request_a_gpu_and_run_cuda_and_cpu_ones_do_not():
@@ -147,7 +147,20 @@ def test_gpu_engines_request_a_gpu_and_run_cuda_and_cpu_ones_do_not():
     assert container(cpu, "omnibus-router")["image"] == "omnibus-router:dev"
 
 
-MAX_ENGINES = {"base": 4, "overlays/cpu": 4, "overlays/gpu": 16, "overlays/gateway": 4}  # what each overlay's ScaledObject allows
+def test_a_tensor_parallel_engine_holds_as_many_gpus_as_ranks_and_shared_memory():
+    docs = render("overlays/gpu-tp")
+    engine = container(docs, "omnibus-engine")
+    args = engine_parser().parse_args(engine["args"])
+    assert args.tensor_parallel_size == 2 and args.device == "cuda"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == engine["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    pod = one(docs, "Deployment", "omnibus-engine")["spec"]["template"]["spec"]
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+    assert {v["name"] for v in pod["volumes"]} >= {"dshm", "models", "adapters"}
+
+
+MAX_ENGINES = {"base": 4, "overlays/cpu": 4, "overlays/gpu": 16, "overlays/gpu-tp": 16, "overlays/gateway": 4}  # what each overlay's ScaledObject allows
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -40,11 +40,10 @@ def service_args(name: str) -> argparse.Namespace:
     return parse(parser, service["command"])
 
 
-def test_there_is_a_router_a_gpu_engine_and_a_cpu_engine():
-    assert sorted(SERVICES) == ["engine", "engine-cpu", "router"]
-    assert SERVICES["engine"]["profiles"] == ["gpu"] and SERVICES["engine-cpu"]["profiles"] == [
-        "cpu"
-    ]
+def test_there_is_a_router_a_gpu_engine_a_tensor_parallel_one_and_a_cpu_engine():
+    assert sorted(SERVICES) == ["engine", "engine-cpu", "engine-tp", "router"]
+    assert SERVICES["engine"]["profiles"] == ["gpu"] and SERVICES["engine-cpu"]["profiles"] == ["cpu"]
+    assert SERVICES["engine-tp"]["profiles"] == ["gpu-tp"]
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
@@ -108,6 +107,13 @@ def test_gpu_engine_reserves_a_gpu_and_the_cpu_variant_does_not():
     assert (device["driver"], device["capabilities"]) == ("nvidia", ["gpu"])
     assert service_args("engine").device == "cuda"
     assert "deploy" not in SERVICES["engine-cpu"] and service_args("engine-cpu").device == "cpu"
+
+
+def test_the_tensor_parallel_engine_reserves_a_gpu_per_rank_and_shared_memory():
+    (device,) = SERVICES["engine-tp"]["deploy"]["resources"]["reservations"]["devices"]
+    args = service_args("engine-tp")
+    assert device["count"] == args.tensor_parallel_size == 2 and args.device == "cuda"
+    assert SERVICES["engine-tp"]["shm_size"] == "16gb"
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
