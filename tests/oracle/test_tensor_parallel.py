@@ -197,3 +197,27 @@ def test_the_real_gguf_model_on_three_ranks_is_one_devices_token_for_token():
     finally:
         three.close()
     no_rank_left()
+
+
+# --- LoRA: adapters split per layer as S-LoRA does (lora/slots.py shard_adapter)
+
+from tests.oracle.test_lora import expected as peft_expected  # noqa: E402
+from tests.oracle.test_lora import mixed_requests, setup  # noqa: E402,F401 (setup: a fixture)
+from tests.oracle.test_lora import run as run_lora  # noqa: E402
+
+
+def test_mixed_adapters_on_two_ranks_match_peft(setup):  # noqa: F811
+    """Four adapters (q/k/v/o and MLP targets, ranks and alphas of their own) and the base
+    in one batch, two device slots (so slots are refilled mid-run on every rank), a second
+    pass from each adapter's own prefix cache: PEFT's greedy tokens, token for token."""
+    base, adapters_dir, oracles = setup
+    engine = tp_engine(base, adapter_dir=str(adapters_dir), max_loras=2, max_cpu_loras=4, max_lora_rank=16,
+                       num_kv_blocks=256)
+    try:
+        reqs = mixed_requests()
+        for _ in range(2):
+            for (adapter, prompt, n), out in zip(reqs, run_lora(engine, reqs)):
+                assert out == peft_expected(oracles, adapter, prompt, n), f"adapter {adapter} diverged"
+        assert engine.adapters.stats().evictions > 0 and engine.stats().num_prefix_cache_hit_blocks > 0
+    finally:
+        engine.close()

@@ -15,7 +15,7 @@ class LoraBatch:
 
     def __init__(self, slots: DeviceSlots, runs: list[tuple[int, int]]) -> None:
         """`runs`: (slot, number of tokens) of each scheduled sequence, in token order."""
-        self.slots = slots
+        self.slots, self.runs = slots, runs  # runs: what another tensor-parallel rank rebuilds it from
         starts, seg_slots = [0], []
         for slot, n in runs:
             if seg_slots and slot == seg_slots[-1]:

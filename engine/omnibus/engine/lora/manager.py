@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -39,6 +39,7 @@ from omnibus.engine.lora.slots import DeviceSlots
 
 if TYPE_CHECKING:
     from omnibus.engine.core.plan import ScheduledSeq
+    from omnibus.engine.parallel.shard import ShardPlan
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,11 @@ class LoraManager:
         # reads down by patching it here)
         self._host = HostTier(config.adapter_dir, config.max_cpu_loras, config.max_lora_rank, self._slots,
                               lambda spec: load_adapter_weights(spec, model_config, dtype, device))
+
+    def shard_over(self, plan: "ShardPlan", mirror: Callable[[tuple], None]) -> None:
+        """Tensor parallelism (the model runner, before any adapter is placed): the device
+        slots hold this rank's part of each adapter, and `mirror` fills the other ranks'."""
+        self._slots.shard_over(plan, mirror)
 
     # ---- requests: Engine and Scheduler -------------------------------------
 

@@ -9,12 +9,14 @@ holds zeros: ranks and projections an adapter lacks contribute nothing.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
 from omnibus.engine.config import ModelConfig
 from omnibus.engine.lora.adapters import FUSED, PROJECTIONS, AdapterWeights, proj_dims
+from omnibus.engine.parallel.shard import ShardPlan
 
 
 @dataclass(frozen=True)
@@ -31,20 +33,31 @@ class DeviceSlots:
 
     def __init__(self, num_slots: int, max_rank: int, model_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.device = device
-        dims = proj_dims(model_config)
-        n, r = num_slots, max_rank
+        self.device, self.dtype, self.model_config = device, dtype, model_config
+        self.num_slots, self.max_rank = num_slots, max_rank
+        self.plan: ShardPlan | None = None  # tensor parallelism: this rank's rows and columns
+        self.mirror: Callable[[tuple], None] | None = None  # tells the other ranks each fill and clear
+        self._allocate(proj_dims(model_config))
+        n = num_slots
+        self.names: list[str | None] = [None] * n
+        self.targets: list[frozenset[str]] = [frozenset()] * n  # projections each slot's adapter adapts
+        self.pins = [0] * n  # running sequences using each slot
+        self.evicted: Counter[str] = Counter()  # adapter -> fills that replaced it with another
+        self._footprints = [Footprint()] * n  # kept after an unload: the next fill clears it
+        self._lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n))
+
+    def _allocate(self, dims: dict[str, tuple[int, int]]) -> None:
+        n, r, dtype, device, layers = self.num_slots, self.max_rank, self.dtype, self.device, self.model_config.num_layers
         # stacked[layer][proj] = (A (slots, r, in), B (slots, out, r)); zeros where unused
         self.stacked = [
             {p: (torch.zeros(n, r, dims[p][0], dtype=dtype, device=device),
                  torch.zeros(n, dims[p][1], r, dtype=dtype, device=device)) for p in PROJECTIONS}
-            for _ in range(model_config.num_layers)
+            for _ in range(layers)
         ]
         # scales[layer, p] = each slot's scale for PROJECTIONS[p] (rank/alpha patterns vary it)
-        self.scales = torch.zeros(model_config.num_layers, len(PROJECTIONS), n, dtype=torch.float32, device=device)
+        self.scales = torch.zeros(layers, len(PROJECTIONS), n, dtype=torch.float32, device=device)
         # views of it per layer and projection, made once (not per step): layer -> proj -> (n,)
-        self.proj_scales = [{p: self.scales[layer, i] for i, p in enumerate(PROJECTIONS)}
-                            for layer in range(model_config.num_layers)]
+        self.proj_scales = [{p: self.scales[layer, i] for i, p in enumerate(PROJECTIONS)} for layer in range(layers)]
         # fused module -> (projection, first column, end column) inside its output
         self.columns: dict[str, list[tuple[str, int, int]]] = {}
         for fused, projs in FUSED.items():
@@ -53,12 +66,15 @@ class DeviceSlots:
                 cols.append((p, lo, lo + dims[p][1]))
                 lo += dims[p][1]
             self.columns[fused] = cols
-        self.names: list[str | None] = [None] * n
-        self.targets: list[frozenset[str]] = [frozenset()] * n  # projections each slot's adapter adapts
-        self.pins = [0] * n  # running sequences using each slot
-        self.evicted: Counter[str] = Counter()  # adapter -> fills that replaced it with another
-        self._footprints = [Footprint()] * n  # kept after an unload: the next fill clears it
-        self._lru: OrderedDict[int, None] = OrderedDict((i, None) for i in range(n))
+
+    def shard_over(self, plan: ShardPlan, mirror: Callable[[tuple], None] | None = None) -> None:
+        """Hold this rank's part of every adapter from now on (before any fill): B's rows of
+        the column-parallel projections, A's columns of the row-parallel ones (whose partial
+        deltas the layer's all-reduce sums). `mirror` (rank 0) hears each fill and clear,
+        so the other ranks' slots hold the same adapters."""
+        assert all(name is None for name in self.names), "shard the slots before filling them"
+        self.plan, self.mirror = plan, mirror
+        self._allocate(sharded_dims(self.model_config, plan))
 
     @property
     def evictions(self) -> int:
@@ -88,6 +104,10 @@ class DeviceSlots:
         """Put `weights` into `slot`. Zeroes only what the previous occupant wrote and this
         adapter does not overwrite; copies are non-blocking (the host tensors are pinned on
         CUDA, and the caching host allocator keeps them alive until the copies ran)."""
+        if self.mirror is not None:
+            self.mirror(("lora_fill", slot, weights))
+        if self.plan is not None:
+            weights = shard_adapter(weights, self.plan)
         old_name = self.names[slot]
         if old_name is not None:
             self.evicted[old_name] += 1
@@ -110,6 +130,40 @@ class DeviceSlots:
 
     def clear(self, slot: int) -> None:
         """Empty an unpinned slot (its weights stay until the next fill, with scale 0)."""
+        if self.mirror is not None:
+            self.mirror(("lora_clear", slot))
         self.names[slot] = None
         self.targets[slot] = frozenset()
         self.scales[:, :, slot].fill_(0.0)
+
+
+# projection -> (fused layer, its part) for the column-parallel ones; row-parallel: None
+_COLUMN_PARALLEL = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def sharded_dims(cfg: ModelConfig, plan: ShardPlan) -> dict[str, tuple[int, int]]:
+    """proj_dims of one tensor-parallel rank."""
+    dims = dict(proj_dims(cfg))
+    for proj, (fused, part) in _COLUMN_PARALLEL.items():
+        rows = plan.part_rows[fused][part]
+        dims[proj] = (dims[proj][0], rows.stop - rows.start)
+    for proj in ("o_proj", "down_proj"):
+        start, stop = plan.columns[proj]
+        dims[proj] = (stop - start, dims[proj][1])
+    return dims
+
+
+def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:
+    """One rank's part of an adapter (S-LoRA's split): B's rows where the layer splits its
+    output rows, A's columns where it splits its input columns."""
+    tensors = {}
+    for (layer, proj), (a, b) in weights.tensors.items():
+        if proj in _COLUMN_PARALLEL:
+            fused, part = _COLUMN_PARALLEL[proj]
+            b = b[plan.part_rows[fused][part]]
+        else:
+            start, stop = plan.columns[proj]
+            a = a[:, start:stop]
+        tensors[layer, proj] = (a, b)
+    return replace(weights, tensors=tensors)

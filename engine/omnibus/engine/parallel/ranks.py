@@ -189,10 +189,9 @@ def host_batch(batch: ForwardBatch) -> ForwardBatch:
     """The forward's inputs as the other ranks need them: host tensors, without what only
     rank 0 uses (the attention plan is made by each rank's forward; prompt-logprob rows are
     scored through compute_logits)."""
-    if batch.lora is not None:
-        raise RuntimeError("LoRA adapters are not served under tensor parallelism yet")
     moved = {name: getattr(batch, name).cpu() for name in _BATCH_TENSORS}
-    return replace(batch, **moved, attn_plan=None, prompt_logprobs=None)
+    lora = None if batch.lora is None else batch.lora.runs  # each rank rebuilds it over its own slots
+    return replace(batch, **moved, lora=lora, attn_plan=None, prompt_logprobs=None)
 
 
 def rank_main(config: EngineConfig, model_config: ModelConfig, rank: int, port: int, parent_pid: int) -> None:
@@ -213,6 +212,8 @@ def rank_main(config: EngineConfig, model_config: ModelConfig, rank: int, port: 
 def serve_rank(runtime: Any, tp: TensorParallel) -> None:
     import torch.distributed as dist
 
+    from omnibus.engine.lora.batch import LoraBatch
+
     device = runtime.device
     box: list[Any] = [None]
     with torch.inference_mode():
@@ -223,13 +224,18 @@ def serve_rank(runtime: Any, tp: TensorParallel) -> None:
             if kind == "forward":
                 batch, caches = message[1], message[2]
                 moved = {name: getattr(batch, name).to(device) for name in _BATCH_TENSORS}
-                runtime.model(replace(batch, **moved), runtime.caches(caches))
+                lora = None if batch.lora is None else LoraBatch(runtime.slots, batch.lora)
+                runtime.model(replace(batch, **moved, lora=lora), runtime.caches(caches))
             elif kind == "logits":
                 hidden = torch.empty(message[1], dtype=message[2], device=device)
                 dist.broadcast(hidden, src=0, group=tp.group)
                 runtime.model.compute_logits(hidden)
             elif kind == "pool":
                 runtime.allocate_pool(message[1])
+            elif kind == "lora_fill":
+                runtime.slots.fill(message[1], message[2])
+            elif kind == "lora_clear":
+                runtime.slots.clear(message[1])
             elif kind == "stop":
                 return
 

@@ -20,13 +20,14 @@ from omnibus.engine.config import DTYPE_NAMES, EngineConfig, ModelConfig
 from omnibus.engine.core.scheduler import SchedulerOutput
 from omnibus.engine.core.sequence import Sequence
 from omnibus.engine.lora import LoraManager
+from omnibus.engine.lora.slots import DeviceSlots
 from omnibus.engine.model.cpu_linear import pack_linears
 from omnibus.engine.model.llama import Attention, ForwardBatch
 from omnibus.engine.model.loader import load_model, random_model
 from omnibus.engine.model.null import NullModel
 from omnibus.engine.parallel.group import SINGLE, TensorParallel
 from omnibus.engine.parallel.ranks import Ranks, ShardedModel
-from omnibus.engine.parallel.shard import check_divisible, local_kv_heads
+from omnibus.engine.parallel.shard import ShardPlan, check_divisible, local_kv_heads
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
 from omnibus.engine.worker.grammar import GrammarMatcher, Grammars
 from omnibus.engine.worker.memory import MemoryUse, kv_cache_budget, lora_stack_bytes
@@ -84,6 +85,8 @@ class ModelRunner:
             check_divisible(model_config, config.tensor_parallel_size)  # before any rank starts
             self.ranks = Ranks.start(config, model_config)
             tp = self.ranks.tp
+            if adapters is not None:
+                adapters.shard_over(ShardPlan(model_config, tp), self.ranks.send)
         self.tp = tp
         try:
             model, packed = build_model(config, model_config, self.dtype, self.device, tp)
@@ -488,6 +491,10 @@ class ShardRuntime:
         self.kv_dtype = resolve_kv_dtype(config, self.dtype)
         self.model, _ = build_model(config, model_config, self.dtype, device, tp)
         self.pool: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.slots: DeviceSlots | None = None  # adapter slots, mirroring rank 0's
+        if config.adapter_dir is not None:
+            self.slots = DeviceSlots(config.max_loras, config.max_lora_rank, model_config, self.dtype, device)
+            self.slots.shard_over(ShardPlan(model_config, tp))
 
     def allocate_pool(self, num_blocks: int) -> None:
         self.pool = self._caches(num_blocks)
