@@ -19,10 +19,11 @@ running.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
 import os
+import pickle
 import signal
 import socket
+import subprocess
 import sys
 from dataclasses import fields, replace
 from typing import Any
@@ -83,39 +84,52 @@ def init_group(config: EngineConfig, rank: int, port: int) -> TensorParallel:
 class Ranks:
     """Rank 0's handle on ranks 1..N-1: their processes and the channel to them."""
 
-    def __init__(self, procs: list[multiprocessing.process.BaseProcess], tp: TensorParallel) -> None:
+    def __init__(self, procs: list[subprocess.Popen], tp: TensorParallel) -> None:
         self.procs, self.tp = procs, tp
         self.closed = False
 
     @classmethod
     def start(cls, config: EngineConfig, model_config: ModelConfig) -> "Ranks":
+        """Start ranks 1..N-1 (`python -m omnibus.engine.parallel.ranks`, handed their
+        arguments on stdin: plain processes, so a daemonic step-loop process may start
+        them) and join the group with them."""
         check_devices(config)
         port = _free_port()
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited CUDA state
-        procs = [ctx.Process(target=rank_main, args=(config, model_config, rank, port, os.getpid()),
-                             name=f"omnibus-tp-rank-{rank}", daemon=True)
-                 for rank in range(1, config.tensor_parallel_size)]
-        for p in procs:
-            p.start()
+        procs = []
         try:
+            for rank in range(1, config.tensor_parallel_size):
+                proc = subprocess.Popen([sys.executable, "-m", "omnibus.engine.parallel.ranks"], stdin=subprocess.PIPE)
+                procs.append(proc)
+                assert proc.stdin is not None
+                proc.stdin.write(pickle.dumps((config, model_config, rank, port, os.getpid())))
+                proc.stdin.close()
             tp = init_group(config, 0, port)
         except BaseException:
-            for p in procs:
-                p.kill()
-                p.join(timeout=5)
+            for proc in procs:
+                proc.kill()
+                proc.wait(timeout=5)
             raise
         log.info("tensor_parallel_group", size=tp.size, ranks=[p.pid for p in procs],
                  backend="nccl" if config.torch_device.type == "cuda" else "gloo")
         return cls(procs, tp)
 
+    def dead(self) -> list[int]:
+        """The pids of ranks that have exited."""
+        return [p.pid for p in self.procs if p.poll() is not None]
+
     def send(self, message: tuple) -> None:
         """One message to every other rank (they act on it in order)."""
         import torch.distributed as dist
 
-        dead = [p.name for p in self.procs if not p.is_alive()]
+        dead = self.dead()
         if dead:
-            raise RuntimeError(f"tensor-parallel rank(s) {', '.join(dead)} died")
-        dist.broadcast_object_list([message], src=0, group=self.tp.cpu_group)
+            raise RuntimeError(f"tensor-parallel rank process(es) {dead} died")
+        try:
+            dist.broadcast_object_list([message], src=0, group=self.tp.cpu_group)
+        except RuntimeError as exc:  # gloo's words for a peer gone: name it
+            dead = self.dead()
+            raise RuntimeError(f"tensor-parallel rank process(es) {dead or 'of this engine'} "
+                               f"{'died' if dead else 'broke the group'}: {exc}") from exc
 
     def close(self) -> None:
         """Stop the ranks (asked, then killed) and leave the group."""
@@ -123,21 +137,24 @@ class Ranks:
             return
         self.closed = True
         try:
-            if all(p.is_alive() for p in self.procs):
+            if not self.dead():
                 self.send(("stop",))
         except Exception:  # a broken group: the kill below ends them
             pass
         for p in self.procs:
-            p.join(timeout=10)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         self.kill()
 
     def kill(self) -> None:
         """End the ranks now (a start that failed) and leave the group."""
         self.closed = True
         for p in self.procs:
-            if p.is_alive():
+            if p.poll() is None:
                 p.kill()
-            p.join(timeout=5)
+                p.wait(timeout=5)
         try:
             import torch.distributed as dist
 
@@ -249,3 +266,7 @@ def _die_with(parent_pid: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:
         os._exit(1)
+
+
+if __name__ == "__main__":  # a rank's process (Ranks.start): its arguments come on stdin
+    rank_main(*pickle.loads(sys.stdin.buffer.read()))

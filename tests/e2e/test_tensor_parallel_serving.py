@@ -1,0 +1,138 @@
+"""A tensor-parallel engine (--tensor-parallel-size 2, its step loop in a process of its
+own, the production default) behind the router: what it serves equals a one-device
+engine's token for token (plain, with a LoRA adapter, with a JSON schema), a rank killed
+mid-stream ends the engine and its streams continue on the other engine token for token,
+no rank is left running, and a size that does not split is refused at startup naming it.
+
+The one-device engine's outputs equal transformers' and PEFT's elsewhere (tests/oracle);
+tests/oracle/test_tensor_parallel.py holds the ranks to transformers directly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+
+import grpc
+import pytest
+from omnibus.v1 import inference_pb2 as pb
+from omnibus.v1 import inference_pb2_grpc
+
+from tests.grpc_helpers import engine_process, engine_stats, router_process, tiny_checkpoint, wait_until
+from tests.oracle.test_lora import ADAPTERS, make_adapter
+
+FLAGS = ("--num-kv-blocks", "512", "--block-size", "8", "--max-num-seqs", "8", "--max-loras", "2")
+SCHEMA = {"type": "object", "properties": {"name": {"enum": ["fox", "dog", "cat"]}, "n": {"enum": [1, 2, 3]}},
+          "required": ["name", "n"]}  # short whatever the random model prefers
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    model = tiny_checkpoint(tmp_path_factory)
+    adapters = tmp_path_factory.mktemp("adapters")
+    make_adapter(model, adapters / "b-r8", *ADAPTERS["b-r8"], seed=1)
+    logs = tmp_path_factory.mktemp("logs")
+    flags = (*FLAGS, "--adapter-dir", str(adapters))
+    tp = engine_process(model, logs, "engine-tp", *flags, "--tensor-parallel-size", "2", "--step-loop", "process")
+    one = engine_process(model, logs, "engine-one", *flags)
+    procs = [tp, one]
+    try:
+        for proc in procs:
+            proc.wait_serving()
+        routers = {}
+        for name, engines in (("tp", [tp]), ("one", [one]), ("both", [tp, one])):
+            routers[name] = router_process(model, [e.address for e in engines], logs, f"router-{name}",
+                                           "--engine-stale-seconds=1.5")
+            procs.append(routers[name])
+        for router in routers.values():
+            router.wait_serving()
+        yield {"model": model, "logs": logs, "tp": tp, "one": one,
+               **{f"via_{name}": inference_pb2_grpc.InferenceStub(grpc.insecure_channel(r.address))
+                  for name, r in routers.items()}}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def request(text: str, max_tokens: int, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(text=text, sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                    ignore_eos=True, **sampling))
+
+
+def tokens(stub, req, adapter: str | None = None) -> list[int]:
+    metadata = (("x-adapter-id", adapter),) if adapter else ()
+    return [t for r in stub.Generate(req, metadata=metadata) for t in r.token_ids]
+
+
+def test_two_ranks_serve_what_one_device_serves_through_the_router(fleet):
+    plain = request("Once upon a time", 24)
+    assert tokens(fleet["via_tp"], plain) == tokens(fleet["via_one"], plain)
+    adapted = tokens(fleet["via_tp"], plain, "b-r8")
+    assert adapted == tokens(fleet["via_one"], plain, "b-r8") and adapted != tokens(fleet["via_one"], plain)
+    structured = request("A record:", 48, structured_output=pb.StructuredOutput(json_schema=json.dumps(SCHEMA)))
+    structured.sampling.ignore_eos = False
+    text = "".join(r.text for r in fleet["via_tp"].Generate(structured))
+    assert text == "".join(r.text for r in fleet["via_one"].Generate(structured))
+    assert set(json.loads(text)) == {"name", "n"}
+
+
+def rank_pid(fleet) -> int:
+    (pid,) = re.findall(r'"ranks": \[(\d+)\]', fleet["tp"].log_path.read_text())
+    return int(pid)
+
+
+def test_a_killed_rank_ends_the_engine_and_its_streams_continue_token_exact(fleet):
+    requests = [request(f"story {i}:", 300) for i in range(4)]
+    expected = [tokens(fleet["via_one"], r) for r in requests]
+    pid = rank_pid(fleet)
+    calls = [fleet["via_both"].Generate(r) for r in requests]
+    firsts = [next(c) for c in calls]  # every stream has started
+    wait_until(lambda: engine_stats(fleet["tp"].address).num_active_streams > 0, 30, "a stream on the TP engine")
+    os.kill(pid, signal.SIGKILL)
+    for first, call, want in zip(firsts, calls, expected):
+        rest = list(call)
+        got = list(first.token_ids) + [t for r in rest for t in r.token_ids]
+        assert got == want and rest[-1].finish_reason == pb.LENGTH
+        assert rest[-1].usage.completion_tokens == 300
+    assert fleet["tp"].wait_exit(30) != 0  # the engine ended itself
+    assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+    assert tokens(fleet["via_both"], request("after", 5)) == tokens(fleet["via_one"], request("after", 5))
+
+
+def test_a_hung_rank_ends_the_engine_within_the_watchdogs_bound(fleet):
+    """SIGSTOP: rank 0 waits in a collective, the watchdog marks the engine unavailable
+    after 2 s and ends it 2 s later; the stopped rank dies with it (PR_SET_PDEATHSIG)."""
+    tp = engine_process(fleet["model"], fleet["logs"], "engine-tp-hang", *FLAGS, "--tensor-parallel-size", "2",
+                        "--watchdog-step-seconds", "2", "--watchdog-exit-seconds", "2")
+    router = None
+    try:
+        tp.wait_serving()
+        router = router_process(fleet["model"], [tp.address, fleet["one"].address], fleet["logs"], "router-hang",
+                                "--engine-stale-seconds=1.5")
+        router.wait_serving()
+        stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(router.address))
+        requests = [request(f"tale {i}:", 200) for i in range(4)]
+        expected = [tokens(fleet["via_one"], r) for r in requests]
+        calls = [stub.Generate(r) for r in requests]
+        firsts = [next(c) for c in calls]
+        wait_until(lambda: engine_stats(tp.address).num_active_streams > 0, 30, "a stream on the TP engine")
+        (pid,) = map(int, re.findall(r'"ranks": \[(\d+)\]', tp.log_path.read_text()))
+        os.kill(pid, signal.SIGSTOP)
+        for first, call, want in zip(firsts, calls, expected):
+            assert list(first.token_ids) + [t for r in call for t in r.token_ids] == want
+        assert tp.wait_exit(30) == 70
+        wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 10, "the stopped rank gone")
+    finally:
+        if router is not None:
+            router.stop()
+        tp.stop()
+
+
+def test_a_size_that_does_not_split_is_refused_at_startup_naming_it(fleet):
+    engine = engine_process(fleet["model"], fleet["logs"], "engine-tp3", *FLAGS, "--tensor-parallel-size", "3")
+    try:
+        with pytest.raises(RuntimeError, match="--tensor-parallel-size 3 does not divide the model's 4 attention heads"):
+            engine.wait_serving()
+    finally:
+        engine.stop()
