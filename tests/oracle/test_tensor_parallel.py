@@ -63,6 +63,9 @@ def no_rank_left() -> None:
     ("qwen2", {}),  # q/k/v biases split with their rows
     ("mistral", {"tie_word_embeddings": True, "num_key_value_heads": 1}),  # MQA: the KV head replicated; tied head
     ("llama", {"attention_bias": True, "mlp_bias": True}),  # o/down biases added once
+    ("llama", {"head_dim": 32, "rope_parameters": {  # head_dim != hidden / heads; Llama 3.1 rope scaling
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
 ])
 def test_two_ranks_match_transformers(tmp_path, arch, kw):
     path = make_checkpoint(tmp_path / "ckpt", arch, vocab_size=VOCAB, **kw)
@@ -92,8 +95,20 @@ def test_chunked_prefill_prefix_hits_and_preemption_on_two_ranks(tmp_path):
         engine.close()
 
 
+@pytest.mark.parametrize("batching", ["none", "static", "dynamic"])  # continuous: every other test
+def test_every_batching_policy_on_two_ranks(tmp_path, batching):
+    path = make_checkpoint(tmp_path / "ckpt", "llama", vocab_size=VOCAB)
+    prompts, max_tokens = workload(seed=3, n=5)
+    engine = tp_engine(path, num_kv_blocks=256, batching=batching, max_batch_size=2, batch_window_ms=1)
+    try:
+        assert_transformers(engine, path, prompts, max_tokens)
+    finally:
+        engine.close()
+
+
 def test_speculation_and_prompt_logprobs_on_two_ranks(tmp_path):
-    """n-gram speculation (its guesses scored by the ranks' logits) on an echo model, and
+    """n-gram speculation (its guesses scored by the ranks' logits) on an echo model, a
+    draft model's, and
     prompt logprobs (scored in chunks through the gathered LM head) against transformers."""
     path = make_checkpoint(tmp_path / "echo", "llama", vocab_size=VOCAB, echo=True)
     engine = tp_engine(path, num_kv_blocks=128, speculative="ngram", num_speculative_tokens=3)
@@ -102,7 +117,16 @@ def test_speculation_and_prompt_logprobs_on_two_ranks(tmp_path):
         assert engine.stats().speculative.accepted > 0
     finally:
         engine.close()
-    path = make_checkpoint(tmp_path / "plain", "llama", vocab_size=VOCAB)
+    plain = make_checkpoint(tmp_path / "plain", "llama", vocab_size=VOCAB)
+    draft = make_checkpoint(tmp_path / "draft", "llama", vocab_size=VOCAB, seed=1, num_hidden_layers=1)
+    engine = tp_engine(plain, num_kv_blocks=128, speculative="draft", speculative_draft_model=str(draft))
+    try:  # the draft model runs whole on rank 0 (one device), the target over both ranks
+        assert engine.speculator.proposer.runner.tp.size == 1
+        assert_transformers(engine, plain, [list(range(20, 37)), [9, 8, 7]], [10, 10])
+        assert engine.stats().speculative.proposed > 0
+    finally:
+        engine.close()
+    path = plain
     ref = Reference(path)
     engine = tp_engine(path, num_kv_blocks=128, max_num_batched_tokens=32)
     try:

@@ -43,6 +43,7 @@ class DraftProposer:
         config = dataclasses.replace(
             target, model=str(draft_dir), num_kv_blocks=num_blocks, adapter_dir=None, preload_adapters=(),
             decode_graphs=False, overlap_scheduling=False, speculative=None, speculative_draft_model=None,
+            tensor_parallel_size=1,  # a draft is small: whole, on rank 0
             load_format="safetensors" if target.load_format == "null" else target.load_format)
         self.runner = ModelRunner(config, self.model_config)
         self.budget = target.max_num_batched_tokens  # tokens per draft forward at most
