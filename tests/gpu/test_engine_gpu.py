@@ -59,3 +59,28 @@ async def test_the_process_step_loop_on_cuda_streams_transformers_tokens(tmp_pat
         assert got == expected
     finally:
         aengine.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason=f"tensor parallelism needs 2 CUDA devices; this host has {torch.cuda.device_count()}")
+def test_tensor_parallel_over_two_gpus_equals_one_gpu_and_transformers(tmp_path):
+    """TP=2 over NCCL (cuda:0, cuda:1) against TP=1 on cuda:0 and transformers, in float32
+    and in bfloat16 (where the partial sums may round apart: the bf16 rows are compared
+    with each other for agreement, and reported)."""
+    path = make_checkpoint(tmp_path / "m", "llama")
+    prompts = [[5 + (i * 13 + j) % 300 for j in range(n)] for i, n in enumerate((4, 33, 120))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    hf = load_hf(path)
+    expected = [hf_greedy(hf, p, 16) for p in prompts]
+    outs = {}
+    for dtype in ("float32", "bfloat16"):
+        for size in (1, 2):
+            engine = Engine(EngineConfig(model=str(path), device="cuda", dtype=dtype, tensor_parallel_size=size,
+                                         kv_cache_memory=64 << 20))
+            try:
+                outs[dtype, size] = engine.generate(prompts, params)
+            finally:
+                engine.close()
+    assert outs["float32", 1] == outs["float32", 2] == expected
+    agree = sum(a == b for x, y in zip(outs["bfloat16", 1], outs["bfloat16", 2]) for a, b in zip(x, y))
+    print(f"bf16 TP=2 vs TP=1 greedy agreement {agree}/{16 * len(prompts)}")
