@@ -35,7 +35,7 @@ if os.environ.get("CI"):
 # so they start first instead of leaving one worker busy after the others have finished.
 SLOW_FIRST = (
     "tests/e2e/test_continuation.py", "tests/e2e/test_continuation_stalled.py", "tests/e2e/test_partition.py", "tests/bench/test_gpu_check_smoke.py",
-    "tests/e2e/test_e2e_failures.py", "tests/e2e/test_soak.py", "tests/e2e/test_real_model.py",
+    "tests/e2e/test_e2e_failures.py", "tests/bench/test_soak.py", "tests/e2e/test_real_model.py",
     "tests/e2e/test_mix.py", "tests/e2e/test_tensor_parallel_serving.py", "tests/oracle/test_tensor_parallel.py", "tests/unit/core/test_rope_tables.py", "tests/e2e/test_openai_http.py",
     "tests/bench/test_bench_host.py",
 )

@@ -17,11 +17,10 @@ from omnibus.bench.host import (
     floor_process,
     measure_paced,
     measure_requests,
-    step_loop_pid,
     unloaded_ttft,
     write_markdown,
 )
-from omnibus.bench.processes import engine_and_router
+from omnibus.bench.processes import engine_and_router, step_loop_pid
 from omnibus.bench.report import machine
 
 PATHS = ("in_process", "engine_grpc", "router_grpc", "floor_bidi", "floor_unary_stream")

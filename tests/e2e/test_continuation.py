@@ -85,7 +85,7 @@ def lose_an_engine(processes, fault: str) -> None:
     token, so the router sends them all to the victim), then the victim is lost: killed,
     stopped, drained past its grace period (its streams end ABORTED), or left without its
     step-loop process (an OOM kill: its requests fail UNAVAILABLE, its load reports end)."""
-    from omnibus.bench.host import step_loop_pid
+    from omnibus.bench.processes import step_loop_pid
 
     engines, router, port = processes
     victim, survivor = engines

@@ -418,3 +418,23 @@ def test_no_file_loads_under_two_names():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+BENCH_HELPERS = {"omnibus.bench.processes", "omnibus.bench.shapes"}  # what benchmarks and tests share
+
+
+def test_no_test_but_the_benchmarks_own_imports_a_benchmark():
+    """Tests outside tests/bench (and the bench CLI's test) use the shared helpers only,
+    never a benchmark's module: a benchmark can change without breaking a test of the
+    system."""
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("tests/bench/") or rel == "tests/unit/test_cli_tools.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for module, name in re.findall(r"(?:from|import) (omnibus\.bench(?:\.\w+)?)(?: import (\w+))?", line):
+                module = f"{module}.{name}" if module == "omnibus.bench" and name else module
+                if module not in BENCH_HELPERS:
+                    found.append(f"{rel}:{n} imports {module}")
+    assert found == []

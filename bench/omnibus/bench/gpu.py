@@ -38,15 +38,10 @@ from pathlib import Path
 
 import torch
 
+from omnibus.bench.shapes import LLAMA3_8B, TINY, write_config  # noqa: F401 (the bench's shapes)
+
 from omnibus.bench.peers import hf_continuous_tok_s, hf_static_tok_s
 from omnibus.bench.workloads import LogNormal, ShareGptSpec
-
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
-
 
 def copy_bandwidth(device: torch.device, nbytes: int, copies: int = 50) -> float:
     """Bytes/s of back-to-back device-to-device copies, counting bytes read plus bytes written.
@@ -76,14 +71,6 @@ def copy_bandwidth(device: torch.device, nbytes: int, copies: int = 50) -> float
 def copy_bandwidth_gb_s(device: torch.device) -> float:
     """The roofline's bandwidth: copies of 1 GiB on a GPU, 16 MiB on the CPU (smoke runs)."""
     return copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (16 << 20)) / 1e9
-
-
-def write_config(path: Path, shape: dict) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = dict(shape, model_type="llama", rms_norm_eps=1e-5, tie_word_embeddings=False,
-               bos_token_id=1, eos_token_id=2, dtype="bfloat16")
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
 
 
 def make_engine(path: Path, device: str, dtype: str, **kw):

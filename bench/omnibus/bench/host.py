@@ -50,6 +50,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from omnibus.bench.processes import (
+    step_loop_pid,
     ServerProcess,
     engine_and_router,
     engine_configs,
@@ -155,16 +156,6 @@ def step_loop_seconds(pids: list[int]) -> float:
             except FileNotFoundError:  # the thread ended meanwhile
                 pass
     return total
-
-
-def step_loop_pid(engine_pid: int) -> int | None:
-    """The engine's step-loop process (`--step-loop process`), if it runs one."""
-    task = Path(f"/proc/{engine_pid}/task")
-    for t in task.iterdir():
-        for child in (t / "children").read_text().split():
-            if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
-                return int(child)
-    return None
 
 
 def requests(n: int, vocab: int, seed: int, max_tokens: int = OUTPUT_LEN) -> list[BenchRequest]:

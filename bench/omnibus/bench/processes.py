@@ -108,6 +108,16 @@ class ServerProcess:
         self._log.close()
 
 
+def step_loop_pid(engine_pid: int) -> int | None:
+    """The engine's step-loop process (`--step-loop process`), if it runs one."""
+    task = Path(f"/proc/{engine_pid}/task")
+    for t in task.iterdir():
+        for child in (t / "children").read_text().split():
+            if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    return None
+
+
 def engine_args(port: int | str, model: Path | str, *flags: str) -> list[str]:
     """`python` arguments of an engine worker serving `model` on `port`."""
     return ["-m", "omnibus.engine", "serve", "--port", str(port), "--model", str(model), *flags]

@@ -15,7 +15,7 @@ second half, when allocator pools and caches have reached their size):
   - every call ends with an expected status (never UNKNOWN, INTERNAL or UNAVAILABLE).
 
 `python -m omnibus.bench.soak --duration 600 --out docs/benchmarks/soak.md`, or
-`make soak DURATION=600`; tests/e2e/test_soak.py runs it for ~20 s.
+`make soak DURATION=600`; tests/bench/test_soak.py runs it for ~10 s.
 """
 
 from __future__ import annotations

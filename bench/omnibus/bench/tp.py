@@ -14,7 +14,6 @@ the step loop, the scheduler and sampling stay on rank 0.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -26,22 +25,14 @@ import torch
 import torch.distributed as dist
 
 from omnibus.bench.quant import weight_bytes
+from omnibus.bench.shapes import TINY, write_config
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import Engine
 from omnibus.engine.worker.sampling import SamplingParams
 
 SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-             num_key_value_heads=4, vocab_size=32000)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512)
+             num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
 COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "broadcast_object_list")
-
-
-def write_config(directory: Path, shape: dict) -> Path:
-    config = dict(shape, architectures=["LlamaForCausalLM"], model_type="llama", max_position_embeddings=2048,
-                  rms_norm_eps=1e-5, torch_dtype="float32", bos_token_id=1, eos_token_id=2)
-    (directory / "config.json").write_text(json.dumps(config))
-    return directory
 
 
 class CommClock:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from omnibus.bench.gpu import LLAMA3_8B, write_config
+from omnibus.bench.shapes import LLAMA3_8B, write_config
 from omnibus.engine.config import EngineConfig, ModelConfig
 from omnibus.engine.lora.slots import DeviceSlots
 from omnibus.engine.model.loader import empty_model
