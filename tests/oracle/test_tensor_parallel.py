@@ -106,6 +106,20 @@ def test_every_batching_policy_on_two_ranks(tmp_path, batching):
         engine.close()
 
 
+def test_padded_decode_graph_buckets_and_overlap_on_two_ranks(tmp_path):
+    """--decode-graphs on a CPU runs the graphs' padded static buffers eagerly (CUDA
+    captures them): every rank pads the same decode step to the same bucket; with
+    overlapped scheduling the next step's inputs are sent before this one's picks are read."""
+    path = make_checkpoint(tmp_path / "ckpt", "llama", vocab_size=VOCAB)
+    prompts, max_tokens = workload(seed=4, n=6)
+    engine = tp_engine(path, num_kv_blocks=256, decode_graphs=True, overlap_scheduling=True)
+    try:
+        assert_transformers(engine, path, prompts, max_tokens)
+        assert engine.runner.graphs.num_runs > 0
+    finally:
+        engine.close()
+
+
 def test_speculation_and_prompt_logprobs_on_two_ranks(tmp_path):
     """n-gram speculation (its guesses scored by the ranks' logits) on an echo model, a
     draft model's, and

@@ -247,8 +247,13 @@ def serve_rank(runtime: Any, tp: TensorParallel) -> None:
                 hidden = torch.empty(message[1], dtype=message[2], device=device)
                 dist.broadcast(hidden, src=0, group=tp.group)
                 runtime.model.compute_logits(hidden)
+            elif kind == "graph":  # a padded decode step on the rank's static buffers
+                batch = message[1]
+                runtime.graphs.run(replace(batch, **{name: getattr(batch, name).to(device) for name in _BATCH_TENSORS}))
             elif kind == "pool":
                 runtime.allocate_pool(message[1])
+            elif kind == "graphs":
+                runtime.build_graphs(*message[1:])
             elif kind == "lora_fill":
                 runtime.slots.fill(message[1], message[2])
             elif kind == "lora_clear":

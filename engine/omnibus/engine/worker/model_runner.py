@@ -26,7 +26,7 @@ from omnibus.engine.model.llama import Attention, ForwardBatch
 from omnibus.engine.model.loader import load_model, random_model
 from omnibus.engine.model.null import NullModel
 from omnibus.engine.parallel.group import SINGLE, TensorParallel
-from omnibus.engine.parallel.ranks import Ranks, ShardedModel
+from omnibus.engine.parallel.ranks import Ranks, ShardedModel, host_batch
 from omnibus.engine.parallel.shard import ShardPlan, check_divisible, local_kv_heads
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
 from omnibus.engine.worker.grammar import GrammarMatcher, Grammars
@@ -103,9 +103,11 @@ class ModelRunner:
             self.model.pool = self.kv_caches
         self.graphs = None
         if self.graphs_wanted:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, min(config.max_num_seqs, 512),
-                                       -(-model_config.max_model_len // self.block_size), self.device,
-                                       capture=self.device.type == "cuda")
+            shape = (min(config.max_num_seqs, 512), -(-model_config.max_model_len // self.block_size),
+                     self.device.type == "cuda")
+            if self.ranks is not None:  # every rank captures its shard's graphs, in step
+                self.ranks.send(("graphs", *shape))
+            self.graphs = DecodeGraphs(model, self.kv_caches, shape[0], shape[1], self.device, capture=shape[2])
         self.idle_meter = GpuIdleMeter() if self.device.type == "cuda" else None
         # The null model's simulated device (--null-step-ms): a step's picks are ready this
         # long after the device is free to run it; steps run on it one after another.
@@ -148,8 +150,6 @@ class ModelRunner:
         cfg = self.config
         if cfg.load_format == "null":
             return False  # nothing to capture: the null forward launches no kernels worth it
-        if self.ranks is not None:
-            return False  # under tensor parallelism decode runs eager (graphs per rank: not yet)
         return cfg.decode_graphs if cfg.decode_graphs is not None else self.device.type == "cuda"
 
     def _cuda_kv_budget(self) -> int:
@@ -377,6 +377,8 @@ class ModelRunner:
         if self.idle_meter is not None:
             self.idle_meter.step_started()
         if self.graphs is not None and self.graphs.can_run(batch, len(plan.scheduled)):
+            if self.ranks is not None:
+                self.ranks.send(("graph", host_batch(batch)))
             hidden = self.graphs.run(batch)  # (n, hidden): decode-only, one token per sequence
         else:
             hidden = self.model(batch, self.kv_caches)  # (T, hidden)
@@ -498,6 +500,10 @@ class ShardRuntime:
 
     def allocate_pool(self, num_blocks: int) -> None:
         self.pool = self._caches(num_blocks)
+
+    def build_graphs(self, max_batch: int, max_blocks: int, capture: bool) -> None:
+        """The decode graphs over this rank's shard and pool, as rank 0 builds its own."""
+        self.graphs = DecodeGraphs(self.model, self.pool, max_batch, max_blocks, self.device, capture=capture)
 
     def caches(self, which: object) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The caches a forward of rank 0 named: "pool", None, or n scratch blocks."""
