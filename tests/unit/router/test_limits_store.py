@@ -27,12 +27,24 @@ def redis_server(tmp_path_factory):
     server.stop()
 
 
+_OPEN: list = []  # the admissions a test made: closed after it (their renewals stop)
+
+
+@pytest.fixture(autouse=True)
+async def close_stores():
+    yield
+    while _OPEN:
+        await _OPEN.pop().close()
+
+
 def router(url: str, failure: str = "open", lease: float = 15.0):
     """One router's Admission with the shared store, and its metrics registry."""
     config = RouterConfig(model="m", engines=("e:1",), limits_store=url,
                           limits_store_failure=failure, limits_store_lease_seconds=lease)
     registry = CollectorRegistry()
-    return admission_for(config, registry), registry
+    admission = admission_for(config, registry)
+    _OPEN.append(admission)
+    return admission, registry
 
 
 def restart_empty(server: RedisServer, log_dir, monkeypatch) -> RedisServer:
@@ -215,3 +227,25 @@ async def test_the_choices_of_one_request_take_the_shared_limits_all_or_none(red
         permit.release(3)
     await asyncio.sleep(0.1)
     assert len(await b.admit(tenant, Cost(1, 1, 2), 0, 0)) == 2
+
+
+async def test_close_ends_the_renewals_even_when_a_cancel_is_taken_for_a_timeout(redis_server):
+    """A cancel that lands as a Redis call's own timeout fires can be swallowed inside the
+    client (read as that timeout and retried): the renewal loop must end on close anyway,
+    or the router's (and a test's) event loop waits on it forever at shutdown."""
+    admission, _ = router(redis_server.url, lease=0.03)
+    await admit(admission, Tenant("close-tenant", TenantLimits(max_concurrent=1)), Cost(1))
+    store = admission._shared
+    swallowed = []
+
+    async def renew_swallowing_one_cancel():
+        try:
+            await asyncio.sleep(0.2)  # where the cancel lands (the loop's own sleep is 10 ms)
+        except asyncio.CancelledError:
+            swallowed.append(True)  # as a client retrying what it took for its timeout
+
+    store._renew_live = renew_swallowing_one_cancel
+    await asyncio.sleep(0.05)  # the loop runs
+    await asyncio.wait_for(admission.close(), 2)
+    assert store._renewer.done()
+    _OPEN.remove(admission)

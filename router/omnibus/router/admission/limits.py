@@ -112,6 +112,9 @@ class SharedLimits(Protocol):
         """Permits for choices the router admitted under its own limits (acquire gave
         None), to be counted in the store once it answers again."""
 
+    async def close(self) -> None:
+        """Stop renewing and close the connection (the router is stopping)."""
+
 
 class LocalPermit:
     """A hold on this router's in-memory counts."""
@@ -158,6 +161,11 @@ class Admission:
         self._clock = clock
         self._tenants: dict[str, _TenantUsage] = {}
         self._shared = shared
+
+    async def close(self) -> None:
+        """Close the shared store's connection and background tasks, if any."""
+        if self._shared is not None:
+            await self._shared.close()
 
     def active(self, tenant: str) -> int:
         """Requests the tenant has admitted on this router and not released."""

@@ -173,6 +173,7 @@ class RedisLimits:
         self._skip_until = 0.0  # monotonic: the store failed, skip it until then
         self._renewer: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
         self.up = Gauge(
             "omnibus_router_limits_store_up",
             "1 while the shared limits store (--limits-store) answers, 0 while it does not",
@@ -267,9 +268,22 @@ class RedisLimits:
             self._answered()
 
     async def _renew_forever(self) -> None:
-        while True:
+        # `_closed` as well as the cancel: a cancel that lands as a call's own timeout
+        # fires can be taken for that timeout (and retried) inside the client
+        while not self._closed:
             await asyncio.sleep(self._lease_ms / 3000)
             await self._renew_live()
+
+    async def close(self) -> None:
+        """Stop renewing, let queued releases go out (a bounded wait) and close the
+        connection. The leases still held expire by themselves."""
+        self._closed = True
+        tasks = [t for t in (self._renewer, *self._tasks) if t is not None]
+        if self._renewer is not None:
+            self._renewer.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=CALL_TIMEOUT_S)
+        await self._redis.aclose()
 
     async def _renew_live(self) -> None:
         """Renews (or adds again) the lease of every live request. A request released

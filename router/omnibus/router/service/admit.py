@@ -68,6 +68,10 @@ class Admitter:
             self._validator.limits = self._model_limits.within(served) if served else self._model_limits
         return self._validator.limits
 
+    async def close(self) -> None:
+        """The shared limits store's connection and renewals end (the router stops)."""
+        await self._tenants.close()
+
     def default_max_tokens(self, prompt_tokens: int) -> int:
         """max_tokens when the client sets none (the OpenAI API's chat default): up to the
         context of an engine that takes the request, at least 1."""

@@ -181,6 +181,10 @@ class Pipeline:
         (--client-stall-seconds), the status the transport ends the call with; else None."""
         return self._streamer.stall_error()
 
+    async def close(self) -> None:
+        """After the drain: what admission holds open (the shared limits store) closes."""
+        await self._admitter.close()
+
     def drain(self) -> None:
         """The router's drain is out of time: every stream ends now, those being served
         with a final ABORTED message carrying usage, those still queued UNAVAILABLE."""

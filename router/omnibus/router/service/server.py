@@ -183,6 +183,7 @@ async def serve(config: RouterConfig) -> None:
     await _drain(config, server, http, pipeline)
     await dispatcher.close()
     await discovery.close()
+    await pipeline.close()
     log.info("router_stopped")
 
 
