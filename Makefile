@@ -52,8 +52,10 @@ system-deps:
 # The lint (errors only), the type check, then the whole CPU suite (Triton kernels run under
 # the interpreter) on TEST_WORKERS parallel workers, one file per worker at a time (module
 # fixtures stay shared), the slowest tests listed at the end. No test runs longer than
-# TEST_TIMEOUT seconds: past it, pytest-timeout prints every thread's stack and fails it
-# (its worker restarts), so a hang costs minutes and names itself.
+# TEST_TIMEOUT seconds: past it, pytest-timeout fails it with the main thread's stack (the
+# signal method: the test is interrupted where it waits and its worker goes on; the thread
+# method kills the worker, and pytest-xdist then restarts it and runs the test again, over
+# and over: a run that never ends), so a hang costs minutes and names itself.
 TEST_WORKERS ?= 3
 TEST_TIMEOUT ?= 600
 SOURCE_ROOTS := protos common router engine kernels bench
@@ -62,7 +64,7 @@ test: setup system-deps
 	$(PY) -m mypy --config-file pyproject.toml
 	$(PY) -m compileall -q -j 0 $(SOURCE_ROOTS) tests >/dev/null  # what the processes tests start import
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=15 \
-	  --timeout $(TEST_TIMEOUT) --timeout-method thread tests
+	  --timeout $(TEST_TIMEOUT) --timeout-method signal tests
 
 # mypy, strict on engine core and the shared rules ([tool.mypy] in pyproject.toml; about
 # 20 s on 2 cores with no cache in build/mypy-cache, 1 s with one; docs/testing.md).
