@@ -35,7 +35,7 @@ from tokenizers import Tokenizer
 from omnibus.engine.serving.async_engine import AdapterStateError, AsyncEngine
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import Engine
-from omnibus.engine.serving.core import preload
+from omnibus.engine.serving.loading import preload
 from omnibus.engine.serving.server import RunningServer, ServerConfig, start
 from omnibus.router.admission.auth import KeyStore
 from omnibus.router.config import TenantLimits

@@ -41,15 +41,15 @@ async def test_the_process_step_loop_on_cuda_streams_transformers_tokens(tmp_pat
     """`--step-loop auto` puts the step loop in its own process on CUDA: the spawned process
     builds the engine on the device (graphs, overlap) and its tokens come back exact."""
     from omnibus.engine.serving.async_engine import AsyncEngine
-    from omnibus.engine.serving.core import ProcessCore
+    from omnibus.engine.serving.step_loop_runners import StepLoopProcess
 
     path = make_checkpoint(tmp_path / "m", "llama")
     prompts = [[5 + (i * 11 + j) % 300 for j in range(n)] for i, n in enumerate((3, 17, 64))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     hf = load_hf(path)
     expected = [hf_greedy(hf, p, 12) for p in prompts]
-    aengine = AsyncEngine(ProcessCore(EngineConfig(model=str(path), device="cuda", dtype="float32",
-                                                   kv_cache_memory=64 << 20)))
+    aengine = AsyncEngine(StepLoopProcess(EngineConfig(model=str(path), device="cuda", dtype="float32",
+                                                       kv_cache_memory=64 << 20)))
     aengine.start()
     try:
         got = []

@@ -545,7 +545,7 @@ def serving_engine(model: Path, flags: tuple[str, ...]):
     server builds it: the CLI's configs, the engine loaded and warmed up, the step thread
     started."""
     from omnibus.engine.serving.async_engine import AsyncEngine
-    from omnibus.engine.serving.core import load_engine
+    from omnibus.engine.serving.loading import load_engine
 
     config, server = engine_configs(model, *flags)
     engine = load_engine(config)

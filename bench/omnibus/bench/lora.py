@@ -134,7 +134,7 @@ def run(model: Path, adapter_dir: Path, names: list[str], config: Config, prompt
     from omnibus.engine.lora import LoraBatch
     from omnibus.engine.lora.slots import DeviceSlots
     from omnibus.engine.worker.sampling import SamplingParams
-    from omnibus.engine.serving.core import preload
+    from omnibus.engine.serving.loading import preload
 
     used = names[: config.adapters]
     engine = Engine(EngineConfig(

@@ -130,7 +130,7 @@ def test_config_values_validated():
 
 
 def test_a_cuda_device_this_process_cannot_use_is_a_clear_error(ckpt, monkeypatch):
-    from omnibus.engine.serving.core import EngineLoadError, load_engine
+    from omnibus.engine.serving.loading import EngineLoadError, load_engine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", None)
@@ -239,7 +239,7 @@ def test_a_max_model_len_past_the_models_context_is_capped_with_a_warning(ckpt):
 def test_a_model_that_does_not_fit_in_memory_is_a_clear_error(ckpt):
     """An allocation failure at load (here a KV pool of ~10^12 blocks) names what must fit
     and the flags that size it, instead of a traceback from the allocator."""
-    from omnibus.engine.serving.core import EngineLoadError, load_engine
+    from omnibus.engine.serving.loading import EngineLoadError, load_engine
 
     with pytest.raises(EngineLoadError, match=r"out of cpu memory .*--kv-cache-memory, --num-kv-blocks.*"
                        r"--max-model-len"):
@@ -261,7 +261,7 @@ def test_an_unexpected_bias_points_at_the_config_switch(ckpt, tmp_path):
 
 def test_a_preload_adapter_that_cannot_be_served_is_named_as_such(ckpt, tmp_path):
     """Not "cannot load <model dir>": the model is fine, the --preload-adapters one is not."""
-    from omnibus.engine.serving.core import EngineLoadError, load_engine
+    from omnibus.engine.serving.loading import EngineLoadError, load_engine
 
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "adapter_config.json").write_text(json.dumps({"r": 2, "target_modules": ["q_proj"]}))

@@ -195,3 +195,44 @@ async def test_session_requests_past_their_deadline_end_deadline_exceeded(config
         assert load.num_free_blocks == load.num_total_blocks == 63
     finally:
         proc.stop()
+
+
+async def test_generate_is_served_by_a_one_request_session_of_its_own(config_only, tmp_path):
+    """Generate: one message per step, no handle; its refusals, failures and deadline are
+    the call's status; a cancelled call's sequence is aborted and its blocks come back."""
+    proc = engine_process(config_only, tmp_path, "null-generate", "--load-format", "null",
+                          "--num-kv-blocks", "64", "--max-num-seqs", "4").wait_serving()
+    try:
+        async with grpc.aio.insecure_channel(proc.address) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            replies = [r async for r in stub.Generate(_add("one", 5, max_tokens=12), timeout=60)]
+            assert [t for r in replies for t in r.token_ids] == expected(3, 12)
+            assert [len(r.token_ids) for r in replies] == [1] * 12  # one message per step
+            assert {r.handle for r in replies} == {0} and replies[-1].finish_reason == 2  # LENGTH
+            assert (replies[-1].num_prompt_tokens, replies[-1].num_output_tokens) == (3, 12)
+
+            async def status(request: engine_pb2.EngineGenerateRequest, timeout: float = 60) -> tuple:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    [r async for r in stub.Generate(request, timeout=timeout)]
+                return err.value.code(), err.value.details()
+
+            endless = engine_request("endless", max_tokens=900)
+            endless.deadline_ms = 30  # far less than 900 steps take
+            assert (await status(endless))[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert (await status(engine_request("short", max_tokens=1000), 0.1))[0] == (
+                grpc.StatusCode.DEADLINE_EXCEEDED)  # the call's own deadline
+            assert await status(engine_request("")) == (
+                grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+            code, details = await status(engine_request("oov", prompt=[VOCAB + 5]))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in details
+
+            long = stub.Generate(engine_request("long", max_tokens=900), timeout=60)
+            assert (await long.read()).token_ids
+            assert await status(engine_request("long")) == (
+                grpc.StatusCode.ALREADY_EXISTS, "request id 'long' is already streaming")
+            long.cancel()  # the client leaves: its sequence is aborted
+        wait_until(lambda: engine_stats(proc.address).load.num_running == 0, 30, "the abort")
+        load = engine_stats(proc.address).load
+        assert load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks == 63
+    finally:
+        proc.stop()

@@ -69,3 +69,45 @@ def test_packed_sessions_send_started_requests_plain_tokens_as_pairs():
     session.packed = False  # a router that does not read pairs gets entries only
     session.deliver([out("b", 24, 4)])
     assert [(o.handle, list(o.token_ids)) for o in session.take().outputs] == [(9, [24])]
+
+
+def test_a_generate_stream_sends_every_output_as_an_entry_of_its_own():
+    """A Generate call's stream (`merges` off): one message per step, even when the caller
+    reads slower than steps come."""
+    ended = []
+    live_requests = {}
+    service = SimpleNamespace(requests=SimpleNamespace(
+        get=live_requests.get, end=lambda live, outcome: ended.append((live.request_id, outcome))))
+    loop = asyncio.new_event_loop()
+    loop.close()
+    session = SessionStream(service, loop, merges=False)
+    a = Live("a", "", 0.0, session)
+    live_requests.update(a=a)
+    session.deliver([out("a", 11, 1)])
+    session.deliver([out("a", 12, 2)])
+    session.deliver([out("a", 13, 3, finished=True)])
+    update = session.take()
+    got = [(o.handle, list(o.token_ids), o.num_output_tokens, o.finish_reason) for o in update.outputs]
+    assert got == [(0, [11], 1, 0), (0, [12], 2, 0), (0, [13], 3, inference_pb2.LENGTH)]
+    assert ended == [("a", "length")]
+
+
+def test_a_generate_call_s_grpc_deadline_folds_into_deadline_ms():
+    """The earlier of the two counts, in whole milliseconds rounded up (0 would mean none),
+    within deadline_ms's uint32; the call's request is left as it was, and a handle (a
+    Session field) is dropped."""
+    from omnibus.engine.serving.service import _with_call_deadline
+    from omnibus.v1 import engine_pb2
+
+    def folded(remaining: float | None, deadline_ms: int = 0) -> int:
+        request = engine_pb2.EngineGenerateRequest(request_id="r", deadline_ms=deadline_ms, handle=7)
+        msg = _with_call_deadline(request, remaining)
+        assert (msg.request_id, msg.handle) == ("r", 0)
+        assert (request.deadline_ms, request.handle) == (deadline_ms, 7)
+        return msg.deadline_ms
+
+    assert folded(None) == 0 and folded(None, 50) == 50  # no gRPC deadline
+    assert folded(0.2) == 200 and folded(0.2001) == 201
+    assert folded(0.2, 50) == 50 and folded(0.05, 200) == 50
+    assert folded(0.0) == folded(-1.0) == 1  # passed already: it expires at once
+    assert folded(1e10) == 2**32 - 1

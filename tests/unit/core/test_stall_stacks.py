@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 from structlog.testing import capture_logs
 
-from omnibus.engine.serving.step_loop import QueueInbox, StepLoop
+from omnibus.engine.serving.step_loop import StepLoop
 from omnibus.engine.serving.watchdog import Heartbeat, Watchdog, WatchdogConfig
 
 LIMITS = WatchdogConfig(stall_seconds=0.2, first_step_seconds=0.2, exit_seconds=600.0)
@@ -83,7 +83,8 @@ def _names_the_hung_kernel(stack: list[str]) -> bool:
 
 
 async def test_a_stalled_step_on_a_thread_logs_its_stack_once_per_stall() -> None:
-    engine, heartbeat, inbox = _HangingEngine(), Heartbeat(), QueueInbox()
+    engine, heartbeat = _HangingEngine(), Heartbeat()
+    inbox, commands = multiprocessing.Pipe(duplex=False)  # the loop's end, the test's
     loop = StepLoop(engine, inbox, _Outlet(), heartbeat)  # type: ignore[arg-type]
     thread = threading.Thread(target=loop.run, daemon=True)
     watchdog = asyncio.create_task(Watchdog(heartbeat, LIMITS, _nothing, print).run())
@@ -99,7 +100,7 @@ async def test_a_stalled_step_on_a_thread_logs_its_stack_once_per_stall() -> Non
             engine.let_go.put(None)  # the step ends; the next one hangs too: a second stall
             await _until(lambda: len(stacks()) == 2, "the second step's stack")
         finally:
-            inbox.put(None)
+            commands.send(None)
             engine.let_go.put(None)
             thread.join(10)
             watchdog.cancel()
@@ -114,13 +115,16 @@ async def test_a_stalled_step_on_a_thread_logs_its_stack_once_per_stall() -> Non
     assert "engine-stall-stacks" not in {t.name for t in threading.enumerate()}  # stopped with the loop
 
 
-def _hung_core(shared, log_path: str) -> None:  # type: ignore[no-untyped-def]
-    """The step loop's process (as engine/omnibus/engine/serving/core.py's), logging JSON lines to a file."""
+def _hung_step_loop_process(shared, log_path: str) -> None:  # type: ignore[no-untyped-def]
+    """The step loop's process (as engine/omnibus/engine/serving/step_loop_runners.py's), logging JSON
+    lines to a file."""
     from omnibus.common.logs import configure_logging
 
     os.dup2(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
     configure_logging("info")
-    StepLoop(_HangingEngine(), QueueInbox(), _Outlet(), Heartbeat(shared)).run()  # type: ignore[arg-type]
+    inbox, commands = multiprocessing.Pipe(duplex=False)  # no command comes; `commands` stays open
+    StepLoop(_HangingEngine(), inbox, _Outlet(), Heartbeat(shared)).run()  # type: ignore[arg-type]
+    commands.close()
 
 
 async def test_a_stalled_step_in_its_own_process_logs_its_stack(tmp_path: Path) -> None:
@@ -129,9 +133,9 @@ async def test_a_stalled_step_in_its_own_process_logs_its_stack(tmp_path: Path) 
     ctx = multiprocessing.get_context("spawn")
     shared = ctx.RawArray("d", Heartbeat.SLOTS)
     heartbeat = Heartbeat(shared)
-    log_path = tmp_path / "core.log"
-    core = ctx.Process(target=_hung_core, args=(shared, str(log_path)), daemon=True)
-    core.start()
+    log_path = tmp_path / "step-loop.log"
+    process = ctx.Process(target=_hung_step_loop_process, args=(shared, str(log_path)), daemon=True)
+    process.start()
     watchdog = asyncio.create_task(Watchdog(heartbeat, LIMITS, _nothing, print).run())
 
     def stacks() -> list[dict]:
@@ -144,8 +148,8 @@ async def test_a_stalled_step_in_its_own_process_logs_its_stack(tmp_path: Path) 
         await _until(lambda: stacks(), "the stalled step's stack from the step loop's process", 60)
     finally:
         watchdog.cancel()
-        core.kill()
-        core.join(10)
+        process.kill()
+        process.join(10)
     (line,) = stacks()
     assert line["level"] == "error" and line["step_seconds"] >= LIMITS.stall_seconds
     assert _names_the_hung_kernel(line["frames"]), line["frames"]

@@ -1,11 +1,11 @@
 """The step loop's asyncio face.
 
 The asyncio side never blocks on a step: it sends commands (add, abort, adapter and embed
-calls) to the step loop, which runs on a thread of this process (`ThreadCore`) or in a
-process of its own (`ProcessCore`, engine/omnibus/engine/serving/core.py). After each step every output
-comes back in one `loop.call_soon_threadsafe` per destination (a router's session, or one
-request's sink): one wake-up per step, not one per request and token. The step loop never
-waits on the network.
+calls) to the step loop, which runs on a thread of this process (`StepLoopThread`) or in a
+process of its own (`StepLoopProcess`, step_loop_runners.py). After each step every output
+comes back in one `loop.call_soon_threadsafe` per destination (a Session or Generate
+stream of the server, or one in-process `generate` call's sink): one wake-up per step, not
+one per request and token. The step loop never waits on the network.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from omnibus.engine.core.sequence import RequestOutput
 from omnibus.engine.engine import Engine, EngineStats
 from omnibus.engine.lora import AdapterInventory, AdapterStateError, UnknownAdapterError
 from omnibus.engine.serving.batcher import BatcherConfig, DynamicBatcher
-from omnibus.engine.serving.core import ProcessCore, ThreadCore
 from omnibus.engine.request import EngineRequest, as_request
 from omnibus.engine.serving.step_loop import Abort, AdapterLoaded, Call, Delivery, Refused
+from omnibus.engine.serving.step_loop_runners import StepLoopRunner, StepLoopThread
 
 __all__ = [
     "AdapterLoaded", "AdapterStateError", "AsyncEngine", "Delivery", "Destination", "Refused",
@@ -45,7 +45,7 @@ class Destination(Protocol):
 
 
 class _Sink:
-    """One request's destination (`AsyncEngine.generate`): its outputs, queued."""
+    """One in-process request's destination (`AsyncEngine.generate`): its outputs, queued."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -57,17 +57,17 @@ class _Sink:
 
 
 class AsyncEngine:
-    """`core`: an Engine (its step loop then runs on a thread here) or a started
-    ProcessCore. The outlet methods (`step`, `reply`, `crashed`) run on the step thread or
-    the core's reader thread, never on an event loop."""
+    """`runner`: an Engine (its step loop then runs on a thread here) or a built
+    StepLoopProcess. The outlet methods (`step`, `reply`, `crashed`) run on the step thread
+    or the step-loop process's reader thread, never on an event loop."""
 
-    def __init__(self, core: Engine | ThreadCore | ProcessCore,
+    def __init__(self, runner: Engine | StepLoopRunner,
                  embed_batching: BatcherConfig | None = None) -> None:
-        self.core = ThreadCore(core) if isinstance(core, Engine) else core
-        self.config = self.core.config
-        self.max_model_len = self.core.max_model_len
-        self.heartbeat = self.core.heartbeat  # beaten around each step, read by the watchdog
-        self._stats = self.core.first_stats
+        self.runner = StepLoopThread(runner) if isinstance(runner, Engine) else runner
+        self.config = self.runner.config
+        self.max_model_len = self.runner.max_model_len
+        self.heartbeat = self.runner.heartbeat  # beaten around each step, read by the watchdog
+        self._stats = self.runner.first_stats
         self._dests: dict[str, Destination] = {}  # request id -> where its outputs go
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}
         self._call_ids = itertools.count()
@@ -75,45 +75,36 @@ class AsyncEngine:
         self._batcher: DynamicBatcher | None = None
         self.error: BaseException | None = None  # set if the step loop died
 
-    @property
-    def engine(self) -> Engine:
-        """The engine itself, when its step loop runs on a thread of this process."""
-        if not isinstance(self.core, ThreadCore):
-            raise AttributeError("the engine runs in its own process")
-        return self.core.engine
-
     def start(self) -> None:
-        self.core.start(self)
+        self.runner.start(self)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._batcher is not None:
             self._batcher.close()
-        self.core.stop(timeout)
+        self.runner.stop(timeout)
 
     @property
     def is_alive(self) -> bool:
-        return self.core.is_alive()
+        return self.runner.is_alive()
 
     def stats(self) -> EngineStats:
         """The latest snapshot the step loop published."""
         return self._stats
 
     def _check_running(self) -> None:
-        if self.error is not None or not self.core.is_alive():  # not started, or gone
+        if self.error is not None or not self.runner.is_alive():  # not started, or gone
             raise StepLoopDown("the engine step loop is not running")
 
     def abort(self, request_id: str) -> None:
-        self.core.send(Abort(request_id))
+        self.runner.send(Abort(request_id))
 
-    def add(self, request: EngineRequest | str, *fields: Any, dest: Destination, **named: Any) -> None:
-        """Queues `request` (or the EngineRequest of its loose fields), whose outputs (or
-        Refused) go to `dest` step by step. Raises RuntimeError if the step loop is not
-        running."""
+    def add(self, request: EngineRequest, dest: Destination) -> None:
+        """Queues `request`, whose outputs (or Refused) go to `dest` step by step. Raises
+        StepLoopDown (a RuntimeError) if the step loop is not running."""
         self._check_running()
-        request = as_request(request, *fields, **named)
         request_id = request.request_id
         self._dests[request_id] = dest
-        self.core.send(request)
+        self.runner.send(request)
         if self.error is not None and self._dests.pop(request_id, None) is not None:
             # the loop died after the check and before `crashed` saw this destination
             raise StepLoopDown("the engine step loop is not running")
@@ -121,12 +112,13 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest | str, *fields: Any,
                        **named: Any) -> AsyncIterator[RequestOutput]:
         """Yield the outputs of `request` (or of the EngineRequest of its loose fields)
-        step by step. Raises ValueError / UnknownAdapterError if the engine refuses it.
-        Leaving the loop early (break, cancel) aborts it."""
+        step by step, in process (benchmarks, tests; the gRPC service serves its requests
+        through session.py). Raises ValueError / UnknownAdapterError if the engine refuses
+        it. Leaving the loop early (break, cancel) aborts it."""
         request = as_request(request, *fields, **named)
         request_id = request.request_id
         sink = _Sink(asyncio.get_running_loop())
-        self.add(request, dest=sink)
+        self.add(request, sink)
         finished = False
         try:
             while not finished:
@@ -192,13 +184,13 @@ class AsyncEngine:
         future = loop.create_future()
         call_id = next(self._call_ids)
         self._calls[call_id] = (loop, future)
-        self.core.send(Call(call_id, op, args))
+        self.runner.send(Call(call_id, op, args))
         try:
             return await future
         finally:
             self._calls.pop(call_id, None)
 
-    # ---- the outlet: called by the step loop's thread or the core's reader ---
+    # ---- the outlet: called by the step loop's thread or the process's reader ---
 
     def step(self, outputs: list[Delivery], stats: EngineStats | None, settled: bool) -> None:
         if outputs:  # before the stats: whoever sees the engine settled has its outputs queued

@@ -368,17 +368,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(config: EngineConfig, server_config: ServerConfig, step_loop: str, log_level: str) -> int:
     import uvloop
 
-    from omnibus.engine.serving.core import EngineLoadError, ProcessCore, load_engine, resolve_step_loop
+    from omnibus.engine.serving.loading import EngineLoadError, load_engine
     from omnibus.engine.serving.server import serve
+    from omnibus.engine.serving.step_loop_runners import StepLoopProcess, resolve_step_loop
 
     try:
         step_loop = resolve_step_loop(step_loop, config)
-        core = ProcessCore(config, log_level) if step_loop == "process" else load_engine(config)
+        served = StepLoopProcess(config, log_level) if step_loop == "process" else load_engine(config)
     except EngineLoadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
-        uvloop.run(serve(core, server_config))
+        uvloop.run(serve(served, server_config))
     except OSError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

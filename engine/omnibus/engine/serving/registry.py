@@ -27,13 +27,13 @@ class Live:
     request_id: str
     adapter: str
     arrival: float  # time.monotonic()
-    session: SessionStream | None = None  # None: a Generate call
+    session: SessionStream  # a router's Session stream, or a Generate call's own
     handle: int = 0  # the session's number for it
     first: float | None = None  # when its first token went out
     tokens: int = 0
     prompt: int = 0
     cached: int = 0
-    timer: asyncio.TimerHandle | None = None  # its deadline, on a session
+    timer: asyncio.TimerHandle | None = None  # its deadline
 
     def saw(self, out: RequestOutput) -> None:
         """Notes what `out`, one of its outputs, says of its progress."""
@@ -71,8 +71,8 @@ class Registry:
         """The requests `session` still serves."""
         return [live for live in self._live.values() if live.session is session]
 
-    def open(self, request_id: str, adapter: str, session: SessionStream | None = None, handle: int = 0) -> Live:
-        """Registers an admitted request (by `session`, or a Generate call when None)."""
+    def open(self, request_id: str, adapter: str, session: SessionStream, handle: int = 0) -> Live:
+        """Registers an admitted request, served by `session`."""
         live = self._live[request_id] = Live(request_id, adapter, time.monotonic(), session, handle)
         self.num_requests += 1
         return live

@@ -1,6 +1,6 @@
-"""What the engine's gRPC service answers, written once for its two request paths
-(Session and Generate) and its other calls: an output as a response message, and the
-one mapping from a failure to a gRPC status."""
+"""What the engine's gRPC service answers, written once for its requests (Session and
+Generate: session.py) and its other calls: an output as a response message, and the one
+mapping from a failure to a gRPC status."""
 
 from __future__ import annotations
 
@@ -17,16 +17,15 @@ SHUTTING_DOWN = "the engine is shutting down; send the request to another engine
 STALLED = "the engine's step loop is stalled (watchdog); send the request to another engine"
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 class Refusal(Exception):
     """A request the service did not admit, and the status that says why."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code, self.message = code, message
-
-
-def response_proto(out: RequestOutput) -> engine_pb2.EngineGenerateResponse:
-    return fill(engine_pb2.EngineGenerateResponse(), out)
 
 
 def fill(msg: engine_pb2.EngineGenerateResponse, out: RequestOutput) -> engine_pb2.EngineGenerateResponse:
@@ -84,3 +83,8 @@ def error_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "the request's deadline passed; it was aborted"
     return grpc.StatusCode.INTERNAL, f"engine failure: {exc}"
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The status whose number an output's status_code holds."""
+    return _STATUS_CODES[number]

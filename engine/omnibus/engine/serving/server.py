@@ -2,7 +2,7 @@
 or SIGINT, drain, stop.
 
 `start` puts the pieces together: the step loop's asyncio face (AsyncEngine, over a
-ThreadCore or a ProcessCore, `--step-loop`), the `omnibus.v1.Engine` service
+StepLoopThread or a StepLoopProcess, `--step-loop`), the `omnibus.v1.Engine` service
 (service.py), its metrics (metrics.py) and adapter catalog (catalog.py), health, the
 watchdog and a guard that exits when the step loop dies. SIGTERM drains: health goes
 NOT_SERVING, new requests get UNAVAILABLE, in-flight streams get `drain_seconds` to
@@ -29,9 +29,9 @@ from omnibus.engine.engine import Engine
 from omnibus.engine.serving.async_engine import AsyncEngine
 from omnibus.engine.serving.catalog import AdapterCatalog
 from omnibus.engine.serving.config import ServerConfig
-from omnibus.engine.serving.core import ProcessCore, ThreadCore
 from omnibus.engine.serving.metrics import EngineMetrics
 from omnibus.engine.serving.service import EngineService
+from omnibus.engine.serving.step_loop_runners import StepLoopProcess, StepLoopThread
 from omnibus.engine.serving.watchdog import Watchdog
 
 __all__ = ["RunningServer", "ServerConfig", "serve", "start"]
@@ -62,11 +62,11 @@ class RunningServer:
 
 
 async def start(
-    engine: Engine | ProcessCore, config: ServerConfig,
+    engine: Engine | StepLoopProcess, config: ServerConfig,
     watchdog_exit: Callable[[str], None] = exit_process,
 ) -> RunningServer:
     """Starts serving `engine` (already loaded and warmed up; its step loop then runs on a
-    thread here) or a ProcessCore (the step loop in its own process) on the running event
+    thread here) or a StepLoopProcess (the step loop in its own process) on the running event
     loop. `watchdog_exit` ends the process when a step stays stalled (tests record it)."""
     aengine = AsyncEngine(engine, config.embed_batching)
     aengine.start()
@@ -99,7 +99,7 @@ async def start(
         port=config.port,
         **config.security.describe(),
         model=aengine.config.model,
-        step_loop="thread" if isinstance(aengine.core, ThreadCore) else "process",
+        step_loop="thread" if isinstance(aengine.runner, StepLoopThread) else "process",
         kv_blocks=stats.num_total_blocks,
         max_num_seqs=aengine.config.max_num_seqs,
         max_model_len=aengine.max_model_len,
@@ -131,7 +131,7 @@ async def _exit_when_the_step_loop_dies(
     exit(message)
 
 
-async def serve(engine: Engine | ProcessCore, config: ServerConfig) -> None:
+async def serve(engine: Engine | StepLoopProcess, config: ServerConfig) -> None:
     """Serves `engine` (see `start`) until SIGTERM or SIGINT, then drains."""
     stop = stop_on_signal()
     running = await start(engine, config)

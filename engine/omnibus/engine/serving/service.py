@@ -4,11 +4,13 @@ embeddings and adapter calls.
 The step loop runs on its own thread or in a process of its own; this asyncio service
 only moves requests in and tokens out, so it never blocks on a step. Routers use
 Session (session.py): one stream per router carries its adds and aborts in, and one
-update per step with every new token of its requests out; Generate, one stream per
-request, stays for tools and tests. Both admit through `admit`, end through the one
-registry (registry.py) and answer failures with the one mapping (replies.py). A request's
-deadline (deadline_ms, or Generate's gRPC deadline) aborts the sequence when it passes,
-freeing its KV blocks. While draining, new requests get UNAVAILABLE.
+update per step with every new token of its requests out. Generate, one call per
+request, stays for tools and tests; it is served by a SessionStream of its own with that
+one request, its gRPC deadline folded into deadline_ms first. So every request is
+admitted by `admit`, has its deadline kept by the one timer (`SessionStream.add`: the
+sequence is aborted when it passes, freeing its KV blocks), ends through the one registry
+(registry.py) and has its failures answered by the one mapping (replies.py). While
+draining, new requests get UNAVAILABLE.
 
 LoRA adapters: a request names one (loaded in the background on first use); load
 reports carry the adapters in device slots, in host memory and on disk (for the
@@ -22,25 +24,22 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import NoReturn, cast
+from typing import NoReturn
 
 import grpc
 import structlog
 from omnibus.v1 import engine_pb2, engine_pb2_grpc, inference_pb2
 
-from omnibus.engine.core.sequence import RequestOutput
-from omnibus.engine.engine import EngineStats, UnknownAdapterError
+from omnibus.engine.engine import EngineStats
 from omnibus.engine.lora import AdapterInventory
-from omnibus.engine.request import EngineRequest
 from omnibus.engine.serving.async_engine import AsyncEngine, StepLoopDown
 from omnibus.engine.serving.batcher import QueueFullError, QueueTimeoutError
 from omnibus.engine.serving.catalog import AdapterCatalog
 from omnibus.engine.serving.metrics import EngineMetrics
 from omnibus.engine.serving.registry import Live, Registry
-from omnibus.engine.serving.replies import (
-    SHUTTING_DOWN, STALLED, Refusal, error_status, output_error, response_proto)
+from omnibus.engine.serving.replies import SHUTTING_DOWN, STALLED, Refusal, error_status, status_code
 from omnibus.engine.serving.session import SessionStream
 
 log = structlog.get_logger("engine.server")
@@ -49,6 +48,7 @@ DEFAULT_REPORT_INTERVAL_S = 0.05
 MIN_REPORT_INTERVAL_S = 0.01
 HEARTBEAT_S = 1.0  # a report at least this often, changed or not: routers treat silence as death
 ABORT_WAIT_S = 2.0  # after the drain grace, how long aborted streams get to report ABORTED
+MAX_DEADLINE_MS = 2**32 - 1  # deadline_ms is a uint32 (~49.7 days)
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
@@ -68,9 +68,9 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     # ---- requests ------------------------------------------------------------
 
-    def admit(self, msg: engine_pb2.EngineGenerateRequest, session: SessionStream | None = None) -> Live:
-        """Registers `msg`'s request, served by `session` (None: a Generate call); raises
-        Refusal (counted in the metrics) when the engine will not take it."""
+    def admit(self, msg: engine_pb2.EngineGenerateRequest, session: SessionStream) -> Live:
+        """Registers `msg`'s request, served by `session` (a router's, or a Generate call's
+        own); raises Refusal (counted in the metrics) when the engine will not take it."""
         code, message = self._refusal(msg)
         if code is not None:
             self.requests.refused(code)
@@ -121,51 +121,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
     async def Generate(
         self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
-        try:
-            live = self.admit(request)
-        except Refusal as refusal:
-            await context.abort(refusal.code, refusal.message)
-            return
-        outcome: str | grpc.StatusCode = "cancelled"
-        try:
-            async for out in self._outputs(request, context):
-                live.saw(out)
-                if out.finished:
-                    outcome = out.finish_reason or "stop"
-                yield response_proto(out)
-        except (ValueError, UnknownAdapterError, TimeoutError, RuntimeError) as exc:
-            outcome, message = error_status(exc)
-            await context.abort(outcome, message)
-        finally:
-            self.requests.end(live, outcome)
-
-    async def _outputs(
-        self, request: engine_pb2.EngineGenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs until it finishes, its deadline passes (TimeoutError) or
-        the call is cancelled; leaving early aborts the sequence."""
-        remaining = context.time_remaining()
-        if request.deadline_ms:
-            remaining = min(remaining or math.inf, request.deadline_ms / 1000)
-        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
-        # The scheduler's clock is time.monotonic (the loop's clock, but not guaranteed to be).
-        scheduler_deadline = None if remaining is None else time.monotonic() + remaining
-        # AsyncEngine.generate is an async generator function (it is annotated as an iterator).
-        stream = cast(
-            AsyncGenerator[RequestOutput, None],
-            self.aengine.generate(EngineRequest.from_proto(request, scheduler_deadline)),
-        )
-        async with aclosing(stream):
-            while True:
-                # The timeout wraps only the wait for the next step, never the yield.
-                async with asyncio.timeout_at(deadline):
-                    out = await anext(stream)
-                error = output_error(out)
-                if error is not None:
-                    raise error
-                yield out
-                if out.finished:
-                    return
+        stream = SessionStream(self, asyncio.get_running_loop(), merges=False)
+        msg = _with_call_deadline(request, context.time_remaining())
+        async with aclosing(stream.one(msg)) as entries:
+            async for entry in entries:
+                if entry.status_code:  # a refusal or failure: the call's status
+                    await context.abort(status_code(entry.status_code), entry.status_message)
+                yield entry
 
     # ---- embeddings, load and stats --------------------------------------------
 
@@ -331,6 +293,21 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         for rid in self.requests.ids():
             self.aengine.abort(rid)
         await _wait_until(lambda: not self.requests, ABORT_WAIT_S)
+
+
+def _with_call_deadline(
+    request: engine_pb2.EngineGenerateRequest, remaining: float | None
+) -> engine_pb2.EngineGenerateRequest:
+    """A Generate call's request as a session's add: the call's gRPC deadline (`remaining`
+    seconds, None: none) folded into deadline_ms, the earlier of the two counting, and no
+    handle (Generate's messages carry none)."""
+    msg = engine_pb2.EngineGenerateRequest()
+    msg.CopyFrom(request)
+    msg.handle = 0
+    if remaining is not None:
+        ms = min(max(1, math.ceil(remaining * 1000)), MAX_DEADLINE_MS)  # 0 would mean none
+        msg.deadline_ms = min(msg.deadline_ms, ms) if msg.deadline_ms else ms
+    return msg
 
 
 async def _wait_until(done: Callable[[], bool], timeout: float, poll: float = 0.02) -> bool:

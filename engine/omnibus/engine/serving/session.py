@@ -1,10 +1,12 @@
 """One router's Session stream: its adds and aborts in, one update per step with every
-new token of its requests out."""
+new token of its requests out. A Generate call is served by a stream of its own with one
+request (`one`), whose updates it sends entry by entry: the same admission, deadline,
+delivery, failure and end as a router's request."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -25,14 +27,17 @@ class SessionStream:
     whatever is pending when it can, so steps the router has not read yet are merged. A
     started request's plain token (no logprobs, no finish) costs two list appends, sent as
     the update's packed (handle, token) pairs when the router reads them (`packed`); the
-    rest become entries, one per request and update."""
+    rest become entries, one per request and update. With `merges` off (a Generate call:
+    one message per step) every output is an entry of its own."""
 
-    def __init__(self, service: EngineService, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, service: EngineService, loop: asyncio.AbstractEventLoop,
+                 merges: bool = True) -> None:
         self.loop = loop
         self._service = service
         self._requests = service.requests
         self.packed = False  # the router said it reads SessionUpdate.tokens
         self.pending = engine_pb2.SessionUpdate()
+        self._merges = merges
         # request -> its entry in `pending`: steps the writer has not sent yet (the router
         # reads slower than steps come) are merged into one entry per request
         self._entries: dict[Live, engine_pb2.EngineGenerateResponse] = {}
@@ -45,7 +50,7 @@ class SessionStream:
 
     async def run(
         self, requests: AsyncIterator[engine_pb2.SessionRequest]
-    ) -> AsyncIterator[engine_pb2.SessionUpdate]:
+    ) -> AsyncGenerator[engine_pb2.SessionUpdate, None]:
         """The stream's updates, until the router's side ends or `close`; on the way out
         the requests still running are aborted (the router is gone: free their KV)."""
         reader = asyncio.create_task(self._read(requests))
@@ -62,6 +67,29 @@ class SessionStream:
             for live in self._requests.of(self):
                 self._cancel(live)
 
+    async def one(
+        self, msg: engine_pb2.EngineGenerateRequest
+    ) -> AsyncGenerator[engine_pb2.EngineGenerateResponse, None]:
+        """A Generate call's stream: `msg`'s entries, one per output (a refusal or failure:
+        an entry with its status), until it ends. Leaving early aborts it (the caller has
+        gone: free its KV)."""
+        live = self.add(msg)
+        try:
+            while True:
+                await self.ready.wait()
+                # Ended before this take, its last entry is in it (outputs come while the
+                # entries below are written: an end seen after them may have more).
+                ended = live is None or self._requests.get(live.request_id) is not live
+                update = self.take()
+                if update is not None:
+                    for entry in update.outputs:
+                        yield entry
+                if ended:
+                    return
+        finally:
+            if live is not None and self._requests.get(live.request_id) is live:
+                self._cancel(live)
+
     def close(self) -> None:
         """Ends the stream once what is pending has gone out."""
         self.closed = True
@@ -72,7 +100,7 @@ class SessionStream:
             async for request in requests:
                 self.packed = request.packed_tokens
                 for add in request.add:
-                    self._add(add)
+                    self.add(add)
                 for request_id in request.abort:
                     live = self._requests.get(request_id)
                     if live is not None and live.session is self:
@@ -82,21 +110,24 @@ class SessionStream:
         finally:
             self.close()
 
-    def _add(self, msg: engine_pb2.EngineGenerateRequest) -> None:
+    def add(self, msg: engine_pb2.EngineGenerateRequest) -> Live | None:
+        """Admits `msg`'s request, whose deadline (deadline_ms) aborts it when it passes; None
+        when it was refused (the pending update says why)."""
         try:
             live = self._service.admit(msg, self)
         except Refusal as refusal:
             self.refuse(msg.handle, refusal.code, refusal.message)
-            return
+            return None
         deadline = None
         if msg.deadline_ms:
             remaining = msg.deadline_ms / 1000
             deadline = live.arrival + remaining
             live.timer = self.loop.call_later(remaining, self._expire, live)
         try:
-            self._service.aengine.add(EngineRequest.from_proto(msg, deadline), dest=self)
+            self._service.aengine.add(EngineRequest.from_proto(msg, deadline), self)
         except (ValueError, RuntimeError) as exc:
             self.fail(live, exc)
+        return live
 
     def _cancel(self, live: Live) -> None:
         self._service.aengine.abort(live.request_id)
@@ -132,7 +163,9 @@ class SessionStream:
                         self._tokens.append(token)
                     live.tokens = item.num_output_tokens
                     continue
-                entry = self._entries[live] = outputs.add(handle=live.handle)
+                entry = outputs.add(handle=live.handle)
+                if self._merges:
+                    self._entries[live] = entry
             fill(entry, item)  # tokens and logprobs append; counts and finish are the latest
             live.saw(item)
             if item.finished:

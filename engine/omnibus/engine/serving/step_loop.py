@@ -1,10 +1,10 @@
 """The engine's step loop: applies commands between steps, runs steps, hands results over.
 
-It knows nothing of its transport: commands come from an `Inbox`, each step's outputs and
-the replies to calls go to an `Outlet`. `AsyncEngine` runs it on a thread of the server's
-process, or in a process of its own (engine/omnibus/engine/serving/core.py), where the loop that feeds
-the device never waits for the GIL held by the server's gRPC and asyncio work. Every
-command is plain picklable data.
+It knows nothing of its transport: commands come from an `Inbox` (a pipe's `poll` and
+`recv`), each step's outputs and the replies to calls go to an `Outlet`. It runs on a
+thread of the server's process, or in a process of its own (step_loop_runners.py), where
+the loop that feeds the device never waits for the GIL held by the server's gRPC and
+asyncio work. Every command is plain picklable data.
 
 The LoRA manager belongs to this loop: adapter calls run here, between steps, so they
 never race a step that uses the device slots. A structured-output format compiles on a
@@ -15,7 +15,6 @@ compile delays only its own request; the request is added once its grammar is ca
 from __future__ import annotations
 
 import collections
-import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -82,10 +81,13 @@ Command = EngineRequest | Abort | Call | None  # an EngineRequest: add it; None:
 
 
 class Inbox(Protocol):
-    def get(self, timeout: float | None) -> Command:
-        """The next command, waiting up to `timeout` s (None: forever); raises queue.Empty."""
+    """Where commands come from: the step loop's end of its pipe, or `StepLoopThread`."""
 
-    def get_nowait(self) -> Command: ...
+    def poll(self, timeout: float | None) -> bool:
+        """Whether a command waits, after up to `timeout` s (0: none; None: until one does)."""
+
+    def recv(self) -> Command:
+        """The next command; EOFError when the sender has gone (the loop stops)."""
 
 
 class Outlet(Protocol):
@@ -161,19 +163,21 @@ class StepLoop:
             stacks.stop()
             if self._grammar_pool is not None:
                 self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+            engine.close()  # tensor parallelism: the ranks stop with the loop
 
     def _drain(self, timeout: float | None) -> bool:
         """Applies the queued commands, waiting up to `timeout` s for the first (0: not at
         all); False if none came."""
-        try:
-            cmd = self.inbox.get_nowait() if timeout == 0.0 else self.inbox.get(timeout)
-        except queue.Empty:
+        inbox = self.inbox
+        if not inbox.poll(timeout):
             return False
         while True:
-            self._apply(cmd)
             try:
-                cmd = self.inbox.get_nowait()
-            except queue.Empty:
+                cmd = inbox.recv()
+            except EOFError:  # the server is gone: stop
+                cmd = None
+            self._apply(cmd)
+            if not inbox.poll(0.0):
                 break
         self._flush_refused()
         return True
@@ -327,16 +331,3 @@ class StepLoop:
         self._publish([], settled=True)
         return True
 
-
-class QueueInbox:
-    """Commands from threads of the same process."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self.put = self._queue.put
-
-    def get(self, timeout: float | None) -> Command:
-        return self._queue.get(timeout=timeout)
-
-    def get_nowait(self) -> Command:
-        return self._queue.get_nowait()

@@ -1,14 +1,19 @@
-"""Where the step loop runs: on a thread of the server's process (`ThreadCore`) or in a
-process of its own (`ProcessCore`, `omnibus-engine serve --step-loop process`).
+"""Where the step loop runs: on a thread of the server's process (`StepLoopThread`) or in a
+process of its own (`StepLoopProcess`, `omnibus-engine serve --step-loop process`).
 
 In its own process the loop that feeds the device shares no GIL with the server's gRPC
 and asyncio work (as vLLM v1's EngineCore and SGLang's scheduler run): commands go down a
 pipe as pickled dataclasses, and each step comes back as one message with every output
-of that step (and, when the step loop publishes them, its stats). A
-reader thread in the server's process hands them to `AsyncEngine`. The step loop beats
-the watchdog's heartbeat in shared memory. The process is spawned, not forked, so CUDA
-starts clean in it; it ignores SIGINT (the server drains and then stops it) and exits
-when the server's end of the pipe closes.
+of that step (and, when the step loop publishes them, its stats). A reader thread in the
+server's process hands them to `AsyncEngine`. The step loop reads its commands from the
+pipe itself (the pipe's `poll` and `recv` are its inbox) and beats the watchdog's
+heartbeat in shared memory. The process is spawned, not forked, so CUDA starts clean in
+it; it ignores SIGINT (the server drains and then stops it) and exits when the server's
+end of the pipe closes.
+
+On a thread, commands wait in a queue that `StepLoopThread` itself hands the loop with
+the pipe's two verbs, and outputs go straight to `AsyncEngine`: the same objects, not
+pickled.
 """
 
 from __future__ import annotations
@@ -23,8 +28,7 @@ import queue
 import signal
 import sys
 import threading
-import time
-from pathlib import Path
+from collections.abc import MutableSequence
 
 import structlog
 
@@ -32,97 +36,12 @@ from omnibus.common.heap import freeze_heap
 from omnibus.common.threads import name_this_thread
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.core.sequence import RequestOutput
-from omnibus.engine.engine import AdapterError, Engine, EngineStats
-from omnibus.engine.serving.step_loop import Command, Delivery, Outlet, QueueInbox, Refused, StepLoop
+from omnibus.engine.engine import Engine, EngineStats
+from omnibus.engine.serving.loading import EngineLoadError, load_engine
+from omnibus.engine.serving.step_loop import Command, Delivery, Outlet, Refused, StepLoop
 from omnibus.engine.serving.watchdog import Heartbeat
 
 log = structlog.get_logger(__name__)
-
-PRELOAD_TIMEOUT_S = 300.0
-
-
-class EngineLoadError(Exception):
-    """The engine could not be built: the message says what to fix."""
-
-
-def load_engine(config: EngineConfig) -> Engine:
-    """The engine of `config`, warmed up, with its --preload-adapters in host memory.
-    Raises EngineLoadError."""
-    if config.adapter_dir is not None and not Path(config.adapter_dir).is_dir():
-        raise EngineLoadError(f"--adapter-dir {config.adapter_dir} is not a directory")
-    if config.device.startswith("cuda"):
-        _check_cuda(config.device)
-    if config.load_format == "null" and config.device == "cpu":
-        import torch
-
-        # The null model's CPU tensors are a few hundred elements: more intra-op threads
-        # only add the CPU they spin on (on a GPU these ops are the device's), which would
-        # count against the host path the null model exists to measure.
-        torch.set_num_threads(1)
-    try:
-        engine = Engine(config)
-        engine.warmup()
-    except AdapterError as exc:  # a --preload-adapters adapter this engine cannot serve
-        raise EngineLoadError(f"--preload-adapters: {exc}") from exc
-    except (OSError, ValueError) as exc:  # ModelLoadError
-        raise EngineLoadError(f"cannot load {config.model}: {exc}") from exc
-    except LookupError as exc:  # UnknownAdapterError: a --preload-adapters name
-        raise EngineLoadError(f"--preload-adapters: {exc}") from exc
-    except (MemoryError, RuntimeError) as exc:
-        if not _out_of_memory(exc):
-            raise
-        raise EngineLoadError(
-            f"cannot load {config.model}: out of {config.device} memory "
-            f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}); the weights, "
-            "the KV pool (--kv-cache-memory, --num-kv-blocks) and the rotary tables, one row per position "
-            "up to --max-model-len (default: config.json's max_position_embeddings), must fit: lower "
-            "those or use a larger device") from exc
-    preload(engine)
-    return engine
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """torch's allocation failures: torch.OutOfMemoryError (CUDA), a RuntimeError from the
-    CPU allocator, or Python's MemoryError."""
-    import torch
-
-    return (isinstance(exc, (MemoryError, torch.OutOfMemoryError))
-            or "can't allocate memory" in str(exc) or "out of memory" in str(exc))
-
-
-def _check_cuda(device: str) -> None:
-    """EngineLoadError when `device` (cuda or cuda:N) is not a GPU this process can use."""
-    import torch
-
-    if not torch.cuda.is_available():
-        why = ("this torch build has no CUDA" if torch.version.cuda is None
-               else f"torch (CUDA {torch.version.cuda}) finds no GPU: check the driver and CUDA_VISIBLE_DEVICES")
-        raise EngineLoadError(f"--device {device}: {why}; use --device cpu to run on the CPU")
-    index = int(device.partition(":")[2] or 0)
-    if index >= torch.cuda.device_count():
-        raise EngineLoadError(f"--device {device}: there are {torch.cuda.device_count()} GPUs "
-                              f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
-
-
-def preload(engine: Engine, timeout: float = PRELOAD_TIMEOUT_S) -> None:
-    """Waits until the --preload-adapters (whose loads Engine() started) are in host
-    memory. Raises EngineLoadError naming an adapter that failed to load. Runs before the
-    step loop starts, so polling the manager here is safe."""
-    from omnibus.engine.lora import AdapterLoadError
-
-    adapters = engine.adapters
-    pending = list(engine.config.preload_adapters) if adapters is not None else []
-    end = time.monotonic() + timeout
-    while pending:
-        for name in list(pending):
-            try:
-                if adapters.ready(name):
-                    pending.remove(name)
-            except AdapterLoadError as exc:
-                raise EngineLoadError(f"cannot preload adapter {name!r}: {exc.reason}") from exc
-        if pending and time.monotonic() > end:
-            raise EngineLoadError(f"preloading {pending} took more than {timeout:.0f} s")
-        time.sleep(0.005)
 
 
 def resolve_step_loop(requested: str, config: EngineConfig) -> str:
@@ -139,8 +58,10 @@ def resolve_step_loop(requested: str, config: EngineConfig) -> str:
     return "thread" if config.device == "cpu" and config.load_format == "null" else "process"
 
 
-class ThreadCore:
-    """The step loop on a thread of this process (tests, benchmarks, `--step-loop thread`)."""
+class StepLoopThread:
+    """The step loop on a thread of this process (tests, benchmarks, `--step-loop thread`).
+    It is also the loop's inbox: `send` queues a command, `poll` and `recv` (a pipe's
+    verbs, which the loop reads) take it off."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -148,27 +69,42 @@ class ThreadCore:
         self.max_model_len = engine.model_config.max_model_len
         self.first_stats = engine.stats()
         self.heartbeat = Heartbeat()
-        self._inbox = QueueInbox()
+        self._queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._polled: list[Command] = []  # the command `poll` took off the queue, for `recv`
         self._thread: threading.Thread | None = None
 
     def start(self, outlet: Outlet) -> None:
-        loop = StepLoop(self.engine, self._inbox, outlet, self.heartbeat)
+        loop = StepLoop(self.engine, self, outlet, self.heartbeat)
         self._thread = threading.Thread(target=loop.run, name="engine-step-loop", daemon=True)
         self._thread.start()
 
     def send(self, cmd: Command) -> None:
-        self._inbox.put(cmd)
+        self._queue.put(cmd)
+
+    def poll(self, timeout: float | None) -> bool:
+        """Whether a command waits, after up to `timeout` s (None: until one does)."""
+        if not self._polled:
+            try:
+                cmd = self._queue.get_nowait() if timeout == 0.0 else self._queue.get(timeout=timeout)
+            except queue.Empty:
+                return False
+            self._polled.append(cmd)
+        return True
+
+    def recv(self) -> Command:
+        """The next command (waiting for one if none has come)."""
+        return self._polled.pop() if self._polled else self._queue.get()
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float) -> None:
-        self._inbox.put(None)
+        self.send(None)
         if self._thread is not None:
             self._thread.join(timeout)
 
 
-class ProcessCore:
+class StepLoopProcess:
     """The step loop in a spawned process of its own. Building it loads the engine there
     (model, warm-up, preloads) and raises EngineLoadError if that fails. Build it on a
     thread that lives as long as the server (the main thread): on Linux the process is
@@ -180,9 +116,9 @@ class ProcessCore:
         self._conn, child = ctx.Pipe()
         shared = ctx.RawArray("d", Heartbeat.SLOTS)
         self.heartbeat = Heartbeat(shared)
-        self._process = ctx.Process(target=_core_main,
+        self._process = ctx.Process(target=_step_loop_main,
                                     args=(config, child, shared, log_level, os.getpid()),
-                                    name="omnibus-engine-core", daemon=True)
+                                    name="omnibus-step-loop", daemon=True)
         self._process.start()
         child.close()
         self._send_lock = threading.Lock()
@@ -207,14 +143,14 @@ class ProcessCore:
         except EOFError:  # it died without a word (killed, or a crash below Python)
             self._process.join(5.0)
             raise EngineLoadError(
-                f"the engine core process exited (code {self._process.exitcode}) while loading"
+                f"the step-loop process exited (code {self._process.exitcode}) while loading"
             ) from None
         if msg[0] == "failed":
             raise EngineLoadError(msg[1])
         return msg[1], msg[2]
 
     def start(self, outlet: Outlet) -> None:
-        self._reader = threading.Thread(target=self._read, args=(outlet,), name="engine-core-reader",
+        self._reader = threading.Thread(target=self._read, args=(outlet,), name="step-loop-reader",
                                         daemon=True)
         self._reader.start()
 
@@ -222,7 +158,7 @@ class ProcessCore:
         try:
             with self._send_lock:
                 self._conn.send(cmd)
-        except OSError:  # the core is gone: its reader reports that (crashed) to everyone
+        except OSError:  # the process is gone: its reader reports that (crashed) to everyone
             pass
 
     def is_alive(self) -> bool:
@@ -233,7 +169,7 @@ class ProcessCore:
         self.send(None)
         self._process.join(timeout)
         if self._process.is_alive():
-            log.warning("engine_core_kill", pid=self._process.pid)
+            log.warning("step_loop_process_kill", pid=self._process.pid)
             self._process.kill()
             self._process.join()
         if self._reader is not None:
@@ -241,7 +177,7 @@ class ProcessCore:
         self._conn.close()
 
     def _read(self, outlet: Outlet) -> None:
-        """The reader thread: every message of the core, in order, handed to `outlet`."""
+        """The reader thread: every message of the step loop, in order, handed to `outlet`."""
         name_this_thread("omnibus-reader")
         conn = self._conn
         try:
@@ -263,14 +199,17 @@ class ProcessCore:
                 return
             self._process.join(1.0)
             outlet.crashed(RuntimeError(
-                f"the engine core process exited (code {self._process.exitcode})"))
+                f"the step-loop process exited (code {self._process.exitcode})"))
 
 
-# ---- the core process ----------------------------------------------------------
+StepLoopRunner = StepLoopThread | StepLoopProcess
 
 
-def _core_main(config: EngineConfig, conn: multiprocessing.connection.Connection,
-               shared, log_level: str, server_pid: int) -> None:
+# ---- the step-loop process -------------------------------------------------------
+
+
+def _step_loop_main(config: EngineConfig, conn: multiprocessing.connection.Connection,
+                    shared: MutableSequence[float], log_level: str, server_pid: int) -> None:
     from omnibus.common.logs import configure_logging, quiet_shutdown
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the server drains, then stops us
@@ -287,7 +226,7 @@ def _core_main(config: EngineConfig, conn: multiprocessing.connection.Connection
         return
     conn.send(("ready", engine.model_config.max_model_len, engine.stats()))
     freeze_heap()
-    StepLoop(engine, _PipeInbox(conn), _PipeOutlet(conn), Heartbeat(shared)).run()
+    StepLoop(engine, conn, _PipeOutlet(conn), Heartbeat(shared)).run()
 
 
 def _die_with(server_pid: int) -> None:
@@ -303,23 +242,9 @@ def _die_with(server_pid: int) -> None:
         os._exit(1)
 
 
-class _PipeInbox:
-    def __init__(self, conn: multiprocessing.connection.Connection) -> None:
-        self._conn = conn
-
-    def get(self, timeout: float | None) -> Command:
-        if not self._conn.poll(timeout):
-            raise queue.Empty
-        try:
-            return self._conn.recv()
-        except EOFError:  # the server is gone: stop
-            return None
-
-    def get_nowait(self) -> Command:
-        return self.get(0.0)
-
-
 class _PipeOutlet:
+    """The step loop's outlet in its own process: each step, reply and crash up the pipe."""
+
     def __init__(self, conn: multiprocessing.connection.Connection) -> None:
         self._conn = conn
 
@@ -338,7 +263,7 @@ class _PipeOutlet:
     def crashed(self, error: BaseException) -> None:
         self._send(("crashed", _portable(error)))
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: tuple[object, ...]) -> None:
         try:
             self._conn.send(msg)
         except OSError:  # BrokenPipeError: the server process is gone, nothing to serve

@@ -1,6 +1,7 @@
 """The step loop in a process of its own (`--step-loop process`): the same outputs as on
 a thread, refusals and call errors cross the pipe with their types, aborts free the KV,
-the shared heartbeat counts the child's steps, and a dead core fails its requests."""
+the shared heartbeat counts the child's steps, and a dead step-loop process fails its
+requests."""
 
 import asyncio
 import os
@@ -11,8 +12,10 @@ import pytest
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import Engine
 from omnibus.engine.lora import AdapterStateError
+from omnibus.engine.request import as_request
 from omnibus.engine.serving.async_engine import AsyncEngine
-from omnibus.engine.serving.core import EngineLoadError, ProcessCore, resolve_step_loop
+from omnibus.engine.serving.loading import EngineLoadError
+from omnibus.engine.serving.step_loop_runners import StepLoopProcess, resolve_step_loop
 from omnibus.engine.worker.sampling import SamplingParams
 from tests.checkpoints import make_checkpoint
 
@@ -22,15 +25,15 @@ PROMPTS = {"a": [5, 6, 7], "b": [9, 10, 11, 12, 13], "c": [3] * 20}
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory) -> EngineConfig:
-    model = make_checkpoint(tmp_path_factory.mktemp("core") / "m")
+    model = make_checkpoint(tmp_path_factory.mktemp("step-loop") / "m")
     return EngineConfig(model=str(model), dtype="float32", num_kv_blocks=32)
 
 
 @pytest.fixture(scope="module")
-def core(config):
-    """One spawned core for the module's tests (a spawn costs seconds on this machine)."""
-    core = ProcessCore(config)
-    aengine = AsyncEngine(core)
+def process(config):
+    """One spawned step-loop process for the module's tests (a spawn costs seconds on this
+    machine), behind its AsyncEngine."""
+    aengine = AsyncEngine(StepLoopProcess(config))
     aengine.start()
     yield aengine
     aengine.shutdown()
@@ -52,76 +55,76 @@ async def _settled(aengine: AsyncEngine) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_the_process_core_streams_what_the_thread_core_does(config, core):
+async def test_the_step_loop_process_streams_what_the_step_loop_thread_does(config, process):
     on_thread = AsyncEngine(Engine(config))
     on_thread.start()
     try:
         expected = await _run_all(on_thread)
     finally:
         on_thread.shutdown()
-    assert await _run_all(core) == expected
+    assert await _run_all(process) == expected
     assert all(len(ids) == GREEDY.max_tokens for ids in expected.values())
-    assert core.max_model_len == Engine(config).model_config.max_model_len
-    await _settled(core)
-    s = core.stats()
+    assert process.max_model_len == Engine(config).model_config.max_model_len
+    await _settled(process)
+    s = process.stats()
     assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)
 
 
-async def test_refusals_and_call_errors_keep_their_types(core):
+async def test_refusals_and_call_errors_keep_their_types(process):
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        async for _ in core.generate("oov", [10**6], GREEDY):
+        async for _ in process.generate("oov", [10**6], GREEDY):
             pass
     with pytest.raises(AdapterStateError, match="serves no adapters"):
-        await core.load_adapter("x")
-    assert await core.list_adapters() == (await core.list_adapters())  # a reply per call
-    vectors = await core.embed([[5, 6, 7], [8, 9]])
+        await process.load_adapter("x")
+    assert await process.list_adapters() == (await process.list_adapters())  # a reply per call
+    vectors = await process.embed([[5, 6, 7], [8, 9]])
     assert len(vectors) == 2 and len(vectors[0]) == len(vectors[1]) > 0
     with pytest.raises(ValueError):
-        await core.embed([[10**6]])
+        await process.embed([[10**6]])
 
 
-async def test_an_abort_frees_the_kv_and_ends_the_stream(core):
+async def test_an_abort_frees_the_kv_and_ends_the_stream(process):
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-    stream = core.generate("long", [5] * 8, params)
+    stream = process.generate("long", [5] * 8, params)
     first = await anext(stream)
     assert first.new_token_ids
-    await stream.aclose()  # leaving early aborts it in the core
-    await _settled(core)
-    s = core.stats()
+    await stream.aclose()  # leaving early aborts it in the step-loop process
+    await _settled(process)
+    s = process.stats()
     assert (s.num_running, s.num_free_blocks) == (0, s.num_total_blocks)
 
 
-async def test_the_shared_heartbeat_counts_the_core_s_steps(core):
-    _, before = core.heartbeat.running_for(0.0)
-    await _run_all(core)
-    _, after = core.heartbeat.running_for(0.0)
+async def test_the_shared_heartbeat_counts_the_step_loop_process_s_steps(process):
+    _, before = process.heartbeat.running_for(0.0)
+    await _run_all(process)
+    _, after = process.heartbeat.running_for(0.0)
     assert after - before >= GREEDY.max_tokens  # at least one step per token
 
 
-def test_a_core_that_cannot_load_says_why(tmp_path):
+def test_a_step_loop_process_that_cannot_load_says_why(tmp_path):
     with pytest.raises(EngineLoadError, match="cannot load"):
-        ProcessCore(EngineConfig(model=str(tmp_path / "missing")))
+        StepLoopProcess(EngineConfig(model=str(tmp_path / "missing")))
 
 
-async def test_a_killed_core_fails_its_requests_and_refuses_new_ones(config):
-    aengine = AsyncEngine(ProcessCore(config))
+async def test_a_killed_step_loop_process_fails_its_requests_and_refuses_new_ones(config):
+    aengine = AsyncEngine(StepLoopProcess(config))
     aengine.start()
     try:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         stream = aengine.generate("doomed", [5, 6], params)
         await anext(stream)
-        os.kill(aengine.core.pid, signal.SIGKILL)
-        with pytest.raises(RuntimeError, match="core process exited"):
+        os.kill(aengine.runner.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="step-loop process exited"):
             async for _ in stream:
                 pass
         assert isinstance(aengine.error, RuntimeError) and not aengine.is_alive
         with pytest.raises(RuntimeError, match="not running"):
-            aengine.add("late", [5], params, dest=None)  # type: ignore[arg-type]
+            aengine.add(as_request("late", [5], params), None)  # type: ignore[arg-type]
     finally:
         aengine.shutdown()
 
 
-async def test_a_server_whose_core_was_killed_asks_to_exit(config):
+async def test_a_server_whose_step_loop_process_was_killed_asks_to_exit(config):
     """An OOM kill of the step-loop process: the server, which can serve nothing more,
     turns NOT_SERVING and asks to exit (code 70) instead of staying up as a zombie."""
     from grpc_health.v1 import health_pb2
@@ -132,17 +135,17 @@ async def test_a_server_whose_core_was_killed_asks_to_exit(config):
     import grpc
     from omnibus.v1 import engine_pb2, engine_pb2_grpc, inference_pb2
 
-    core = ProcessCore(config)
+    process = StepLoopProcess(config)
     exits: list[str] = []
     port = free_port()
-    running = await start(core, ServerConfig(port=port), exits.append)
+    running = await start(process, ServerConfig(port=port), exits.append)
     try:
-        os.kill(core.pid, signal.SIGKILL)
+        os.kill(process.pid, signal.SIGKILL)
         for _ in range(200):
             if exits:
                 break
             await asyncio.sleep(0.05)
-        assert exits and "core process exited (code -9)" in exits[0], exits
+        assert exits and "step-loop process exited (code -9)" in exits[0], exits
         check = await running.health_servicer.Check(health_pb2.HealthCheckRequest(service=""), None)
         assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
         # Embed as Generate: UNAVAILABLE, not UNKNOWN (outside probe)
@@ -155,7 +158,7 @@ async def test_a_server_whose_core_was_killed_asks_to_exit(config):
         await running.stop(1.0)
 
 
-def test_the_core_dies_with_its_server_process(config):
+def test_the_step_loop_process_dies_with_its_server_process(config):
     """A server killed outright (or exited by its watchdog over a hung step) leaves no
     step-loop process holding the device."""
     import subprocess
@@ -165,28 +168,28 @@ def test_the_core_dies_with_its_server_process(config):
     script = (
         "import sys, time\n"
         "from omnibus.engine.config import EngineConfig\n"
-        "from omnibus.engine.serving.core import ProcessCore\n"
-        f"core = ProcessCore(EngineConfig(model={config.model!r}, num_kv_blocks=32))\n"
-        "print(core.pid, flush=True)\n"
+        "from omnibus.engine.serving.step_loop_runners import StepLoopProcess\n"
+        f"process = StepLoopProcess(EngineConfig(model={config.model!r}, num_kv_blocks=32))\n"
+        "print(process.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        core_pid = int(server.stdout.readline())
-        os.kill(core_pid, signal.SIGSTOP)  # as if hung in a step: it cannot see the pipe close
+        step_loop_pid = int(server.stdout.readline())
+        os.kill(step_loop_pid, signal.SIGSTOP)  # as if hung in a step: it cannot see the pipe close
     finally:
         server.kill()
         server.wait()
     for _ in range(500):
         try:
-            os.kill(core_pid, 0)
+            os.kill(step_loop_pid, 0)
         except ProcessLookupError:
             return
-        with open(f"/proc/{core_pid}/stat") as f:  # a zombie of init's is gone for good
+        with open(f"/proc/{step_loop_pid}/stat") as f:  # a zombie of init's is gone for good
             if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                 return
         time.sleep(0.01)
-    raise AssertionError(f"the step-loop process {core_pid} outlived its server")
+    raise AssertionError(f"the step-loop process {step_loop_pid} outlived its server")
 
 
 def test_a_closed_loop_s_destination_does_not_stop_the_others():
@@ -196,8 +199,8 @@ def test_a_closed_loop_s_destination_does_not_stop_the_others():
 
     from omnibus.engine.core.sequence import RequestOutput
 
-    core = types.SimpleNamespace(config=None, max_model_len=0, heartbeat=None, first_stats=None)
-    aengine = AsyncEngine(core)  # type: ignore[arg-type]
+    runner = types.SimpleNamespace(config=None, max_model_len=0, heartbeat=None, first_stats=None)
+    aengine = AsyncEngine(runner)  # type: ignore[arg-type]
     gone, alive = asyncio.new_event_loop(), asyncio.new_event_loop()
     gone.close()
     got: list = []
