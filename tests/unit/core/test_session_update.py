@@ -18,14 +18,21 @@ def out(rid: str, token: int, n: int, finished: bool = False) -> RequestOutput:
                          num_cached_tokens=0, num_output_tokens=n)
 
 
-def test_unsent_steps_merge_into_one_entry_per_request():
-    ended = []
-    live_requests = {}
+
+def fake_session(merges: bool = True):
+    """A SessionStream over a stand-in registry: (session, its live requests by id, the
+    (request id, outcome) of each end)."""
+    ended: list = []
+    live_requests: dict = {}
     service = SimpleNamespace(requests=SimpleNamespace(
         get=live_requests.get, end=lambda live, outcome: ended.append((live.request_id, outcome))))
     loop = asyncio.new_event_loop()
     loop.close()  # deliver only sets an asyncio.Event: no loop runs here
-    session = SessionStream(service, loop)
+    return SessionStream(service, loop, merges=merges), live_requests, ended
+
+
+def test_unsent_steps_merge_into_one_entry_per_request():
+    session, live_requests, ended = fake_session()
     a, b = Live("a", "", 0.0, session, handle=7), Live("b", "", 0.0, session, handle=9)
     live_requests.update(a=a, b=b)
     session.deliver([out("a", 11, 1), out("b", 21, 1)])
@@ -40,13 +47,7 @@ def test_unsent_steps_merge_into_one_entry_per_request():
 
 
 def test_packed_sessions_send_started_requests_plain_tokens_as_pairs():
-    ended = []
-    live_requests = {}
-    service = SimpleNamespace(requests=SimpleNamespace(
-        get=live_requests.get, end=lambda live, outcome: ended.append((live.request_id, outcome))))
-    loop = asyncio.new_event_loop()
-    loop.close()
-    session = SessionStream(service, loop)
+    session, live_requests, ended = fake_session()
     session.packed = True
     a, b = Live("a", "", 0.0, session, handle=7), Live("b", "", 0.0, session, handle=9)
     live_requests.update(a=a, b=b)
@@ -74,13 +75,7 @@ def test_packed_sessions_send_started_requests_plain_tokens_as_pairs():
 def test_a_generate_stream_sends_every_output_as_an_entry_of_its_own():
     """A Generate call's stream (`merges` off): one message per step, even when the caller
     reads slower than steps come."""
-    ended = []
-    live_requests = {}
-    service = SimpleNamespace(requests=SimpleNamespace(
-        get=live_requests.get, end=lambda live, outcome: ended.append((live.request_id, outcome))))
-    loop = asyncio.new_event_loop()
-    loop.close()
-    session = SessionStream(service, loop, merges=False)
+    session, live_requests, ended = fake_session(merges=False)
     a = Live("a", "", 0.0, session)
     live_requests.update(a=a)
     session.deliver([out("a", 11, 1)])
