@@ -120,6 +120,18 @@ def test_padded_decode_graph_buckets_and_overlap_on_two_ranks(tmp_path):
         engine.close()
 
 
+def test_the_triton_kernels_on_each_shard(tmp_path, monkeypatch):
+    """Each rank's KV store and paged attention on the Triton kernels (interpreted on the
+    CPU; the ranks inherit OMNIBUS_FORCE_TRITON) over its own heads' cache."""
+    monkeypatch.setenv("OMNIBUS_FORCE_TRITON", "1")
+    path = make_checkpoint(tmp_path / "ckpt", "llama", vocab_size=VOCAB)
+    engine = tp_engine(path, num_kv_blocks=64, max_num_batched_tokens=24)
+    try:
+        assert_transformers(engine, path, [[5 + i for i in range(n)] for n in (3, 17, 40)], [4, 3, 5])
+    finally:
+        engine.close()
+
+
 def test_speculation_and_prompt_logprobs_on_two_ranks(tmp_path):
     """n-gram speculation (its guesses scored by the ranks' logits) on an echo model, a
     draft model's, and

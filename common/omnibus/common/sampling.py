@@ -7,6 +7,7 @@ INVALID_ARGUMENT and the engine's in-process API raises as is.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -14,6 +15,7 @@ import numbers
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from omnibus.v1 import engine_pb2, inference_pb2
 
@@ -270,17 +272,20 @@ class SamplingParams:
     @classmethod
     def from_proto(cls, p: engine_pb2.EngineSamplingParams) -> SamplingParams:
         """The engine's reading of the router's message (ValueError if out of range)."""
-        kwargs = {name: getattr(p, name) for name in _FIELDS}
-        kwargs["seed"] = p.seed if p.HasField("seed") else None
-        kwargs["stop_token_ids"] = tuple(p.stop_token_ids)
-        kwargs["logit_bias"] = dict(p.logit_bias)
-        if p.HasField("structured_output"):
-            kwargs["structured_output"] = StructuredOutput.from_proto(p.structured_output)
-        return cls(**kwargs)
+        return cls(**_read(p, _ENGINE_SCALARS))
+
+    @classmethod
+    def from_public(cls, p: inference_pb2.SamplingParams, **given: Any) -> SamplingParams:
+        """A client's omnibus.v1 SamplingParams read by the same rule (FieldError naming
+        the field), `given` (what the router decides itself, as max_tokens's default)
+        over it. Fields unset where the message tracks presence keep their defaults."""
+        kwargs = _read(p, _PUBLIC_SCALARS)
+        kwargs["speculative_off"] = p.speculative == inference_pb2.SPECULATIVE_OFF
+        return cls(**(kwargs | given))
 
     def to_proto(self) -> engine_pb2.EngineSamplingParams:
         """The message the router sends the engine for these parameters."""
-        fields = {name: getattr(self, name) for name in _FIELDS}
+        fields = {name: getattr(self, name) for name, _ in _ENGINE_SCALARS if getattr(self, name) is not None}
         out = engine_pb2.EngineSamplingParams(**fields, stop_token_ids=list(self.stop_token_ids),
                                               logit_bias=dict(self.logit_bias))
         if self.structured_output is not None:
@@ -303,11 +308,29 @@ class SamplingParams:
         )
 
 
-# Every field, as EngineSamplingParams names it too (stop_token_ids aside: a repeated field;
-# logit_bias: a map; structured_output: a message).
-_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos",
-           "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs",
-           "output_offset", "speculative_off", "prompt_logprobs")
+def _scalars(message: Any) -> tuple[tuple[str, bool], ...]:
+    """(name, tracks presence) of each singular scalar field of the proto `message` that
+    is also a SamplingParams field: what the conversions copy as they are, derived from
+    the descriptor so a new field needs no line here."""
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    return tuple((f.name, f.has_presence) for f in message.DESCRIPTOR.fields
+                 if f.name in names and not f.is_repeated and f.message_type is None)
+
+
+def _read(p: Any, scalars: tuple[tuple[str, bool], ...]) -> dict[str, Any]:
+    """The keyword arguments of SamplingParams in a proto message: its scalars (those it
+    tracks presence of, when set) and the fields that are not scalars."""
+    kwargs: dict[str, Any] = {name: getattr(p, name) for name, presence in scalars
+                              if not presence or p.HasField(name)}
+    kwargs["stop_token_ids"] = tuple(p.stop_token_ids)
+    kwargs["logit_bias"] = dict(p.logit_bias)
+    if p.HasField("structured_output"):
+        kwargs["structured_output"] = StructuredOutput.from_proto(p.structured_output)
+    return kwargs
+
+
+_ENGINE_SCALARS = _scalars(engine_pb2.EngineSamplingParams)
+_PUBLIC_SCALARS = _scalars(inference_pb2.SamplingParams)
 
 
 MAX_LOGIT_BIAS = 1024  # token ids one request may bias

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from omnibus.common.checkpoint import context_length
 from omnibus.common.model_files import open_model
 from omnibus.common.sampling import (
-    FieldError, SamplingParams, StructuredOutput, check_context, check_token_ids)
+    FieldError, SamplingParams, check_context, check_token_ids)
 from omnibus.router.config import RouterConfig
 from omnibus.router.service.errors import TOO_LARGE, RequestError, invalid
 
@@ -27,7 +27,6 @@ log = structlog.get_logger("router.validation")
 MAX_REQUEST_ID_CHARS = 128
 DEFAULT_MAX_TOKENS = 16  # inference.proto's default for an unset max_tokens
 # proto3 `optional` sampling fields: unset means SamplingParams' default, not 0.
-_OPTIONAL = ("temperature", "top_p", "repetition_penalty", "seed")
 
 
 def load_tokenizer(model: str) -> Tokenizer:
@@ -204,28 +203,11 @@ class Validator:
         if not 1 <= max_tokens <= self.limits.max_tokens:
             raise invalid(f"max_tokens must be in [1, {self.limits.max_tokens}], got {max_tokens}",
                           "max_tokens")
-        optional = {name: getattr(p, name) for name in _OPTIONAL if p.HasField(name)}
         if p.speculative not in (inference_pb2.SPECULATIVE_AUTO, inference_pb2.SPECULATIVE_OFF):
             raise invalid(f"speculative must be SPECULATIVE_AUTO (0) or SPECULATIVE_OFF (1), got {p.speculative}",
                           "speculative")
-        try:
-            structured = (StructuredOutput.from_proto(p.structured_output)
-                          if p.HasField("structured_output") else None)
-            params = SamplingParams(
-                max_tokens=max_tokens,
-                top_k=p.top_k,
-                min_p=p.min_p,
-                presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty,
-                stop_token_ids=tuple(p.stop_token_ids),
-                ignore_eos=p.ignore_eos,
-                logprobs=p.logprobs,
-                prompt_logprobs=p.prompt_logprobs,
-                speculative_off=p.speculative == inference_pb2.SPECULATIVE_OFF,
-                structured_output=structured,
-                logit_bias=dict(p.logit_bias),
-                **optional,
-            )
+        try:  # every field by the engine's rule, read as the descriptor says (common/sampling.py)
+            params = SamplingParams.from_public(p, max_tokens=max_tokens)
         except FieldError as exc:
             raise invalid(str(exc), exc.field) from None
         for name, ids in (("stop_token_ids", list(params.stop_token_ids)),

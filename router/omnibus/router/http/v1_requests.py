@@ -113,6 +113,16 @@ def logit_bias(value: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
+# The public sampling scalars an HTTP body carries under the same name (vLLM's and
+# OpenAI's names are Omnibus's), copied as they are; derived from the two schemas, so a
+# new such field needs no line here. max_tokens and logprobs are the endpoint's to read,
+# seed is made per choice (fan_out), speculative is a word in the body.
+_SAME_NAMED = tuple(
+    f.name for f in pb.SamplingParams.DESCRIPTOR.fields
+    if f.name in GenerationBody.model_fields and not f.is_repeated and f.message_type is None
+    and f.name not in ("max_tokens", "logprobs", "seed", "speculative"))
+
+
 def sampling(
     body: GenerationBody, max_tokens: int | None, logprobs: int | None
 ) -> pb.SamplingParams:
@@ -120,24 +130,17 @@ def sampling(
     Validator's defaults). `logprobs` 0 asks for the chosen token only: the engine is
     asked for one alternative, which the response leaves out."""
     params = pb.SamplingParams(
-        top_k=body.top_k,
-        min_p=body.min_p,
         stop=stop_strings(body.stop),
         stop_token_ids=body.stop_token_ids,
-        ignore_eos=body.ignore_eos,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
         logprobs=0 if logprobs is None else max(logprobs, 1),  # in range: bodies.check_logprobs
         speculative=pb.SPECULATIVE_OFF if body.speculative == "off" else pb.SPECULATIVE_AUTO,
         logit_bias=logit_bias(body.logit_bias),
     )
-    for name, value in (
-        ("max_tokens", max_tokens),
-        ("temperature", body.temperature),
-        ("top_p", body.top_p),
-        ("repetition_penalty", body.repetition_penalty),
-    ):
-        if value is not None:
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    for name in _SAME_NAMED:
+        value = getattr(body, name)
+        if value is not None:  # unset: the Validator's default
             setattr(params, name, value)
     fmt = structured_output(body)
     if fmt is not None:
