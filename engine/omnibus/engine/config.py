@@ -307,6 +307,9 @@ class EngineConfig:
     # Tensor parallelism: ranks (one per device of the host, cuda:k..k+N-1; processes on the
     # CPU) that each hold 1/N of every layer (engine/omnibus/engine/parallel)
     tensor_parallel_size: int = 1
+    # A host-memory tier for the prefix cache: blocks evicted from the device pool are kept
+    # in this many bytes of (pinned) host memory and loaded back instead of recomputed; 0: none
+    kv_offload_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two from 1 to 128", self.block_size)
@@ -341,6 +344,7 @@ class EngineConfig:
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", " | ".join(KV_CACHE_DTYPES),
                self.kv_cache_dtype)
         self.spec_config()  # ValueError naming the flag
+        _check(self.kv_offload_bytes >= 0, "kv_offload_bytes", ">= 0", self.kv_offload_bytes)
         _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size", "in [1, 64]", self.tensor_parallel_size)
         _check(self.tensor_parallel_size == 1 or self.load_format != "null", "tensor_parallel_size",
                "1 with load_format null (the null model has no layers to split)", self.tensor_parallel_size)

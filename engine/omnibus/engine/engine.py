@@ -55,6 +55,8 @@ class EngineStats:
     num_steps: int
     num_preemptions: int
     num_prefix_cache_hit_blocks: int
+    num_host_cache_hit_blocks: int = 0  # prefix blocks loaded back from the host tier (--kv-offload-bytes)
+    num_host_cache_blocks: int = 0  # blocks the host tier holds
     num_running_adapters: int = 0
     resident_adapters: tuple[str, ...] = ()  # adapters in device slots
     cached_adapters: tuple[str, ...] = ()  # adapters in host memory (resident ones included), sorted
@@ -93,7 +95,8 @@ class Engine:
             for name in config.preload_adapters:
                 self.adapters.prefetch(name)
         self.runner = ModelRunner(config, self.model_config, self.adapters)
-        self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                        host_blocks=self.runner.num_host_blocks)
         self.speculator = self._speculator(config)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, config.waiting_order),
@@ -204,6 +207,7 @@ class Engine:
         plan = self.scheduler.schedule()
         step = None
         if not plan.is_empty:
+            plan.kv_copies = self.allocator.take_copies()  # queued since the last launch, if any
             step = self.runner.launch(plan, prev)
             self.num_steps += 1
         if prev is not None:
@@ -332,6 +336,8 @@ class Engine:
             num_steps=self.num_steps,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_hit_blocks=self.allocator.num_cache_hits,
+            num_host_cache_hit_blocks=self.allocator.num_host_hits,
+            num_host_cache_blocks=len(self.allocator.host),
             num_running_adapters=inventory.running,
             resident_adapters=inventory.resident,
             cached_adapters=inventory.cached,

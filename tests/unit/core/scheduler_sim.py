@@ -165,6 +165,7 @@ class SimConfig:
     arrival_steps: int = 60  # arrivals spread over these steps (a flood at step 0 too)
     step_seconds: float = 0.01  # simulated time of one step
     speculative: bool = False  # n-gram speculation (engine/omnibus/engine/spec)
+    host_blocks: int = 0  # the prefix cache's host tier (--kv-offload-bytes), in blocks
 
     @staticmethod
     def random(seed: int) -> "SimConfig":
@@ -189,6 +190,7 @@ class SimConfig:
             num_requests=r.randint(10, 60),
             arrival_steps=r.randint(1, 80),
             speculative=r.random() < 0.35,
+            host_blocks=r.choice([0, 0, 3, 16]),
         )
 
 
@@ -245,13 +247,15 @@ class SimResult:
     max_preemptions_per_step: int
     max_counter_gap: float  # the largest gap seen between tenants backlogged together
     counter_bound: float  # the VTC bound it was checked against
+    host_hits: int = 0  # prefix blocks loaded back from the host tier
 
 
 class Simulator:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.allocator = CountingAllocator(cfg.num_blocks, cfg.block_size, cfg.prefix_caching)
+        self.allocator = CountingAllocator(cfg.num_blocks, cfg.block_size, cfg.prefix_caching,
+                                           host_blocks=cfg.host_blocks)
         failing = frozenset({"a2"}) if cfg.adapters >= 3 else frozenset()
         self.adapters = FakeAdapters(cfg.adapter_slots, cfg.adapter_load_steps, failing) if cfg.adapters else None
         policy = make_policy(cfg.policy, max_batch_size=cfg.max_num_seqs, window_ms=30.0)
@@ -264,6 +268,7 @@ class Simulator:
         self._watch_displacements()
         # (block, offset) -> (adapter salt, cache salt, token): whose KV the slot holds
         self.kv: dict[tuple[int, int], tuple[str | None, str, int]] = {}
+        self.host_kv: dict[tuple[int, int], tuple[str | None, str, int] | None] = {}  # (slot, offset) -> the same
         self.tables: dict[int, list[list[int]]] = {}  # id(plan) -> its items' block tables at launch
         self.finished: dict[str, RequestOutput] = {}
         self.outputs: dict[str, list[int]] = {}
@@ -319,7 +324,7 @@ class Simulator:
             self.now = T0 + self.step * self.cfg.step_seconds
         self._check_end()
         return SimResult(self.step, self.finished, self.scheduler.num_preemptions, self.max_preempt,
-                         self.max_gap, self.counter_bound)
+                         self.max_gap, self.counter_bound, self.allocator.num_host_hits)
 
     def _arrive(self, a: Arrival) -> None:
         s = a.seq
@@ -348,6 +353,8 @@ class Simulator:
         self.allocator.frees, self.allocator.limit = 0, 2 * len(before) + 2
         try:
             plan = s.schedule(self.now)
+            if not plan.is_empty:  # the engine takes the queued copies when it launches a step
+                plan.kv_copies = self.allocator.take_copies()
         finally:
             self.allocator.limit = None
         self._check_plan(plan, before)
@@ -447,6 +454,13 @@ class Simulator:
         through its block table of launch time and checks that every slot the chunk reads
         (its whole context) holds this request's token."""
         bs = self.cfg.block_size
+        for copy in plan.kv_copies:  # the host tier's copies, before the step's forward
+            assert 0 < copy.block < self.cfg.num_blocks and 0 <= copy.slot < self.cfg.host_blocks, copy
+            for o in range(bs):
+                if copy.save:
+                    self.host_kv[(copy.slot, o)] = self.kv.get((copy.block, o))
+                else:
+                    self.kv[(copy.block, o)] = self.host_kv.get((copy.slot, o))  # type: ignore[assignment]
         for item, table in zip(plan.scheduled, self.tables.pop(id(plan))):
             seq = item.seq
             inputs = seq.token_ids + item.guess if item.guess else seq.token_ids

@@ -37,15 +37,16 @@ def test_random_combined_workloads_hold_every_invariant():
 
 def test_the_fixed_seeds_cover_every_feature():
     """The replayed seeds draw every policy, both orders, overlap, adapters, one seat,
-    tiny budgets and preemptions: a regression anywhere shows up in `make test`."""
+    tiny budgets, preemptions and host tiers: a regression anywhere shows up in `make test`."""
     cfgs = [SimConfig.random(seed) for seed in range(FIRST_SEED, FIRST_SEED + SEEDS)]
     assert {c.policy for c in cfgs} == {"continuous", "dynamic", "static", "none"}
     assert {c.waiting_order for c in cfgs} == {"slo", "fifo"}
     assert {c.overlap for c in cfgs} == {True, False} and {c.prefix_caching for c in cfgs} == {True, False}
     assert any(c.adapters >= 3 for c in cfgs) and any(c.max_num_seqs == 1 for c in cfgs)
     assert any(c.budget == 1 for c in cfgs)
-    preempting = sum(simulate(c).preemptions > 0 for c in cfgs[:40])
-    assert preempting >= 5
+    results = [simulate(c) for c in cfgs[:40]]
+    assert sum(r.preemptions > 0 for r in results) >= 5
+    assert sum(r.host_hits for r in results) > 0  # prefixes loaded back from a host tier (tiny ones too)
 
 
 def test_the_kv_check_catches_a_prefix_cache_shared_across_cache_groups(monkeypatch):

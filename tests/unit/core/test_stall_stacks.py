@@ -47,6 +47,9 @@ class _HangingEngine:
     def stats(self) -> None:
         return None
 
+    def close(self) -> None:
+        pass
+
     def check_integrity(self) -> None:
         pass
 

@@ -16,6 +16,13 @@ equal prefixes under the same weights for the same cache group: tenants in diffe
 groups never share a block (the rule is omnibus.common.prefix, which the router's
 prefix-aware routing shares).
 This module is the one place that frees blocks.
+
+With a host tier (`host_blocks` > 0, --kv-offload-bytes) a cached block about to be
+overwritten is first saved to a host slot under its hash, and a prefix whose next block
+is no longer on the device but is in host memory is loaded back into a fresh block
+instead of being recomputed. The allocator only decides: each copy is queued, in order,
+for the model runner to make before the step's forward (`take_copies`); applied in that
+order they are consistent even when a step saves a block and loads another into it.
 """
 
 from __future__ import annotations
@@ -32,6 +39,15 @@ NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
+class KvCopy:
+    """One block's KV copied between the device pool and the host tier, every layer."""
+
+    save: bool  # True: device block -> host slot; False: host slot -> device block
+    block: int
+    slot: int
+
+
+@dataclass(frozen=True)
 class BlockCounts:
     free: int
     cached: int
@@ -40,7 +56,8 @@ class BlockCounts:
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host_blocks: int = 0) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -56,6 +73,15 @@ class BlockAllocator:
         self.num_cache_hits = 0  # blocks served from the prefix cache since start
         self.num_evictions = 0
         self.cache_generation = 0  # bumped whenever the set of cached hashes changes
+        # the host tier: hash -> host slot, least recently used first, and the free slots
+        self.host_blocks = host_blocks if enable_prefix_caching else 0
+        self.host: OrderedDict[bytes, int] = OrderedDict()
+        self.host_keys: dict[bytes, int] = {}  # hash -> its block_key, as `keys`
+        self.host_free = list(range(self.host_blocks))
+        self.copies: list[KvCopy] = []  # queued for the runner, in order (take_copies)
+        self._loading: set[int] = set()  # host slots that queued loads read
+        self.num_host_hits = 0  # blocks loaded back from host memory since start
+        self.num_host_saves = 0
 
     # ---- queries -------------------------------------------------------------
 
@@ -84,7 +110,8 @@ class BlockAllocator:
             return 0
         self._hash_full_blocks(seq, seq.num_tokens - 1)
         most = seq.num_tokens - 1 if limit is None else min(seq.num_tokens - 1, limit)
-        for h in seq.block_hashes[: most // self.block_size]:
+        wanted = seq.block_hashes[: most // self.block_size]
+        for h in wanted:
             block = self.cached.get(h)
             if block is None:
                 break
@@ -94,6 +121,19 @@ class BlockAllocator:
             self.ref_counts[block] += 1
             seq.block_table.append(block)
         self.num_cache_hits += len(seq.block_table)
+        # then what the host tier holds, each into a fresh block (bounded by the prompt's
+        # blocks and by the free ones)
+        for h in wanted[len(seq.block_table):]:
+            slot = self.host.get(h)
+            if slot is None or not self.free_queue:
+                break
+            self.host.move_to_end(h)
+            self._loading.add(slot)  # no save may take this slot before the load is made
+            block = self._take_block()
+            self.copies.append(KvCopy(False, block, slot))
+            self._register(block, h)
+            seq.block_table.append(block)
+            self.num_host_hits += 1
         seq.num_registered_blocks = len(seq.block_table)
         return len(seq.block_table) * self.block_size
 
@@ -105,18 +145,50 @@ class BlockAllocator:
         if need > len(self.free_queue):
             return False
         for _ in range(need):
-            block, _ = self.free_queue.popitem(last=False)
-            h = self.hashes[block]
-            if h is not None:  # evict: its cached KV is about to be overwritten
-                self.hashes[block] = None
-                self.num_cached_free -= 1
-                if self.cached.get(h) == block:
-                    del self.cached[h], self.keys[h]
-                    self.cache_generation += 1
-                self.num_evictions += 1
-            self.ref_counts[block] = 1
-            seq.block_table.append(block)
+            seq.block_table.append(self._take_block())
         return True
+
+    def _take_block(self) -> int:
+        """The least recently freed block, referenced once; a cached one is evicted (its
+        KV saved to the host tier first, when there is one)."""
+        block, _ = self.free_queue.popitem(last=False)
+        h = self.hashes[block]
+        if h is not None:  # evict: its cached KV is about to be overwritten
+            self.hashes[block] = None
+            self.num_cached_free -= 1
+            if self.cached.get(h) == block:
+                del self.cached[h], self.keys[h]
+                self.cache_generation += 1
+                self._save(block, h)
+            self.num_evictions += 1
+        self.ref_counts[block] = 1
+        return block
+
+    def _save(self, block: int, h: bytes) -> None:
+        """Queue `block`'s KV into a host slot under `h` (the least recently used slot's
+        hash is dropped when none is free)."""
+        if not self.host_blocks or h in self.host:
+            return
+        if self.host_free:
+            slot = self.host_free.pop()
+        else:  # the least recently used slot that no queued load still reads
+            old = next((k for k, s in self.host.items() if s not in self._loading), None)
+            if old is None:
+                return  # every slot is being loaded from: this block is not kept
+            slot = self.host.pop(old)
+            del self.host_keys[old]
+        self.host[h] = slot
+        self.host_keys[h] = block_key(h)
+        self.copies.append(KvCopy(True, block, slot))
+        self.num_host_saves += 1
+        self.cache_generation += 1
+
+    def take_copies(self) -> list[KvCopy]:
+        """The copies queued since the last call, in the order they must be made (before
+        the forward of the step planned meanwhile)."""
+        copies, self.copies = self.copies, []
+        self._loading.clear()
+        return copies
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq`. Cached blocks stay reusable; the sequence's
@@ -178,7 +250,11 @@ class BlockAllocator:
         """Keys (omnibus.common.prefix.block_key) of at most `limit` cached blocks, the
         most recently registered first: what load reports tell routers. O(limit), at C
         speed (each key was computed once, when its block was registered)."""
-        return list(itertools.islice(reversed(self.keys.values()), limit))
+        device = list(itertools.islice(reversed(self.keys.values()), limit))
+        if len(device) < limit and self.host_keys:  # then the host tier's, most recent first
+            host = (k for h, k in reversed(self.host_keys.items()) if h not in self.keys)
+            device += itertools.islice(host, limit - len(device))
+        return device
 
     # ---- integrity -----------------------------------------------------------
 
@@ -209,6 +285,12 @@ class BlockAllocator:
             problems.append("blocks carry hashes missing from the cache index")
         if list(self.keys) != list(self.cached) or any(k != block_key(h) for h, k in self.keys.items()):
             problems.append("the load reports' block keys differ from the cache index")
+        slots = list(self.host.values()) + self.host_free
+        if sorted(slots) != list(range(self.host_blocks)):
+            problems.append(f"host tier slots are not each held once or free: {len(self.host)} held, "
+                            f"{len(self.host_free)} free of {self.host_blocks}")
+        if set(self.host_keys) != set(self.host):
+            problems.append("the host tier's block keys differ from its index")
         counts = self.counts()
         actual_cached = sum(1 for b in self.free_queue if self.hashes[b] is not None)
         if actual_cached != counts.cached:

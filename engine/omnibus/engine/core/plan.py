@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omnibus.engine.core.block_allocator import KvCopy
 from omnibus.engine.core.sequence import Sequence
 
 
@@ -31,6 +32,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # KV copies between the device pool and the host tier (block_allocator.KvCopy), made
+    # in order before the step's forward
+    kv_copies: list[KvCopy] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -230,6 +230,7 @@ def serve_rank(runtime: Any, tp: TensorParallel) -> None:
     import torch.distributed as dist
 
     from omnibus.engine.lora.batch import LoraBatch
+    from omnibus.engine.worker.model_runner import copy_kv
 
     device = runtime.device
     box: list[Any] = [None]
@@ -254,6 +255,10 @@ def serve_rank(runtime: Any, tp: TensorParallel) -> None:
                 runtime.allocate_pool(message[1])
             elif kind == "graphs":
                 runtime.build_graphs(*message[1:])
+            elif kind == "host_pool":
+                runtime.allocate_host_pool(message[1])
+            elif kind == "kv_copies":
+                copy_kv(runtime.pool, runtime.host, message[1])
             elif kind == "lora_fill":
                 runtime.slots.fill(message[1], message[2])
             elif kind == "lora_clear":

@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block-size", type=int, default=_ENGINE["block_size"], help="tokens per KV block")
     p.add_argument(
+        "--kv-offload-bytes", type=int, default=_ENGINE["kv_offload_bytes"], metavar="BYTES",
+        help="a host-memory tier for the prefix cache: blocks evicted from the device's KV pool "
+        "are kept in this much (pinned) host memory, chained hashes as on the device, and loaded "
+        "back instead of recomputed; load reports list them for prefix-aware routing (0: none)",
+    )
+    p.add_argument(
         "--kv-cache-memory",
         type=int,
         default=_ENGINE["kv_cache_memory"],

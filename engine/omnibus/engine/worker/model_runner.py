@@ -101,6 +101,11 @@ class ModelRunner:
             raise
         if self.ranks is not None:
             self.model.pool = self.kv_caches
+        # the prefix cache's host tier (--kv-offload-bytes): as many blocks as the bytes hold
+        self.num_host_blocks = config.kv_offload_bytes // self.kv_bytes_per_block
+        self.host_caches = host_caches(self.kv_caches, self.num_host_blocks)
+        if self.ranks is not None and self.num_host_blocks:
+            self.ranks.send(("host_pool", self.num_host_blocks))
         self.graphs = None
         if self.graphs_wanted:
             shape = (min(config.max_num_seqs, 512), -(-model_config.max_model_len // self.block_size),
@@ -376,6 +381,10 @@ class ModelRunner:
         """`launch` with the inputs already prepared."""
         if self.idle_meter is not None:
             self.idle_meter.step_started()
+        if plan.kv_copies:  # the host tier's saves and loads, before this step's forward
+            if self.ranks is not None:
+                self.ranks.send(("kv_copies", plan.kv_copies))
+            copy_kv(self.kv_caches, self.host_caches, plan.kv_copies)
         if self.graphs is not None and self.graphs.can_run(batch, len(plan.scheduled)):
             if self.ranks is not None:
                 self.ranks.send(("graph", host_batch(batch)))
@@ -481,6 +490,38 @@ def kv_caches(mc: ModelConfig, tp: TensorParallel, num_blocks: int, block_size: 
             for _ in range(mc.num_layers)]
 
 
+def host_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_blocks: int
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The host tier: each layer's (K, V) of `num_blocks` blocks shaped as the device's, in
+    pinned host memory on CUDA (so copies run on the device's stream, in order)."""
+    if not num_blocks:
+        return []
+    pin = kv_caches[0][0].device.type == "cuda"
+    return [tuple(torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)  # type: ignore[misc]
+                  for t in layer) for layer in kv_caches]
+
+
+def copy_kv(device: list[tuple[torch.Tensor, torch.Tensor]], host: list[tuple[torch.Tensor, torch.Tensor]],
+            copies: list) -> None:
+    """Make the allocator's queued copies (core/block_allocator.py KvCopy) in their order,
+    every layer's K and V, runs of one direction at a time."""
+    i = 0
+    while i < len(copies):
+        j = i
+        while j < len(copies) and copies[j].save == copies[i].save:
+            j += 1
+        run = copies[i:j]
+        blocks = torch.tensor([c.block for c in run], dtype=torch.long)
+        slots = torch.tensor([c.slot for c in run], dtype=torch.long)
+        for dev_layer, host_layer in zip(device, host):
+            for d, h in zip(dev_layer, host_layer):
+                if run[0].save:  # device -> host
+                    h.index_copy_(0, slots, d.index_select(0, blocks.to(d.device)).to("cpu", non_blocking=True))
+                else:
+                    d.index_copy_(0, blocks.to(d.device), h.index_select(0, slots).to(d.device, non_blocking=True))
+        i = j
+
+
 class ShardRuntime:
     """What a tensor-parallel rank other than 0 holds (parallel/ranks.py serves rank 0's
     calls with it): its shard of the model and its heads' KV pool."""
@@ -500,6 +541,9 @@ class ShardRuntime:
 
     def allocate_pool(self, num_blocks: int) -> None:
         self.pool = self._caches(num_blocks)
+
+    def allocate_host_pool(self, num_blocks: int) -> None:
+        self.host = host_caches(self.pool, num_blocks)
 
     def build_graphs(self, max_batch: int, max_blocks: int, capture: bool) -> None:
         """The decode graphs over this rank's shard and pool, as rank 0 builds its own."""
