@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
 
 .PHONY: setup system-deps proto test test-gpu gpu-env gpu-wheels run bench-offline bench-host bench-strategies \
-	bench-lora bench-quant bench-llamacpp bench-gpu gpu-check-smoke gpu-report test-kernels-triton36 bench-fairness check-install clean fuzz fuzz-scheduler soak bench-spec bench-tp
+	bench-lora bench-quant bench-llamacpp bench-gpu gpu-check-smoke gpu-report test-kernels-triton36 bench-fairness check-install clean fuzz fuzz-scheduler soak bench-spec bench-tp bench-kv-tier
 
 setup: $(STAMP)
 
@@ -220,6 +220,11 @@ bench-spec: setup
 # Tensor parallelism on this CPU: TP=2 against TP=1, each rank one thread (~2 min).
 bench-tp: setup
 	$(PY) -m omnibus.bench.tp --out docs/benchmarks/tp.md
+
+# The prefix cache's host tier: a conversation's turn 2 after its history left the device
+# pool, with and without --kv-offload-bytes (~30 s).
+bench-kv-tier: setup
+	$(PY) -m omnibus.bench.kv_tier --out docs/benchmarks/kv-tier.md
 
 # Fair share (FIFO vs VTC), deadlines (EDF vs FIFO) and prefix-aware routing (2 and 4
 # engines), real processes on this machine (~12 min on 2 cores).
