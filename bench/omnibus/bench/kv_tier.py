@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from omnibus.bench.report import write_keeping_reading
 from omnibus.bench.shapes import TINY, write_config
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import Engine
@@ -103,9 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     report = markdown(results, shape, history)
     print(report)
     if args.out:
-        previous = args.out.read_text() if args.out.is_file() else ""
-        reading = previous[previous.index("## Reading"):] if "## Reading" in previous else ""
-        args.out.write_text(report + ("\n" + reading if reading else ""))
+        write_keeping_reading(args.out, report)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,14 @@ def replace_section(text: str, start: str, section: str, end: str | None = None)
     return head + section + text[stop:]
 
 
+def write_keeping_reading(path: Path, report: str) -> None:
+    """`report` into `path`, keeping the hand-written "## Reading" section a previous run's
+    file has (a rerun replaces the measured tables only)."""
+    previous = path.read_text() if path.is_file() else ""
+    reading = previous[previous.index("## Reading"):] if "## Reading" in previous else ""
+    path.write_text(report + ("\n" + reading if reading else ""))
+
+
 def write_json(path: Path, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=_jsonable, allow_nan=True) + "\n")

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from omnibus.bench.quant import weight_bytes
+from omnibus.bench.report import write_keeping_reading
 from omnibus.bench.shapes import TINY, write_config
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import Engine
@@ -145,9 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     report = markdown(run(shape, batches, tokens), shape, tokens)
     print(report)
     if args.out:
-        previous = args.out.read_text() if args.out.is_file() else ""
-        reading = previous[previous.index("## Reading"):] if "## Reading" in previous else ""
-        args.out.write_text(report + ("\n" + reading if reading else ""))
+        write_keeping_reading(args.out, report)
 
 
 if __name__ == "__main__":
