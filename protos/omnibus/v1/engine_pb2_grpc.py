@@ -103,7 +103,8 @@ class EngineServicer:
         context or KV pool holds, or an adapter that cannot be served), NOT_FOUND
         (unknown adapter), FAILED_PRECONDITION (the adapter's weights failed to
         load in the background), ALREADY_EXISTS (request_id streaming already),
-        UNAVAILABLE (draining), DEADLINE_EXCEEDED, INTERNAL (the step loop crashed).
+        UNAVAILABLE (draining, stalled, or the step loop crashed: routers go
+        elsewhere), DEADLINE_EXCEEDED, INTERNAL (a failure of this request alone).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
