@@ -215,9 +215,9 @@ from tests.oracle.test_quantized import PROMPTS as QPROMPTS  # noqa: E402
 from tests.oracle.test_quantized import TOLERANCE, built, scored  # noqa: E402,F401 (built: a fixture)
 
 
-@pytest.mark.parametrize("name", ["ct-w4a16", "ct-w8a8", "ct-fp8", "awq"])
+@pytest.mark.parametrize("name", ["ct-w4a16", "ct-w8a8", "ct-fp8"])  # AWQ and GPTQ decode to ct-w4a16's kind
 def test_quantized_checkpoints_split_over_two_ranks(built, name):  # noqa: F811
-    """INT4 groups (compressed-tensors, AWQ), INT8 W8A8 and FP8 split along rows, and on
+    """INT4 groups (compressed-tensors; AWQ and GPTQ decode to that kind), INT8 W8A8 and FP8 split along rows, and on
     group boundaries along columns; each rank's kernels multiply the checkpoint's own codes
     (tests/unit/test_tp_shards.py: a shard dequantizes to the dense shard exactly). Against
     the dequantized reference on one device they stay within the format's tolerance of

@@ -54,12 +54,14 @@ print(err)
 
 
 def test_the_first_cos_of_fresh_processes_is_accurate():
-    """The table is the first cos of each of these processes (the case that went wrong)."""
+    """The table is the first cos of each of these processes (the case that went wrong).
+    Three processes catch a 7% regression a fifth of the time; the guard is the
+    deterministic one-thread check above, this one is its confirmation at real scale."""
     def run(_: int) -> float:
         out = subprocess.run([sys.executable, "-c", _FRESH], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         return float(out.stdout.strip().splitlines()[-1])
 
     with ThreadPoolExecutor(2) as pool:
-        errors = list(pool.map(run, range(6)))
+        errors = list(pool.map(run, range(3)))
     assert max(errors) < 1e-6, errors
