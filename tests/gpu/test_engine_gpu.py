@@ -84,3 +84,26 @@ def test_tensor_parallel_over_two_gpus_equals_one_gpu_and_transformers(tmp_path)
     assert outs["float32", 1] == outs["float32", 2] == expected
     agree = sum(a == b for x, y in zip(outs["bfloat16", 1], outs["bfloat16", 2]) for a, b in zip(x, y))
     print(f"bf16 TP=2 vs TP=1 greedy agreement {agree}/{16 * len(prompts)}")
+
+
+def test_the_host_tier_on_cuda_loads_what_it_saved(tmp_path):
+    """--kv-offload-bytes on a GPU: blocks saved to pinned host slots and loaded back with
+    copies queued on the stream (no host sync between them and the forwards that reuse the
+    blocks); turn 2 reads its evicted history from host and equals transformers."""
+    import random
+
+    path = make_checkpoint(tmp_path / "m", "llama")
+    hf = load_hf(path)
+    rng = random.Random(0)
+    first = [rng.randrange(3, 300) for _ in range(60)]
+    others = [[rng.randrange(3, 300) for _ in range(60)] for _ in range(2)]
+    engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_kv_blocks=12,
+                                 block_size=8, kv_offload_bytes=1 << 20))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (reply,) = engine.generate([first], params)
+    for other in others:
+        engine.generate([other], params)
+    turn2 = first + reply + [5, 6, 7]
+    assert engine.generate([turn2], params) == [hf_greedy(hf, turn2, 4)]
+    assert engine.stats().num_host_cache_hit_blocks == 7
+    engine.check_integrity()

@@ -504,21 +504,34 @@ def host_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_blocks: 
 def copy_kv(device: list[tuple[torch.Tensor, torch.Tensor]], host: list[tuple[torch.Tensor, torch.Tensor]],
             copies: list) -> None:
     """Make the allocator's queued copies (core/block_allocator.py KvCopy) in their order,
-    every layer's K and V, runs of one direction at a time."""
+    every layer's K and V. On CUDA each block is one `copy_` between the device pool and
+    its pinned host slot, queued on the current stream (so a save completes before a later
+    load from that slot and before the forward overwrites the block, without a host sync);
+    on the CPU, runs of one direction at a time, one index_copy_ each."""
+    if not copies:
+        return
+    if device[0][0].device.type == "cuda":
+        for c in copies:
+            for dev_layer, host_layer in zip(device, host):
+                for d, h in zip(dev_layer, host_layer):
+                    if c.save:
+                        h[c.slot].copy_(d[c.block], non_blocking=True)
+                    else:
+                        d[c.block].copy_(h[c.slot], non_blocking=True)
+        return
     i = 0
     while i < len(copies):
         j = i
         while j < len(copies) and copies[j].save == copies[i].save:
             j += 1
-        run = copies[i:j]
-        blocks = torch.tensor([c.block for c in run], dtype=torch.long)
-        slots = torch.tensor([c.slot for c in run], dtype=torch.long)
+        blocks = torch.tensor([c.block for c in copies[i:j]], dtype=torch.long)
+        slots = torch.tensor([c.slot for c in copies[i:j]], dtype=torch.long)
         for dev_layer, host_layer in zip(device, host):
             for d, h in zip(dev_layer, host_layer):
-                if run[0].save:  # device -> host
-                    h.index_copy_(0, slots, d.index_select(0, blocks.to(d.device)).to("cpu", non_blocking=True))
+                if copies[i].save:
+                    h.index_copy_(0, slots, d.index_select(0, blocks))
                 else:
-                    d.index_copy_(0, blocks.to(d.device), h.index_select(0, slots).to(d.device, non_blocking=True))
+                    d.index_copy_(0, blocks, h.index_select(0, slots))
         i = j
 
 
