@@ -287,3 +287,19 @@ def test_mixed_adapters_on_two_ranks_match_peft(setup):  # noqa: F811
         assert engine.adapters.stats().evictions > 0 and engine.stats().num_prefix_cache_hit_blocks > 0
     finally:
         engine.close()
+
+
+def test_a_rank_that_cannot_start_fails_the_engine_at_once_naming_its_exit(tmp_path, monkeypatch):
+    """Not a wait for the group's timeout: rank 0 watches its ranks while it joins."""
+    import sys
+    import time
+
+    from omnibus.engine.parallel import ranks
+
+    monkeypatch.setattr(ranks, "RANK_COMMAND", [sys.executable, "-c", "raise SystemExit(3)"])
+    path = make_checkpoint(tmp_path / "ckpt", "llama", vocab_size=VOCAB)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank process\(es\) exited before joining the group .*, 3\)"):
+        tp_engine(path, num_kv_blocks=16)
+    assert time.monotonic() - start < 30
+    no_rank_left()

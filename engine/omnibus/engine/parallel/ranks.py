@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import fields, replace
 from typing import Any
 
@@ -69,14 +70,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(config: EngineConfig, rank: int, port: int) -> TensorParallel:
-    """Join the engine's group: NCCL between CUDA devices (with a gloo group beside it for
-    the CPU channel), gloo on the CPU."""
+RANK_COMMAND = [sys.executable, "-m", "omnibus.engine.parallel.ranks"]  # a rank's process
+
+
+def _join(config: EngineConfig, procs: list[subprocess.Popen], port: int) -> TensorParallel:
+    """Rank 0 serves the group's store and waits until every rank has checked in, watching
+    them meanwhile: one that exits first (it could not start) fails the start at once,
+    naming its exit code, instead of leaving rank 0 waiting out the group's timeout."""
+    import torch.distributed as dist
+
+    size = config.tensor_parallel_size
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                          wait_for_workers=False)
+    keys = [f"rank-{r}-ready" for r in range(1, size)]
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not store.check(keys):
+        exited = [(p.pid, p.returncode) for p in procs if p.poll() is not None]
+        if exited:
+            raise RuntimeError(f"tensor-parallel rank process(es) exited before joining the group "
+                               f"(pid, exit code): {exited}; their output is above in this log")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks did not join the group within {JOIN_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
+    return init_group(config, 0, store)
+
+
+def init_group(config: EngineConfig, rank: int, store: object) -> TensorParallel:
+    """Join the engine's group through `store`: NCCL between CUDA devices (with a gloo group
+    beside it for the CPU channel), gloo on the CPU."""
     import torch.distributed as dist
 
     cuda = config.torch_device.type == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank,  # type: ignore[arg-type]
+                            world_size=config.tensor_parallel_size, timeout=COLLECTIVE_TIMEOUT)
     cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if cuda else dist.group.WORLD
     return TensorParallel(rank, config.tensor_parallel_size, dist.group.WORLD, cpu_group)
 
@@ -98,12 +124,12 @@ class Ranks:
         procs = []
         try:
             for rank in range(1, config.tensor_parallel_size):
-                proc = subprocess.Popen([sys.executable, "-m", "omnibus.engine.parallel.ranks"], stdin=subprocess.PIPE)
+                proc = subprocess.Popen(RANK_COMMAND, stdin=subprocess.PIPE)
                 procs.append(proc)
                 assert proc.stdin is not None
                 proc.stdin.write(pickle.dumps((config, model_config, rank, port, os.getpid())))
                 proc.stdin.close()
-            tp = init_group(config, 0, port)
+            tp = _join(config, procs, port)
         except BaseException:
             for proc in procs:
                 proc.kill()
@@ -216,7 +242,12 @@ def rank_main(config: EngineConfig, model_config: ModelConfig, rank: int, port: 
     _die_with(parent_pid)
     from omnibus.engine.worker.model_runner import ShardRuntime
 
-    tp = init_group(config, rank, port)
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False,
+                          timeout=COLLECTIVE_TIMEOUT)
+    store.set(f"rank-{rank}-ready", "1")
+    tp = init_group(config, rank, store)
     runtime = ShardRuntime(config, model_config, tp, rank_device(config, rank))
     try:
         serve_rank(runtime, tp)
