@@ -13,8 +13,8 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum
 
 setup: $(STAMP)
 
-# The install goes through uv (pinned; about 15 s here against pip's 77 s for the same
-# pins: it resolves and unpacks in parallel). uv does not read pip's configuration, so the
+# The install goes through uv (pinned; 14 s here on 2026-12-02, where pip took 77 s with its
+# bytecode step the session before: it resolves and unpacks in parallel). uv does not read pip's configuration, so the
 # local wheel folder pip is configured with (PIP_FIND_LINKS, or pip.conf's find-links:
 # this machine's CPU torch lies there) is handed on. Nothing is compiled to bytecode here:
 # compiling the whole environment took 40 s on 2 cores; `make test` writes the bytecode of

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence as Seq
 from dataclasses import dataclass
 
 from omnibus.common.prefix import block_hash, block_key
@@ -183,9 +183,11 @@ class BlockAllocator:
         self.num_host_saves += 1
         self.cache_generation += 1
 
-    def take_copies(self) -> list[KvCopy]:
+    def take_copies(self) -> Seq[KvCopy]:
         """The copies queued since the last call, in the order they must be made (before
         the forward of the step planned meanwhile)."""
+        if not self.copies:
+            return ()  # the common step: nothing allocated
         copies, self.copies = self.copies, []
         self._loading.clear()
         return copies

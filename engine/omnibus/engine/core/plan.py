@@ -7,6 +7,7 @@ request just seated (Admission) alike.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from omnibus.engine.core.block_allocator import KvCopy
@@ -34,7 +35,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # KV copies between the device pool and the host tier (block_allocator.KvCopy), made
     # in order before the step's forward
-    kv_copies: list[KvCopy] = field(default_factory=list)
+    kv_copies: Seq[KvCopy] = ()
 
     @property
     def is_empty(self) -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from omnibus.engine.config import ModelConfig
 from omnibus.engine.lora.adapters import FUSED, PROJECTIONS, AdapterWeights, proj_dims
+from omnibus.engine.model.loader import FUSED_PARTS  # the column-parallel projections, by fused part
 from omnibus.engine.parallel.shard import ShardPlan
 
 
@@ -137,15 +138,10 @@ class DeviceSlots:
         self.scales[:, :, slot].fill_(0.0)
 
 
-# projection -> (fused layer, its part) for the column-parallel ones; row-parallel: None
-_COLUMN_PARALLEL = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
 def sharded_dims(cfg: ModelConfig, plan: ShardPlan) -> dict[str, tuple[int, int]]:
     """proj_dims of one tensor-parallel rank."""
     dims = dict(proj_dims(cfg))
-    for proj, (fused, part) in _COLUMN_PARALLEL.items():
+    for proj, (fused, part) in FUSED_PARTS.items():
         rows = plan.part_rows[fused][part]
         dims[proj] = (dims[proj][0], rows.stop - rows.start)
     for proj in ("o_proj", "down_proj"):
@@ -159,8 +155,8 @@ def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:
     output rows, A's columns where it splits its input columns."""
     tensors = {}
     for (layer, proj), (a, b) in weights.tensors.items():
-        if proj in _COLUMN_PARALLEL:
-            fused, part = _COLUMN_PARALLEL[proj]
+        if proj in FUSED_PARTS:
+            fused, part = FUSED_PARTS[proj]
             b = b[plan.part_rows[fused][part]]
         else:
             start, stop = plan.columns[proj]

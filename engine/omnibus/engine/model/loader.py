@@ -25,8 +25,9 @@ from omnibus.engine.model.quant.weights import DenseWeight, Weight, WeightFormat
 from omnibus.engine.parallel.group import SINGLE, TensorParallel
 from omnibus.engine.parallel.shard import ShardPlan
 
-# checkpoint projection -> (fused parameter, index of the slice it fills)
-_FUSED = {
+# checkpoint projection -> (fused parameter, index of the slice it fills); the projections
+# not here (o_proj, down_proj) are single layers (row-parallel under tensor parallelism)
+FUSED_PARTS = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
@@ -119,7 +120,7 @@ def _target(name: str) -> tuple[str, int | None]:
     """Map a checkpoint tensor name to our parameter name and fused slice index."""
     name = name.removeprefix("model.")
     parts = name.split(".")
-    for proj, (fused, idx) in _FUSED.items():
+    for proj, (fused, idx) in FUSED_PARTS.items():
         if proj in parts:
             return name.replace(proj, fused), idx
     return name, None
@@ -129,10 +130,10 @@ def _checkpoint_names(param: str, loaded: set[str]) -> list[str]:
     """The checkpoint's (Hugging Face) names of a parameter's tensors not loaded: a fused
     one's missing slices (q/k/v_proj, gate/up_proj), under the checkpoint's model. prefix."""
     prefix = "" if param.startswith("lm_head.") else "model."
-    slices = [(proj, idx) for proj, (fused, idx) in _FUSED.items() if f".{fused}." in f".{param}"]
+    slices = [(proj, idx) for proj, (fused, idx) in FUSED_PARTS.items() if f".{fused}." in f".{param}"]
     if not slices:
         return [prefix + param]
-    fused = _FUSED[slices[0][0]][0]
+    fused = FUSED_PARTS[slices[0][0]][0]
     return [prefix + param.replace(fused, proj) for proj, idx in slices if f"{param}#{idx}" not in loaded]
 
 

@@ -232,9 +232,13 @@ def host_batch(batch: ForwardBatch) -> ForwardBatch:
     """The forward's inputs as the other ranks need them: host tensors, without what only
     rank 0 uses (the attention plan is made by each rank's forward; prompt-logprob rows are
     scored through compute_logits)."""
-    moved = {name: getattr(batch, name).cpu() for name in _BATCH_TENSORS}
     lora = None if batch.lora is None else batch.lora.runs  # each rank rebuilds it over its own slots
-    return replace(batch, **moved, lora=lora, attn_plan=None, prompt_logprobs=None)
+    return replace(on_device(batch, torch.device("cpu")), lora=lora, attn_plan=None, prompt_logprobs=None)
+
+
+def on_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
+    """`batch` with its step tensors on `device` (no copy where they are already)."""
+    return replace(batch, **{name: getattr(batch, name).to(device) for name in _BATCH_TENSORS})
 
 
 def rank_main(config: EngineConfig, model_config: ModelConfig, rank: int, port: int, parent_pid: int) -> None:
@@ -272,16 +276,14 @@ def serve_rank(runtime: Any, tp: TensorParallel) -> None:
             kind = message[0]
             if kind == "forward":
                 batch, caches = message[1], message[2]
-                moved = {name: getattr(batch, name).to(device) for name in _BATCH_TENSORS}
                 lora = None if batch.lora is None else LoraBatch(runtime.slots, batch.lora)
-                runtime.model(replace(batch, **moved, lora=lora), runtime.caches(caches))
+                runtime.model(replace(on_device(batch, device), lora=lora), runtime.caches(caches))
             elif kind == "logits":
                 hidden = torch.empty(message[1], dtype=message[2], device=device)
                 dist.broadcast(hidden, src=0, group=tp.group)
                 runtime.model.compute_logits(hidden)
             elif kind == "graph":  # a padded decode step on the rank's static buffers
-                batch = message[1]
-                runtime.graphs.run(replace(batch, **{name: getattr(batch, name).to(device) for name in _BATCH_TENSORS}))
+                runtime.graphs.run(on_device(message[1], device))
             elif kind == "pool":
                 runtime.allocate_pool(message[1])
             elif kind == "graphs":

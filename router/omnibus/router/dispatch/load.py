@@ -8,6 +8,8 @@ from omnibus.v1 import engine_pb2
 from omnibus.common.sampling import kv_tokens
 
 
+_NO_REPORT = engine_pb2.LoadReport()  # what the figures read before the first report
+
 class LoadView:
     """The engine's latest load report and what follows from it alone (no report yet:
     the figures are 0 and the sets empty)."""
@@ -47,6 +49,11 @@ class LoadView:
         return self._report
 
     @property
+    def _latest(self) -> engine_pb2.LoadReport:
+        """The latest report, or an empty one (every figure 0) before the first."""
+        return self._report if self._report is not None else _NO_REPORT
+
+    @property
     def reported(self) -> bool:
         """The engine has reported since this router started (its figures below are known)."""
         return self._report is not None
@@ -54,32 +61,32 @@ class LoadView:
     @property
     def max_model_len(self) -> int:
         """The context the engine serves (0: not reported)."""
-        return self._report.max_model_len if self._report is not None else 0
+        return self._latest.max_model_len
 
     @property
     def block_size(self) -> int:
         """Tokens per KV block (0: not reported)."""
-        return self._report.block_size if self._report is not None else 0
+        return self._latest.block_size
 
     @property
     def running(self) -> int:
         """Sequences running, as last reported."""
-        return self._report.num_running if self._report is not None else 0
+        return self._latest.num_running
 
     @property
     def waiting(self) -> int:
         """Sequences waiting inside the engine, as last reported."""
-        return self._report.num_waiting if self._report is not None else 0
+        return self._latest.num_waiting
 
     @property
     def free_blocks(self) -> int:
         """Free KV blocks, as last reported."""
-        return self._report.num_free_blocks if self._report is not None else 0
+        return self._latest.num_free_blocks
 
     @property
     def total_blocks(self) -> int:
         """Usable KV blocks, as last reported."""
-        return self._report.num_total_blocks if self._report is not None else 0
+        return self._latest.num_total_blocks
 
     def max_request_tokens(self) -> int | None:
         """The most tokens (prompt + max_tokens) one request may span on the engine, as it
