@@ -271,13 +271,14 @@ def test_engine_core_is_torch_free():
 ENGINE_LAYERS = (
     # torch-free
     ("omnibus.engine", "omnibus.engine.core"),  # the scheduler, the KV block allocator
-    ("omnibus.engine.request", "omnibus.engine.spec.proposer"),
+    ("omnibus.engine.request", "omnibus.engine.spec.proposer", "omnibus.engine.kv_transfer.handle"),
     ("omnibus.engine.config",),  # torch for annotations only
     # torch
     ("omnibus.engine.model", "omnibus.engine.worker.transfer", "omnibus.engine.parallel.group",
      "omnibus.engine.parallel.shard"),
     ("omnibus.engine.lora",),
     ("omnibus.engine.worker", "omnibus.engine.parallel"),  # the model runner, sampling, CUDA graphs; TP ranks
+    ("omnibus.engine.kv_transfer",),  # the KV connector and its transfer engine (the pool's memory)
     ("omnibus.engine.spec",),  # the draft proposer runs a model runner
     ("omnibus.engine.engine",),  # the step loop
     ("omnibus.engine.serving", "omnibus.engine.__main__"),  # the gRPC service, the process

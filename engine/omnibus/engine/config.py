@@ -33,6 +33,8 @@ CPU_MATMULS = ("onednn", "aten")
 # int4: a full-precision checkpoint quantized at load (weight-only INT8 per channel, FP8
 # W8A8 per channel with per-token activations, INT4 in groups of 32).
 QUANTIZATIONS = ("auto", "none", "int8", "fp8", "int4")
+KV_TRANSFERS = ("none", "mooncake")  # --kv-transfer (kv_transfer/transport.py TRANSPORTS)
+ROLES = ("both", "prefill", "decode")  # --role
 # What the KV cache holds. auto: the model dtype; fp8 (= fp8_e4m3): float8_e4m3fn, each
 # layer's keys and values divided by its scales (the checkpoint's self_attn.k_scale /
 # v_scale, else 1.0) and saturated; attention multiplies them back.
@@ -310,6 +312,16 @@ class EngineConfig:
     # A host-memory tier for the prefix cache: blocks evicted from the device pool are kept
     # in this many bytes of (pinned) host memory and loaded back instead of recomputed; 0: none
     kv_offload_bytes: int = 0
+    # KV that moves between engines (engine/omnibus/engine/kv_transfer): "none", or the
+    # transfer engine ("mooncake") this engine reads others' KV with and offers its own
+    # on; the address it is reached at (this host's, as peers see it); how long KV held
+    # for a reader (a prefill for a decode engine, a drain's running requests) is kept
+    kv_transfer: str = "none"
+    kv_transfer_host: str = "127.0.0.1"
+    kv_hold_seconds: float = 30.0
+    # What routers send it (the load report carries it): "both" whole requests; "prefill"
+    # the prompt of a request a "decode" engine goes on with, reading the KV (--kv-transfer)
+    role: str = "both"
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", "a power of two from 1 to 128", self.block_size)
@@ -345,6 +357,14 @@ class EngineConfig:
                self.kv_cache_dtype)
         self.spec_config()  # ValueError naming the flag
         _check(self.kv_offload_bytes >= 0, "kv_offload_bytes", ">= 0", self.kv_offload_bytes)
+        _check(self.kv_transfer in KV_TRANSFERS, "kv_transfer", " | ".join(KV_TRANSFERS), self.kv_transfer)
+        _check(0 < self.kv_hold_seconds < math.inf, "kv_hold_seconds", "> 0 and finite", self.kv_hold_seconds)
+        _check(self.role in ROLES, "role", " | ".join(ROLES), self.role)
+        _check(self.role == "both" or self.kv_transfer != "none", "role",
+               "both unless --kv-transfer is set (a prefill or decode engine moves KV)", self.role)
+        _check(self.kv_transfer == "none" or self.tensor_parallel_size == 1, "kv_transfer",
+               "none with tensor parallelism (each rank's KV heads would move separately: not built yet)",
+               self.kv_transfer)
         _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size", "in [1, 64]", self.tensor_parallel_size)
         _check(self.tensor_parallel_size == 1 or self.load_format != "null", "tensor_parallel_size",
                "1 with load_format null (the null model has no layers to split)", self.tensor_parallel_size)

@@ -33,6 +33,7 @@ from omnibus.common.sampling import SamplingParams, check_context, check_token_i
 from omnibus.engine.worker.sampling import make_generator
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
 from omnibus.engine.core.study import StudyCounters
+from omnibus.engine.kv_transfer.connector import KvConnector, KvTransferStats
 from omnibus.engine.core.sequence import RequestOutput, Sequence, SequenceStatus
 from omnibus.engine.spec import SpecStats, Speculator
 from omnibus.engine.spec.proposer import NgramProposer
@@ -75,6 +76,7 @@ class EngineStats:
     prefix_generation: int = 0  # changes with prefix_block_keys
     prefix_block_keys: tuple[int, ...] = ()  # their keys (common/prefix.py), newest first, bounded
     speculative: SpecStats | None = None  # the proposer's counters (engine/omnibus/engine/spec); None: no speculation
+    kv_transfer: KvTransferStats | None = None  # KV moved between engines (--kv-transfer); None: off
 
 
 class Engine:
@@ -98,6 +100,7 @@ class Engine:
         self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                         host_blocks=self.runner.num_host_blocks)
         self.speculator = self._speculator(config)
+        self.kv = self._connector(config)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, config.waiting_order),
             self.allocator,
@@ -105,6 +108,7 @@ class Engine:
             self.model_config.eos_token_ids,
             self.adapters,
             self.speculator,
+            self.kv,
         )
         self._restart_study()
         self.num_steps = 0
@@ -114,6 +118,15 @@ class Engine:
         overlap = config.overlap_scheduling
         self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._in_flight: Step | None = None  # launched, picks not yet reported (overlap only)
+        self._migrating = False  # migrate(): the next step ends every request for another engine
+
+    def _connector(self, config: EngineConfig) -> KvConnector | None:
+        if config.kv_transfer == "none":
+            return None
+        from omnibus.engine.kv_transfer.transport import make_transport
+
+        return KvConnector(make_transport(config.kv_transfer, config.kv_transfer_host), self.runner.kv_caches,
+                           config.block_size, config.kv_hold_seconds)
 
     # ---- requests ------------------------------------------------------------
 
@@ -147,6 +160,8 @@ class Engine:
             generator=None if params.seed is None else make_generator(
                 params.seed, self.runner.device, params.output_offset),
             grammar=grammar,
+            kv_source=request.kv_source if self.kv is not None else None,
+            kv_hold=request.kv_hold and self.kv is not None,
         )
         self.scheduler.add(seq)
 
@@ -189,7 +204,17 @@ class Engine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or self._migrating
+
+    def migrate(self) -> None:
+        """A drain: the next step ends every request for another engine to go on with,
+        after reporting the step in flight; running requests' computed KV is held for the
+        engines that read it (their outputs carry the handles; needs --kv-transfer)."""
+        self._migrating = True
+
+    def holds_kv(self) -> bool:
+        """KV is held for other engines: steps must go on to give it back when a lease ends."""
+        return self.kv is not None and bool(self.kv.held)
 
     # ---- the step ------------------------------------------------------------
 
@@ -201,9 +226,13 @@ class Engine:
         results: list[RequestOutput] = []
         # Penalties must see the pending tokens, and guesses follow the last token: both
         # need the step in flight reported first (speculation runs at small batches only).
-        if prev is not None and (prev.reads_history or self._speculating()):
+        if prev is not None and (prev.reads_history or self._speculating() or self._migrating):
             results += self._report(prev)
             prev = None
+        if self._migrating:
+            held = self.scheduler.migrate() if self.kv is not None else 0
+            log.info("engine_migrating", held=held)
+            self._migrating = False
         plan = self.scheduler.schedule()
         step = None
         if not plan.is_empty:
@@ -269,7 +298,10 @@ class Engine:
         self.scheduler.observer = self.study
 
     def close(self) -> None:
-        """Release what outlives the object: the tensor-parallel ranks' processes."""
+        """Release what outlives the object: the tensor-parallel ranks' processes, the KV
+        transfer engine."""
+        if self.kv is not None:
+            self.kv.close()
         self.runner.close()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -354,6 +386,7 @@ class Engine:
             prefix_block_keys=self._prefix_keys(),
             prefix_generation=self._keys_generation,
             speculative=None if self.speculator is None else self.speculator.stats.snapshot(),
+            kv_transfer=None if self.kv is None else self.kv.stats(),
         )
 
     def _waiting_adapters(self, resident: tuple[str, ...]) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omnibus.common.sampling import SamplingParams
+from omnibus.engine.kv_transfer.handle import KvHandle
 
 if TYPE_CHECKING:
     from omnibus.v1 import engine_pb2
@@ -28,6 +29,8 @@ class EngineRequest:
     weight: float = 1.0  # the tenant's share
     deadline: float | None = None  # time.monotonic() seconds (one clock for all processes)
     cache_salt: str = ""  # the tenant's cache group (omnibus.common.prefix); "": unsalted
+    kv_hold: bool = False  # keep its KV for another engine when it ends by length (a prefill)
+    kv_source: KvHandle | None = None  # its first tokens' KV on another engine, read if it can be
 
     def __post_init__(self) -> None:
         # The caller's list may change after it is queued; the step loop reads this one.
@@ -48,6 +51,8 @@ class EngineRequest:
             weight=msg.tenant_weight or 1.0,
             cache_salt=msg.cache_salt,
             deadline=deadline,
+            kv_hold=msg.kv_hold,
+            kv_source=KvHandle.from_proto(msg.kv_source) if msg.HasField("kv_source") else None,
         )
 
 

@@ -53,7 +53,7 @@ class EngineSamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ..., output_offset: _Optional[int] = ..., speculative_off: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_inference_pb2.StructuredOutput, _Mapping]] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class EngineGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter", "tenant", "tenant_weight", "deadline_ms", "handle", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "adapter", "tenant", "tenant_weight", "deadline_ms", "handle", "cache_salt", "kv_hold", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class EngineGenerateRequest(_message.Message):
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    KV_HOLD_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: EngineSamplingParams
@@ -74,10 +76,36 @@ class EngineGenerateRequest(_message.Message):
     deadline_ms: int
     handle: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., deadline_ms: _Optional[int] = ..., handle: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    kv_hold: bool
+    kv_source: KvHandle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., deadline_ms: _Optional[int] = ..., handle: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_hold: _Optional[bool] = ..., kv_source: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
+
+class KvHandle(_message.Message):
+    __slots__ = ("peer", "request_id", "num_tokens", "blocks", "regions", "block_bytes", "layout", "digest", "lease_addr", "lease_epoch")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ADDR_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    request_id: str
+    num_tokens: int
+    blocks: _containers.RepeatedScalarFieldContainer[int]
+    regions: _containers.RepeatedScalarFieldContainer[int]
+    block_bytes: int
+    layout: str
+    digest: bytes
+    lease_addr: int
+    lease_epoch: int
+    def __init__(self, peer: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., regions: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., digest: _Optional[bytes] = ..., lease_addr: _Optional[int] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
 
 class EngineGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "handle", "status_code", "status_message", "prompt_logprobs")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "handle", "status_code", "status_message", "prompt_logprobs", "kv_handle")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +116,7 @@ class EngineGenerateResponse(_message.Message):
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprob]
     finish_reason: _inference_pb2.FinishReason
@@ -98,7 +127,8 @@ class EngineGenerateResponse(_message.Message):
     status_code: int
     status_message: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., handle: _Optional[int] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    kv_handle: KvHandle
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_inference_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., handle: _Optional[int] = ..., status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_inference_pb2.TokenLogprob, _Mapping]]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("add", "abort", "packed_tokens")
@@ -127,7 +157,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "max_num_seqs", "block_size", "max_model_len", "resident_adapters", "draining", "cached_adapters", "available_adapters", "prefix_generation", "prefix_block_keys", "adapter_salts")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "max_num_seqs", "block_size", "max_model_len", "resident_adapters", "draining", "cached_adapters", "available_adapters", "prefix_generation", "prefix_block_keys", "adapter_salts", "role", "kv_transfer")
     class AdapterSaltsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +179,8 @@ class LoadReport(_message.Message):
     PREFIX_GENERATION_FIELD_NUMBER: _ClassVar[int]
     PREFIX_BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_SALTS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -163,7 +195,9 @@ class LoadReport(_message.Message):
     prefix_generation: int
     prefix_block_keys: _containers.RepeatedScalarFieldContainer[int]
     adapter_salts: _containers.ScalarMap[str, str]
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., cached_adapters: _Optional[_Iterable[str]] = ..., available_adapters: _Optional[_Iterable[str]] = ..., prefix_generation: _Optional[int] = ..., prefix_block_keys: _Optional[_Iterable[int]] = ..., adapter_salts: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    role: str
+    kv_transfer: bool
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., cached_adapters: _Optional[_Iterable[str]] = ..., available_adapters: _Optional[_Iterable[str]] = ..., prefix_generation: _Optional[int] = ..., prefix_block_keys: _Optional[_Iterable[int]] = ..., adapter_salts: _Optional[_Mapping[str, str]] = ..., role: _Optional[str] = ..., kv_transfer: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -35,7 +35,7 @@ class Admission:
         most once per waiting request."""
         life = self._life
         limit = self.policy.admission_limit(now, len(life.running), life.num_waiting, self._oldest_arrival)
-        room = min(limit, self._max_num_seqs - len(life.running))
+        room = min(limit, self._max_num_seqs - len(life.running) - len(life.loading))
         seated = len(life.running)
         deferred: list[Sequence] = []  # waiting on their adapter or a token: others may pass them
         # A formed batch is admitted whole (its KV reserved) even when this step's token
@@ -93,19 +93,37 @@ class Admission:
         # scored: the logits of the rest are needed.
         limit = None if seq.prompt_logprobs is None else len(seq.prompt_logprobs)
         cached = self._allocator.allocate_prefix(seq, limit)
-        n = min(seq.num_tokens - cached, budget + refunds)
-        reserve = max(cached + n, self.policy.reserve_tokens(seq))
+        # KV that another engine holds for it (past the local hit) is read, not computed.
+        loads = self._loads(seq, cached)
+        n = 0 if loads else min(seq.num_tokens - cached, budget + refunds)
+        reserve = max(loads or cached + n, self.policy.reserve_tokens(seq))
         while not self._allocator.allocate_slots(seq, reserve):  # each pass evicts one request
             refund = self._displace_for(seq, out)
             if refund is None:
                 return None
             refunds, freed = refunds + refund, freed + 1
-            n = min(seq.num_tokens - cached, budget + refunds)
-            reserve = max(cached + n, self.policy.reserve_tokens(seq))
+            n = 0 if loads else min(seq.num_tokens - cached, budget + refunds)
+            reserve = max(loads or cached + n, self.policy.reserve_tokens(seq))
+        if loads:
+            self._life.load(seq, cached)
+            return 0, refunds, freed
         self._life.seat(seq, cached)
         if n > 0:
             out.scheduled.append(plan_chunk(seq, n, self._life.step))
         return n, refunds, freed
+
+    def _loads(self, seq: Sequence, cached: int) -> int:
+        """The tokens whose KV `seq` reads from another engine (its kv_source), past the
+        `cached` ones of the local prefix; 0: it computes them (no source, one this engine
+        cannot read, or a local hit that covers it)."""
+        kv = self._life.kv
+        if seq.kv_source is None or kv is None or seq.prompt_logprobs is not None or not kv.readable(seq):
+            seq.kv_source = None
+            return 0
+        if seq.kv_source.num_tokens <= cached:
+            seq.kv_source = None
+            return 0
+        return seq.kv_source.num_tokens
 
     def _displace_for(self, seq: Sequence, out: SchedulerOutput) -> int | None:
         """Preempt the running request that waiting `seq` may displace (core/order.py) and

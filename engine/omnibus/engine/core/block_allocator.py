@@ -200,6 +200,12 @@ class BlockAllocator:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def free_blocks(self, blocks: Seq[int]) -> None:
+        """Release blocks a request no longer holds: those its KV transfer kept
+        (kv_transfer/connector.py `hold`), given back when the reader is done."""
+        for block in reversed(blocks):
+            self._release(block)
+
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:

@@ -8,6 +8,13 @@ results) and `end` (an abort, or the engine ending it: deadline, adapter failure
 `leave_running` is the one place a request gives back its KV blocks (only the blocks of
 rejected guesses are trimmed elsewhere: core/bookkeeping.py) and its adapter slot.
 Requests ended outside a step's results are reported by `take_aborted`.
+
+KV that moves (kv_transfer/connector.py, `kv`): a request whose KV arrives from another
+engine is seated LOADING (`load`: blocks held, no tokens planned) and joins the running
+set when the read is done (`loaded`), from the arrived tokens or, if the read failed,
+from its local prefix. A request that ends for a transfer keeps its computed blocks
+under the connector's lease (`leave_running` with `hold`) until the reader's router
+releases them (`release`) or the lease runs out (`expire`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from omnibus.engine.core.sequence import RequestOutput, Sequence, SequenceStatus
 from omnibus.engine.core.waiting import WaitingQueue
 
 if TYPE_CHECKING:
+    from omnibus.engine.kv_transfer.connector import KvConnector
     from omnibus.engine.lora import LoraManager
     from omnibus.engine.spec import Speculator
 
@@ -30,11 +38,14 @@ class Lifecycle:
     bookkeeping move requests only through these verbs."""
 
     def __init__(self, allocator: BlockAllocator, order: SchedulingOrder,
-                 adapters: LoraManager | None = None, speculator: Speculator | None = None) -> None:
+                 adapters: LoraManager | None = None, speculator: Speculator | None = None,
+                 kv: KvConnector | None = None) -> None:
         self.allocator = allocator
         self.order = order
         self.adapters = adapters  # the adapter slots requests pin while they run, or None
         self.speculator = speculator  # its proposer may hold state per running request, or None
+        self.kv = kv  # KV transfer between engines (--kv-transfer), or None
+        self.loading: list[Sequence] = []  # seated LOADING, or ended while their read runs
         self.requests: dict[str, Sequence] = {}  # every unfinished request
         self.running: list[Sequence] = []  # kept sorted by Sequence.sort_key
         self.waiting = WaitingQueue(order)
@@ -78,11 +89,52 @@ class Lifecycle:
         self.num_preemptions += 1
         self.queue(seq)
 
-    def leave_running(self, seq: Sequence) -> None:
+    def load(self, seq: Sequence, cached: int) -> None:
+        """A waiting request whose blocks are allocated and whose KV past its first
+        `cached` tokens (a local prefix hit) is read from another engine."""
+        assert self.kv is not None
+        self.num_waiting -= 1
+        seq.status, seq.num_computed_tokens = SequenceStatus.LOADING, cached
+        self.kv.start_load(seq, cached // self.allocator.block_size)
+        self.loading.append(seq)
+
+    def loaded(self) -> None:
+        """Seats the requests whose reads are done: from the arrived tokens, or from the
+        local prefix when the read failed (the rest is computed here). One ended meanwhile
+        gives its blocks back now that nothing writes into them."""
+        if self.kv is None or not self.loading:
+            return
+        for seq, ok in self.kv.finished():
+            self.loading.remove(seq)
+            src, seq.kv_source = seq.kv_source, None
+            if seq.status is SequenceStatus.FINISHED:
+                self.leave_running(seq)
+                continue
+            self.num_waiting += 1  # seat() counts it out of the queue
+            self.seat(seq, src.num_tokens if ok and src is not None else seq.num_computed_tokens)
+
+    def release(self, request_id: str) -> bool:
+        """The KV an ended request holds for a transfer, given back (its reader is done)."""
+        blocks = None if self.kv is None else self.kv.release(request_id)
+        if blocks is not None:
+            self.allocator.free_blocks(blocks)
+        return blocks is not None
+
+    def expire(self, now: float) -> None:
+        """Holds whose lease ran out give their blocks back."""
+        if self.kv is not None and self.kv.held:
+            for blocks in self.kv.expired(now):
+                self.allocator.free_blocks(blocks)
+
+    def leave_running(self, seq: Sequence, hold: bool = False) -> None:
         """The one exit from the running set: blocks back to the pool, adapter slot unpinned
-        (also frees the blocks of a waiting request whose admission failed)."""
+        (also frees the blocks of a waiting request whose admission failed). With `hold`
+        (it ends for a transfer) the blocks of its computed tokens stay, held by the KV
+        connector, and its output names them."""
         if seq.status is SequenceStatus.RUNNING:
             self.order.unseat(seq)
+        if hold and self.kv is not None:
+            seq.kv_handle = self.kv.hold(seq)
         self.allocator.free(seq)
         if seq.lora_slot is not None and seq.adapter is not None:
             self.lora().release(seq.adapter)
@@ -90,13 +142,16 @@ class Lifecycle:
         if self.speculator is not None:
             self.speculator.proposer.release(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, hold: bool = False) -> None:
         """`seq` is finished for `reason`; a running one stays in `running` until
-        `drop_finished` (one pass per step's results, not a removal per request)."""
+        `drop_finished` (one pass per step's results, not a removal per request). With
+        `hold`, or a prefill for another engine ending by length, its KV is kept for a
+        transfer."""
         if seq.status is SequenceStatus.RUNNING:
-            self.leave_running(seq)
-        else:  # waiting (or preempted while its last token was in flight): its heap entry is skipped lazily
-            self.num_waiting -= 1
+            self.leave_running(seq, hold or (seq.kv_hold and reason == "length"))
+        elif seq.status is SequenceStatus.WAITING:  # (or preempted while its last token was in
+            self.num_waiting -= 1  # flight): its heap entry is skipped lazily
+        # LOADING: its blocks are given back when its read is done (`loaded`)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         del self.requests[seq.request_id]
 
@@ -104,13 +159,14 @@ class Lifecycle:
         """Takes the requests `finish` ended out of `running`."""
         self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
 
-    def end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def end(self, seq: Sequence, reason: str, error: str | None = None, hold: bool = False) -> None:
         """Finish a request outside a step's results, wherever it is: an abort, or the
-        engine ending it (`error` says why). Its blocks are free when this returns, and the
-        next `take_aborted` reports it."""
+        engine ending it (`error` says why). Its blocks are free when this returns (held
+        for a transfer with `hold`; a loading one's once its read is done), and the next
+        `take_aborted` reports it."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        self.finish(seq, reason)
+        self.finish(seq, reason, hold)
         out = request_output(seq, [], [])
         out.error = error
         self._aborted.append(out)
@@ -120,7 +176,14 @@ class Lifecycle:
         return out
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests) or bool(self._aborted)
+        return bool(self.requests) or bool(self._aborted) or bool(self.loading)
+
+    def block_tables(self) -> list[list[int]]:
+        """Every block table that references blocks: running, loading and held ones."""
+        tables = [s.block_table for s in self.running] + [s.block_table for s in self.loading]
+        if self.kv is not None:
+            tables += self.kv.held_tables()
+        return tables
 
     def lora(self) -> LoraManager:
         """The adapter manager: only requests for an adapter reach it, and the engine
@@ -135,4 +198,4 @@ def request_output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob
     # positional, in RequestOutput's field order: this runs for every token of a step
     return RequestOutput(seq.request_id, tokens, logprobs, seq.status is SequenceStatus.FINISHED,
                          seq.finish_reason, seq.num_prompt_tokens, seq.num_cached_tokens,
-                         len(seq.token_ids) - seq.num_prompt_tokens)
+                         len(seq.token_ids) - seq.num_prompt_tokens, None, None, seq.kv_handle)

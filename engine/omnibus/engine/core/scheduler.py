@@ -38,6 +38,7 @@ from omnibus.engine.core.sequence import RequestOutput, SamplerOutput, Sequence,
 from omnibus.engine.core.study import StepObserver
 
 if TYPE_CHECKING:
+    from omnibus.engine.kv_transfer.connector import KvConnector
     from omnibus.engine.lora import LoraManager
     from omnibus.engine.spec import Speculator
 
@@ -60,7 +61,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, policy: BatchingPolicy,
                  eos_token_ids: tuple[int, ...] = (), adapters: "LoraManager | None" = None,
-                 speculator: "Speculator | None" = None) -> None:
+                 speculator: "Speculator | None" = None, kv: "KvConnector | None" = None) -> None:
         self.config = config
         self.allocator = allocator
         self.adapters = adapters  # gates admission: an adapter must be loaded and get a slot
@@ -68,7 +69,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.order = SchedulingOrder(config.waiting_order, config.max_num_seqs, config.step_seconds_estimate)
         self.order.budget = config.max_num_batched_tokens
-        self.lifecycle = Lifecycle(allocator, self.order, adapters, speculator)
+        self.lifecycle = Lifecycle(allocator, self.order, adapters, speculator, kv)
         self._admission = Admission(self.lifecycle, allocator, policy, config.max_num_seqs)
         self._bookkeeping = Bookkeeping(self.lifecycle, allocator, speculator)
         self._last_busy: float | None = None  # when the last non-empty step was planned
@@ -116,12 +117,25 @@ class Scheduler:
         self.lifecycle.add(seq)
 
     def abort(self, request_id: str) -> bool:
-        """Finish a request wherever it is; its blocks are free when this returns."""
+        """Finish a request wherever it is; its blocks are free when this returns. An
+        ended request's KV held for a transfer is given back (its reader is done)."""
         seq = self.lifecycle.requests.get(request_id)
         if seq is None:
-            return False
+            return self.lifecycle.release(request_id)
         self.lifecycle.end(seq, "abort")
         return True
+
+    def migrate(self) -> int:
+        """Ends every request for another engine to go on with (a drain): running ones
+        with their computed KV held for a transfer (each output names it), the rest with
+        nothing to move. Returns how many hold KV."""
+        life = self.lifecycle
+        held = 0
+        for seq in list(life.requests.values()):
+            life.end(seq, "abort", hold=seq.status is SequenceStatus.RUNNING)
+            held += seq.kv_handle is not None
+        life.drop_finished()
+        return held
 
     def has_unfinished(self) -> bool:
         return self.lifecycle.has_unfinished()
@@ -139,6 +153,8 @@ class Scheduler:
         life = self.lifecycle
         life.step += 1
         self._now = time.monotonic() if now is None else now
+        life.loaded()  # reads from other engines that finished: those requests run now
+        life.expire(time.monotonic())  # leases run on the clock, whatever `now` a test plans at
         self._measure_step_time()
         self.order.now = self._now
         out = SchedulerOutput()
@@ -270,4 +286,4 @@ class Scheduler:
         return self._bookkeeping.update(out, sampled)
 
     def block_tables(self) -> list[list[int]]:
-        return [s.block_table for s in self.lifecycle.running]
+        return self.lifecycle.block_tables()

@@ -6,9 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from omnibus.common.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from omnibus.engine.kv_transfer.handle import KvHandle
 
 _arrival_counter = itertools.count()
 
@@ -16,6 +19,7 @@ _arrival_counter = itertools.count()
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"  # seated with blocks, its KV arriving from another engine (kv_transfer)
     FINISHED = "finished"
 
 
@@ -77,6 +81,11 @@ class Sequence:
     # A structured-output request's grammar, advanced by every token it emits (so a
     # preemption, which recomputes tokens but emits none, leaves it as it is); None: free text.
     grammar: TokenGrammar | None = None
+    # KV that moves (kv_transfer): where this request's first tokens' KV lies on another
+    # engine (read instead of computed), and whether to keep its KV for another engine
+    # when it ends by length (a prefill for a decode engine).
+    kv_source: KvHandle | None = None
+    kv_hold: bool = False
 
     token_ids: list[int] = field(init=False)  # prompt + outputs
     num_prompt_tokens: int = field(init=False)
@@ -103,6 +112,7 @@ class Sequence:
     # params.prompt_logprobs > 0: the logprobs of prompt tokens 1, 2, ... computed so far,
     # in order; None when it asked for none, and once they went out with its first token.
     prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
+    kv_handle: KvHandle | None = None  # its KV, held for another engine when it ended
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -153,3 +163,5 @@ class RequestOutput:
     # With the first token of a request that asked for them: the logprobs of its prompt
     # tokens after the first (entry i: token i + 1 given tokens 0..i).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # When it ended for a transfer: where its KV is held for the engine that goes on with it.
+    kv_handle: KvHandle | None = None

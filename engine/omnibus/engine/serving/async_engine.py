@@ -20,7 +20,7 @@ from omnibus.engine.engine import Engine, EngineStats
 from omnibus.engine.lora import AdapterInventory, AdapterStateError, UnknownAdapterError
 from omnibus.engine.serving.batcher import BatcherConfig, DynamicBatcher
 from omnibus.engine.request import EngineRequest, as_request
-from omnibus.engine.serving.step_loop import Abort, AdapterLoaded, Call, Delivery, Refused
+from omnibus.engine.serving.step_loop import Abort, AdapterLoaded, Call, Delivery, Migrate, Refused
 from omnibus.engine.serving.step_loop_runners import StepLoopRunner, StepLoopThread
 
 __all__ = [
@@ -97,6 +97,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self.runner.send(Abort(request_id))
+
+    def migrate(self) -> None:
+        """Ends every request for another engine to go on with (a drain; StepLoop's Migrate)."""
+        self.runner.send(Migrate())
 
     def add(self, request: EngineRequest, dest: Destination) -> None:
         """Queues `request`, whose outputs (or Refused) go to `dest` step by step. Raises

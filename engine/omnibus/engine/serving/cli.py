@@ -20,7 +20,9 @@ from omnibus.common.adapters import adapter_name_error
 from omnibus.common.cli import HelpFormatter, config_error, uint64
 from omnibus.engine.config import (
     BATCHING_POLICIES, CPU_MATMULS, DEFAULT_MAX_BATCH_SIZE, DTYPE_NAMES, KV_CACHE_DTYPES, LOAD_FORMATS,
+    KV_TRANSFERS,
     QUANTIZATIONS,
+    ROLES,
     SPECULATIVE_METHODS,
     WAITING_ORDERS, EngineConfig)
 from omnibus.engine.serving.batcher import BatcherConfig
@@ -103,6 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="a host-memory tier for the prefix cache: blocks evicted from the device's KV pool "
         "are kept in this much (pinned) host memory, chained hashes as on the device, and loaded "
         "back instead of recomputed; load reports list them for prefix-aware routing (0: none)",
+    )
+    p.add_argument(
+        "--kv-transfer", choices=KV_TRANSFERS, default=_ENGINE["kv_transfer"],
+        help="KV that moves between engines: the transfer engine this engine reads other engines' "
+        "KV with and offers its own on (mooncake: Mooncake's transfer engine over TCP). Needed by "
+        "--role prefill|decode and by migration on drain, which moves running requests' KV to "
+        "the engines that go on with them instead of recomputing it",
+    )
+    p.add_argument("--kv-transfer-host", default=_ENGINE["kv_transfer_host"], metavar="HOST",
+                   help="the address other engines read this engine's KV at (its host as they see it)")
+    p.add_argument(
+        "--kv-hold-seconds", type=float, default=_ENGINE["kv_hold_seconds"], metavar="S",
+        help="KV held for another engine (a prefill's, a drained request's) is given back after "
+        "this long if the reader's router has not released it",
+    )
+    p.add_argument(
+        "--role", choices=ROLES, default=_ENGINE["role"],
+        help="what routers send this engine: both (whole requests), prefill (prompts whose decode "
+        "another engine does, reading the KV) or decode (requests whose prompt another engine "
+        "prefilled); prefill and decode need --kv-transfer",
     )
     p.add_argument(
         "--kv-cache-memory",

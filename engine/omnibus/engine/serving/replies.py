@@ -41,6 +41,8 @@ def fill(msg: engine_pb2.EngineGenerateResponse, out: RequestOutput) -> engine_p
         msg.logprobs.extend(_logprobs(out.new_logprobs))
     if out.prompt_logprobs:
         msg.prompt_logprobs.extend(_logprobs(out.prompt_logprobs))
+    if out.kv_handle is not None:
+        msg.kv_handle.CopyFrom(out.kv_handle.to_proto())
     return msg
 
 

@@ -213,6 +213,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             available_adapters=self.catalog.names,
             prefix_generation=stats.prefix_generation,
             adapter_salts=dict(stats.adapter_salts),
+            role=config.role,
+            kv_transfer=config.kv_transfer != "none",
         )
 
     # ---- adapters ------------------------------------------------------------
@@ -283,10 +285,29 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             session.close()
         await _wait_until(lambda: not self._sessions, wait)
 
+    async def _migrate(self, grace: float) -> None:
+        """Live migration: every request ends at once for another engine to go on with
+        (finish ABORTED; a running one's output carries the handle of its KV, held here),
+        then the drain waits, within `grace`, until the readers have released it."""
+        end = time.monotonic() + grace
+        log.info("drain_migrating", requests=len(self.requests))
+        self.aengine.migrate()
+        await _wait_until(lambda: not self.requests, max(0.0, end - time.monotonic()))
+
+        def released() -> bool:
+            kv = self.aengine.stats().kv_transfer
+            return kv is None or kv.held == 0
+
+        if not await _wait_until(released, max(0.0, end - time.monotonic())):
+            log.warning("drain_kv_still_held", held=self.aengine.stats().kv_transfer)
+
     async def drain(self, grace: float) -> None:
         """Refuses new requests, lets in-flight ones finish for `grace` seconds, then
         aborts the rest (their streams end with finish reason ABORTED)."""
         self.draining = True
+        if self.aengine.config.kv_transfer != "none" and self.requests:
+            await self._migrate(grace)
+            return
         if await _wait_until(lambda: not self.requests, grace):
             return
         log.warning("drain_grace_expired", aborting=sorted(self.requests.ids()))

@@ -37,6 +37,7 @@ IDLE_POLL_S = 0.001  # how often a loop with only not-yet-admissible work re-pla
 # this long without a command, so a request arriving just after the last one finished
 # does not wait for the walk.
 IDLE_CHECK_AFTER_S = 0.25
+KV_HOLD_POLL_S = 0.25  # an idle loop holding KV for other engines steps this often (leases end)
 STATS_EVERY_S = 0.005  # a busy loop publishes its stats this often (routers read them every 50 ms)
 STEP_THREAD_NAME = "omnibus-step"  # the loop's native thread name (top -H, /proc/<pid>/task)
 
@@ -55,6 +56,12 @@ Delivery = RequestOutput | Refused
 @dataclass
 class Abort:
     request_id: str
+
+
+@dataclass
+class Migrate:
+    """A drain: end every request for another engine to go on with, running ones' KV held
+    for the engines that read it (Engine.migrate)."""
 
 
 @dataclass
@@ -77,7 +84,7 @@ class AdapterLoaded:
     was_loaded: bool  # it was in host memory already: no disk read
 
 
-Command = EngineRequest | Abort | Call | None  # an EngineRequest: add it; None: stop
+Command = EngineRequest | Abort | Migrate | Call | None  # an EngineRequest: add it; None: stop
 
 
 class Inbox(Protocol):
@@ -138,7 +145,10 @@ class StepLoop:
                         engine.check_integrity()
                         checked = engine.num_steps
                     continue
-                self._drain(timeout=None if idle and not pending else 0.0)
+                if idle and not pending:  # wait for a command (a lease may end meanwhile)
+                    self._drain(timeout=KV_HOLD_POLL_S if engine.holds_kv() else None)
+                else:
+                    self._drain(timeout=0.0)
                 self.heartbeat.begin()
                 if self._embeds:  # one embedding batch between two generation steps
                     self._run_embed(self._embeds.popleft())
@@ -208,6 +218,8 @@ class StepLoop:
             raise _Stop
         if isinstance(cmd, Abort):
             self._abort(cmd.request_id)
+        elif isinstance(cmd, Migrate):
+            self.engine.migrate()
         elif isinstance(cmd, EngineRequest):
             if cmd.params.structured_output is None:
                 self._add(cmd)

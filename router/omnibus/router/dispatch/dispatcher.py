@@ -62,6 +62,7 @@ class Ticket:
     affinity: Affinity | None = None  # set on dispatch when there is an adapter
     avoid: frozenset[str] = frozenset()  # engines (addresses) that refused to continue it
     cache_salt: str = ""  # the tenant's prefix-cache salt (as sent to the engine)
+    roles: frozenset[str] | None = None  # engines of these --role only (None: any)
     # (block size, salt) -> leading block keys
     _keys: dict[tuple[int, str | None], list[int]] = field(default_factory=dict)
     future: asyncio.Future[EngineClient] = field(
@@ -195,7 +196,7 @@ class Dispatcher:
         open_ = [
             e for e in self._engines
             if room(e.seats) > 0 and (not adapter or e.load.has_adapter(adapter)) and e.load.fits(ticket.cost)
-            and e.address not in ticket.avoid
+            and e.address not in ticket.avoid and (ticket.roles is None or e.load.role in ticket.roles)
         ]
         if len(open_) < 2:  # nothing to weigh (one engine: no prompt hashed for prefix scores)
             return open_[0] if open_ else None

@@ -45,6 +45,11 @@ class EngineClient:
         """Runs `request` on the engine (EngineLink.generate)."""
         return self.link.generate(request, timeout)
 
+    def release(self, request_id: str) -> None:
+        """The engine's KV held for `request_id` (a prefill's, a drained request's) has been
+        read, or is no longer wanted (EngineLink.release)."""
+        self.link.release(request_id)
+
     def take_report(self, report: engine_pb2.LoadReport) -> None:
         """The engine's latest load report (its WatchLoad stream's; tests hand one in):
         the engine is healthy and its figures are these."""

@@ -73,6 +73,13 @@ class Fleet:
         return any(e.seats.accepting and (not adapter or e.load.has_adapter(adapter)) and e.load.fits(tokens)
                    and e.address not in avoid for e in self._engines)
 
+    def with_role(self, roles: frozenset[str], adapter: str = "", tokens: int = 0) -> bool:
+        """Whether some engine taking requests now has one of `roles` and moves KV, with
+        `adapter` and room for `tokens` (as `taking`)."""
+        return any(e.seats.accepting and e.load.role in roles and e.load.kv_transfer
+                   and (not adapter or e.load.has_adapter(adapter)) and e.load.fits(tokens)
+                   for e in self._engines)
+
     def unheard(self) -> int:
         """Engines that have not reported since this router started (starting or down):
         what they serve is unknown."""

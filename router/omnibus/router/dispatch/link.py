@@ -93,6 +93,11 @@ class EngineLink:
             self._session = EngineSession(self._stub, self.address)
         return self._session.generate(request, timeout, self._config.stream_interval)
 
+    def release(self, request_id: str) -> None:
+        """The engine may give back the KV an ended request holds for a transfer."""
+        if self._session is not None:
+            self._session.release(request_id)
+
     async def embed(
         self, request: engine_pb2.EngineEmbedRequest, timeout: float | None = None
     ) -> engine_pb2.EngineEmbedResponse:

@@ -116,6 +116,16 @@ class LoadView:
             else 0.0
         )
 
+    @property
+    def role(self) -> str:
+        """What routers send the engine: "both", "prefill" or "decode" (--role)."""
+        return self._latest.role or "both"
+
+    @property
+    def kv_transfer(self) -> bool:
+        """The engine reads and offers KV (--kv-transfer)."""
+        return self._latest.kv_transfer
+
     def has_adapter(self, adapter: str) -> bool:
         """The engine can serve `adapter`: it is under the engine's adapter root."""
         return adapter in self.adapters_available

@@ -177,6 +177,13 @@ class EngineSession:
                     self._outbox.abort.append(slot.request_id)
                     self._wake.set()
 
+    def release(self, request_id: str) -> None:
+        """Lets the engine give back what an ended request still holds (its KV kept for a
+        transfer): an abort of that id."""
+        if not self.closed:
+            self._outbox.abort.append(request_id)
+            self._wake.set()
+
     async def close(self) -> None:
         self._call.cancel()
         self._reader.cancel()

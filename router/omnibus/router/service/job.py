@@ -8,6 +8,8 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+from omnibus.v1 import engine_pb2
+
 from omnibus.router.admission.auth import Tenant
 from omnibus.router.admission.limits import Permit
 from omnibus.router.admission.validation import ValidRequest
@@ -50,6 +52,11 @@ class Job:
     sent_ids: list[int] = field(default_factory=list)
     offset: int = 0
     refused_by: set[str] = field(default_factory=set)  # engines that would not continue it
+    # KV that moves: "prefill" while a prefill engine computes its prompt for a decode
+    # engine; the KV the next engine reads (a handle from the engine that holds it).
+    hop: str = ""
+    kv_source: engine_pb2.KvHandle | None = None
+    kv_holder: EngineClient | None = None
     queued_at: float = 0.0  # when it last entered the queue (a continuation re-enters it)
     queued_before: float = 0.0  # seconds queued before that: the queue limit is on the total
     detok: IncrementalDetokenizer | None = None  # one per stream, kept across engines

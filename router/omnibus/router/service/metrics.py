@@ -48,6 +48,13 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.handoffs = Counter(
+            "omnibus_router_prefill_handoffs",
+            "Streams a prefill engine handed to a decode engine (--role), by how the decode "
+            "engine got the prompt's KV: kv (a handle to read) or recompute (none held)",
+            ["kv"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "omnibus_router_prompt_tokens", "Prompt tokens served", registry=r
         )

@@ -4,7 +4,14 @@ streamed from it, and continued on another one when it is lost.
 Nothing lost: when the engine serving a stream dies, drains, or is marked unhealthy
 (stalled), the stream continues on another engine as the prompt + the tokens already
 sent (output_offset: penalties and seeded draws go on as if uninterrupted), with the
-rest of max_tokens; the client sees one stream. A client that stops reading for
+rest of max_tokens; the client sees one stream. A draining engine that moves KV hands
+each running stream's KV on (its last output names it: kv_handle), and the next engine
+reads it instead of recomputing it.
+
+Disaggregated serving: with engines of --role prefill in the fleet, a request's prompt
+is computed on one of them first (max_tokens 1, its KV held: the first token streams to
+the client), then a decode engine goes on with it, reading that KV. The holder is told
+to let go of held KV once the reader's first output arrives, or the stream ends. A client that stops reading for
 --client-stall-seconds has its engine work aborted and its seat freed (client_stalled).
 A router drain that runs out of time ends each stream with ABORTED, usage included.
 """
@@ -38,6 +45,8 @@ log = structlog.get_logger("router")
 
 STOP, UNSPECIFIED = inference_pb2.STOP, inference_pb2.FINISH_REASON_UNSPECIFIED
 ABORTED, LENGTH = inference_pb2.ABORTED, inference_pb2.LENGTH
+PREFILL = frozenset({"prefill"})  # engine roles (--role) a prefill hop goes to
+SERVING = frozenset({"both", "decode"})  # ... and the rest, whenever prefill engines exist
 T = TypeVar("T")
 # A cancel this close to the deadline is the deadline: the client's own timer started
 # before its call reached the router (a new connection's handshake), so its cancel can
@@ -56,6 +65,10 @@ class _EngineLost(Exception):
         self.error = error  # what the client gets when no other engine goes on with it
         self.why = why  # engine_unavailable, engine_unhealthy, engine_drained, engine_refused
         self.what = what or error.message  # what happened to the engine (the log's)
+
+
+class _Handoff(Exception):
+    """The prefill engine is done with the stream: a decode engine goes on with it."""
 
 
 class _Drained(Exception):
@@ -128,17 +141,21 @@ class Streamer:
         max_engine_attempts engines in all."""
         self._shaper.start(job)
         job.queued_at = job.arrival
+        attempt = 1
         try:
-            for attempt in range(1, self._config.max_engine_attempts + 1):
+            while True:
                 if len(job.sent_ids) >= job.request.sampling.max_tokens:  # lost after its last
                     yield self._shaper.final(job, LENGTH)
                     return
+                job.hop = "prefill" if self._disaggregated(job) else ""
                 engine = await self._queued(job)
                 try:
                     async with aclosing(self._stream(job, engine)) as responses:
                         async for response in responses:
                             yield response
                     return
+                except _Handoff:
+                    continue  # a decode engine goes on, reading the prefill's KV
                 except _EngineLost as lost:
                     # No engine left to take it (one with its adapter): fail now, as a new
                     # request would be refused, rather than wait out the queue limit.
@@ -146,11 +163,41 @@ class Streamer:
                             or not self._fleet.taking(job.adapter, job.request.cost, job.refused_by)):
                         raise lost.error from None
                     self._moving(job, engine, attempt, lost)
+                    attempt += 1
                 finally:
                     job.serving = None
                     engine.seats.release(job.adapter, job.caller.tenant.name)
         except _Drained:
             yield self._shaper.final(job, ABORTED)
+        finally:
+            self._release_source(job)
+
+    def _disaggregated(self, job: Job) -> bool:
+        """Whether the job's prompt goes to a prefill engine first: a new stream that will
+        decode (max_tokens > 1), while engines of both roles that move KV take requests."""
+        request = job.request
+        return (not job.sent_ids and request.sampling.max_tokens > 1 and request.sampling.prompt_logprobs == 0
+                and self._fleet.with_role(PREFILL, job.adapter, request.cost)
+                and self._fleet.with_role(SERVING, job.adapter, request.cost))
+
+    def _roles(self, job: Job) -> frozenset[str] | None:
+        """The engine roles the job's next ticket may go to (None: any)."""
+        if job.hop == "prefill":
+            return PREFILL
+        if self._fleet.with_role(PREFILL) and any(e.load.role in SERVING for e in self._fleet.accepting()):
+            return SERVING  # prefill engines take prefill hops only, while others take the rest
+        return None
+
+    def _take_source(self, job: Job, handle: engine_pb2.KvHandle, engine: EngineClient) -> None:
+        """The KV `engine` holds for the stream's next engine."""
+        self._release_source(job)
+        job.kv_source, job.kv_holder = handle, engine
+
+    def _release_source(self, job: Job) -> None:
+        """The holder of the stream's KV may let go of it (read, recomputed or unwanted)."""
+        if job.kv_source is not None and job.kv_holder is not None:
+            job.kv_holder.release(job.kv_source.request_id)
+        job.kv_source = job.kv_holder = None
 
     async def _queued(self, job: Job) -> EngineClient:
         job.wait("queue")
@@ -188,6 +235,11 @@ class Streamer:
         continuation the prompt + the tokens sent, with the rest of max_tokens."""
         request, sent = job.request, job.sent_ids
         job.offset = len(sent)
+        if job.hop == "prefill":  # the prompt and the first token; a decode engine goes on
+            sampling = engine_pb2.EngineSamplingParams()
+            sampling.CopyFrom(request.sampling)
+            sampling.max_tokens = 1
+            return request.prompt_ids, sampling
         if not sent:
             return request.prompt_ids, request.sampling
         sampling = engine_pb2.EngineSamplingParams()
@@ -206,7 +258,7 @@ class Streamer:
         ticket = Ticket(
             job.request.priority, job.request.cost, job.arrival, job.adapter,
             tenant.name, tenant.weight, job.request.prompt_ids, avoid=frozenset(job.refused_by),
-            cache_salt=tenant.cache_salt,
+            cache_salt=tenant.cache_salt, roles=self._roles(job),
         )
         self._dispatcher.submit(ticket)
         queue_left = (job.queued_at + self._config.max_queue_seconds - job.queued_before
@@ -255,35 +307,49 @@ class Streamer:
     ) -> AsyncGenerator[inference_pb2.GenerateResponse, None]:
         request = job.request
         prompt_ids, sampling = self._resumed(job)
-        outputs = engine.generate(
-            engine_pb2.EngineGenerateRequest(
-                request_id=next(_engine_request_ids),  # unique on the engine whatever the client sent
-                prompt_token_ids=prompt_ids,
-                sampling=sampling,
-                priority=request.priority,
-                adapter=job.adapter,
-                tenant=job.caller.tenant.name,
-                tenant_weight=job.caller.tenant.weight,
-                cache_salt=job.caller.tenant.cache_salt,  # the tenant's cache group: never the client's
-            ),
-            timeout=job.caller.time_remaining(),  # the client's deadline, passed on
+        prefill = job.hop == "prefill"
+        message = engine_pb2.EngineGenerateRequest(
+            request_id=next(_engine_request_ids),  # unique on the engine whatever the client sent
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            priority=request.priority,
+            adapter=job.adapter,
+            tenant=job.caller.tenant.name,
+            tenant_weight=job.caller.tenant.weight,
+            cache_salt=job.caller.tenant.cache_salt,  # the tenant's cache group: never the client's
+            kv_hold=prefill,
         )
+        if job.kv_source is not None:
+            message.kv_source.CopyFrom(job.kv_source)
+        outputs = engine.generate(message, timeout=job.caller.time_remaining())  # the client's deadline
         tenant = job.caller.tenant
         job.wait("engine")
         try:
             async for out in outputs:
                 job.wait("")
-                # The engine gave the sequence up (its drain ran out): go on elsewhere.
+                if job.kv_holder is not None and job.kv_holder is not engine:
+                    self._release_source(job)  # its reader has its first output: the KV was read or recomputed
+                # The engine gave the sequence up (it drains): go on elsewhere, with its KV
+                # when it names where it holds it. A prefill hop's end by its length of 1 is
+                # the decode engine's turn.
                 drained = out.finish_reason == ABORTED
-                if drained:
+                handoff = prefill and out.finish_reason == LENGTH
+                if drained or handoff:
                     out.finish_reason = UNSPECIFIED
+                    if out.HasField("kv_handle"):
+                        self._take_source(job, out.kv_handle, engine)
                 self._queue.charge(tenant.name, len(out.token_ids), tenant.weight)  # fair share
                 response = self._shaper.response(job, out)
                 if response.token_ids or response.text or not drained:
                     yield response
+                if handoff and response.finish_reason == UNSPECIFIED:
+                    self._metrics.handoffs.labels("kv" if job.kv_source is not None else "recompute").inc()
+                    raise _Handoff()
                 if drained and response.finish_reason == UNSPECIFIED:
-                    raise self._lost(job, engine, "engine_drained",
-                                     f"engine {engine.address} aborted it while draining")
+                    moved = "engine_migrated" if job.kv_source is not None else "engine_drained"
+                    raise self._lost(job, engine, moved, f"engine {engine.address} "
+                                     + ("moved it while draining" if moved == "engine_migrated"
+                                        else "aborted it while draining"))
                 job.wait("engine")
                 if response.finish_reason != UNSPECIFIED:
                     return  # a stop string may end it early: the finally aborts it on the engine
