@@ -43,9 +43,11 @@ proto: setup
 docs: setup
 	$(PY) scripts/gen_config_reference.py --out docs/configuration.md
 
-# Tools the end-to-end tests run beside Python: iproute2 (`ip netns`, the partition test).
+# Tools the end-to-end tests run beside Python: iproute2 (`ip netns`, the partition test),
+# libibverbs1 (Mooncake's transfer engine links it, even for TCP: --kv-transfer).
 system-deps:
-	@command -v ip >/dev/null || (apt-get update -qq && apt-get install -y -qq iproute2)
+	@command -v ip >/dev/null && ldconfig -p | grep -q 'libibverbs.so.1 ' || \
+	  (apt-get update -qq && apt-get install -y -qq iproute2 libibverbs1)
 
 # The lint (errors only), the type check, then the whole CPU suite (Triton kernels run under
 # the interpreter) on TEST_WORKERS parallel workers, one file per worker at a time (module

@@ -204,7 +204,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("load", "num_cached_blocks", "num_steps", "num_requests", "num_active_streams", "num_preemptions", "num_prefix_cache_hit_blocks", "slots_stepped", "useful_tokens", "kv_tokens_stored", "kv_tokens_reserved")
+    __slots__ = ("load", "num_cached_blocks", "num_steps", "num_requests", "num_active_streams", "num_preemptions", "num_prefix_cache_hit_blocks", "slots_stepped", "useful_tokens", "kv_tokens_stored", "kv_tokens_reserved", "kv_transfer")
     LOAD_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class StatsResponse(_message.Message):
     USEFUL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_STORED_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     load: LoadReport
     num_cached_blocks: int
     num_steps: int
@@ -227,7 +228,34 @@ class StatsResponse(_message.Message):
     useful_tokens: int
     kv_tokens_stored: int
     kv_tokens_reserved: int
-    def __init__(self, load: _Optional[_Union[LoadReport, _Mapping]] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_active_streams: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prefix_cache_hit_blocks: _Optional[int] = ..., slots_stepped: _Optional[int] = ..., useful_tokens: _Optional[int] = ..., kv_tokens_stored: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ...) -> None: ...
+    kv_transfer: KvTransferStats
+    def __init__(self, load: _Optional[_Union[LoadReport, _Mapping]] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_active_streams: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prefix_cache_hit_blocks: _Optional[int] = ..., slots_stepped: _Optional[int] = ..., useful_tokens: _Optional[int] = ..., kv_tokens_stored: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., kv_transfer: _Optional[_Union[KvTransferStats, _Mapping]] = ...) -> None: ...
+
+class KvTransferStats(_message.Message):
+    __slots__ = ("held", "held_blocks", "sent", "released", "expired", "loads", "load_failures", "loaded_tokens", "loaded_bytes", "load_seconds", "refused")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    held: int
+    held_blocks: int
+    sent: int
+    released: int
+    expired: int
+    loads: int
+    load_failures: int
+    loaded_tokens: int
+    loaded_bytes: int
+    load_seconds: float
+    refused: int
+    def __init__(self, held: _Optional[int] = ..., held_blocks: _Optional[int] = ..., sent: _Optional[int] = ..., released: _Optional[int] = ..., expired: _Optional[int] = ..., loads: _Optional[int] = ..., load_failures: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("adapter",)

@@ -22,6 +22,7 @@ time through the step loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Callable
@@ -192,6 +193,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             useful_tokens=stats.useful_tokens,
             kv_tokens_stored=stats.kv_tokens_stored,
             kv_tokens_reserved=stats.kv_tokens_reserved,
+            kv_transfer=None if stats.kv_transfer is None else engine_pb2.KvTransferStats(
+                **dataclasses.asdict(stats.kv_transfer)),
         )
 
     def load_report(self) -> engine_pb2.LoadReport:

@@ -1,0 +1,253 @@
+"""KV that moves between engines (engine/omnibus/engine/kv_transfer), two engines in one
+process over Mooncake's transfer engine (TCP, loopback): a prefill engine's held KV read
+by a decode engine, and a drained engine's running requests read by another, go on token
+for token as transformers (greedy) and as one engine (seeded sampling), with no prompt
+token computed twice (the reader computes only the token whose KV was pending). Faults:
+the holder lets go mid-read (the lease word changes), the holder's transfer engine is
+gone, the handle does not match the request, the reader has no room; each is recomputed
+or waits, token-exact, and both pools' bookkeeping holds after every step and ends with
+every block free."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from omnibus.engine.config import EngineConfig
+from omnibus.engine.engine import Engine
+from omnibus.engine.request import EngineRequest
+from omnibus.engine.worker.sampling import SamplingParams
+from tests.checkpoints import hf_greedy, load_hf, make_checkpoint
+
+pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is in `make setup`'s environment")
+
+VOCAB = 384
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("kv-transfer"), "llama", vocab_size=VOCAB)
+    return path, load_hf(path)
+
+
+def make_engine(path, **kw) -> Engine:
+    return Engine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=kw.pop("num_kv_blocks", 64),
+                               block_size=BLOCK, kv_transfer="mooncake", **kw))
+
+
+@pytest.fixture(scope="module")
+def pair(model):
+    path, _ = model
+    engines = [make_engine(path), make_engine(path)]
+    yield engines
+    for e in engines:
+        e.close()
+
+
+def run(engine: Engine) -> dict[str, list]:
+    """Steps `engine` until it has nothing left; each request's outputs, the pool checked
+    after every step."""
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+        engine.check_integrity()
+    return outs
+
+
+def tokens(outs: list) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def prompt(seed: int, n: int = 45) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def prefill(engine: Engine, rid: str, ids: list[int], params: SamplingParams):
+    """The prefill engine's part: the first token, and the handle of the KV it holds."""
+    engine.add_request(EngineRequest(rid, ids, dataclasses.replace(params, max_tokens=1), kv_hold=True))
+    (out,) = run(engine)[rid]
+    assert out.finish_reason == "length" and out.kv_handle is not None
+    assert out.kv_handle.num_tokens == len(ids)  # every prompt token's KV; the first output's is not computed
+    return out.new_token_ids, out.kv_handle
+
+
+def decode(engine: Engine, rid: str, ids: list[int], sent: list[int], params: SamplingParams, handle):
+    """The decode engine's part: the prompt + the tokens sent, reading the handle's KV."""
+    rest = dataclasses.replace(params, max_tokens=params.max_tokens - len(sent), output_offset=len(sent))
+    engine.add_request(EngineRequest(rid, ids + sent, rest, kv_source=handle))
+    return run(engine)[rid]
+
+
+def all_free(engine: Engine) -> None:
+    counts = engine.check_integrity()
+    assert counts.referenced == 0 and not engine.kv.held, (counts, engine.kv.stats())
+
+
+def test_a_prefill_engines_kv_read_by_a_decode_engine_goes_on_token_exact(model, pair):
+    path, hf = model
+    p, d = pair
+    before = d.kv.stats()
+    for i, n in enumerate((45, 16, 3)):  # a partial last block, exactly full blocks, less than one
+        ids = prompt(i, n)
+        first, handle = prefill(p, f"p{i}", ids, greedy(8))
+        outs = decode(d, f"d{i}", ids, first, greedy(8), handle)
+        assert first + tokens(outs) == hf_greedy(hf, ids, 8)
+        assert outs[0].num_cached_tokens == n  # read, not computed: only the first output's KV was
+        assert p.abort(f"p{i}")  # the reader's router releases the holder
+        all_free(p)
+        all_free(d)
+    after = d.kv.stats()
+    assert after.loaded_tokens - before.loaded_tokens == 45 + 16 + 3
+    assert after.load_failures == before.load_failures
+
+
+def test_seeded_sampling_and_penalties_go_on_as_on_one_engine(model, pair):
+    path, _ = model
+    p, d = pair
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, repetition_penalty=1.3,
+                            ignore_eos=True)
+    ids = prompt(11, 37)
+    one = make_engine(path)
+    try:
+        one.add_request(EngineRequest("one", ids, params))
+        want = tokens(run(one)["one"])
+    finally:
+        one.close()
+    first, handle = prefill(p, "ps", ids, params)
+    assert first + tokens(decode(d, "ds", ids, first, params, handle)) == want
+    p.abort("ps")
+    all_free(p)
+
+
+def test_a_drained_engines_running_requests_move_with_their_kv(model, pair):
+    """Engine.migrate (a drain): every running request ends with its computed KV held;
+    another engine reads it and goes on, computing nothing twice."""
+    path, hf = model
+    a, b = pair
+    ids = [prompt(20 + i, 20 + 9 * i) for i in range(4)]
+    for i, p_ in enumerate(ids):
+        a.add_request(EngineRequest(f"m{i}", p_, greedy(24)))
+    sent: dict[str, list[int]] = {f"m{i}": [] for i in range(4)}
+    for _ in range(6):  # some decode steps on `a`
+        for out in a.step():
+            sent[out.request_id] += out.new_token_ids
+    a.migrate()
+    ended = run(a)
+    before = b.kv.stats().loaded_tokens
+    for i, p_ in enumerate(ids):
+        rid = f"m{i}"
+        last = ended[rid][-1]
+        sent[rid] += tokens(ended[rid])
+        assert last.finish_reason == "abort" and last.kv_handle is not None
+        assert last.kv_handle.num_tokens == len(p_) + len(sent[rid]) - 1  # the last token's KV was pending
+        outs = decode(b, rid, p_, sent[rid], greedy(24), last.kv_handle)
+        assert sent[rid] + tokens(outs) == hf_greedy(hf, p_, 24), rid
+        assert outs[0].num_cached_tokens == last.kv_handle.num_tokens  # no recompute
+        assert a.abort(rid)
+    assert b.kv.stats().loaded_tokens - before == sum(len(p_) + len(sent[f"m{i}"]) - 1 for i, p_ in enumerate(ids))
+    all_free(a)
+    all_free(b)
+
+
+class _LetGoMidRead:
+    """The holder gives its blocks back between the reader's block read and its lease
+    read: the read's bytes may be another request's by then."""
+
+    def __init__(self, transport, holder: Engine, request_id: str) -> None:
+        self._transport, self._holder, self._rid = transport, holder, request_id
+        self.address = transport.address
+
+    def read(self, peer, local, remote, lengths):
+        ok = self._transport.read(peer, local, remote, lengths)
+        if len(local) > 1:  # the blocks; the lease word is read next
+            self._holder.abort(self._rid)
+        return ok
+
+
+def test_a_transfer_cut_mid_way_is_recomputed_token_exact(model, pair):
+    path, hf = model
+    p, d = pair
+    ids = prompt(31, 45)
+    first, handle = prefill(p, "pc", ids, greedy(6))
+    real = d.kv.transport
+    d.kv.transport = _LetGoMidRead(real, p, "pc")
+    failures = d.kv.stats().load_failures
+    try:
+        outs = decode(d, "dc", ids, first, greedy(6), handle)
+    finally:
+        d.kv.transport = real
+    assert first + tokens(outs) == hf_greedy(hf, ids, 6)
+    assert outs[0].num_cached_tokens == 0  # nothing read: recomputed
+    assert d.kv.stats().load_failures == failures + 1
+    all_free(p)
+    all_free(d)
+
+
+def test_a_holder_that_is_gone_and_a_handle_that_does_not_match_are_recomputed(model, pair):
+    path, hf = model
+    _, d = pair
+    gone = make_engine(path)
+    ids = prompt(41, 30)
+    first, handle = prefill(gone, "pg", ids, greedy(6))
+    gone.close()  # its transfer engine with it: the read fails at once
+    outs = decode(d, "dg", ids, first, greedy(6), handle)
+    assert first + tokens(outs) == hf_greedy(hf, ids, 6) and outs[0].num_cached_tokens == 0
+    # another request's handle (its tokens differ): not read at all
+    refused = d.kv.stats().refused
+    other = prompt(42, 30)
+    outs = decode(d, "dm", other, first, greedy(6), handle)
+    assert tokens(outs) == hf_greedy(hf, other + first, 5)
+    assert d.kv.stats().refused == refused + 1
+    all_free(d)
+
+
+def test_a_reader_with_no_room_waits_then_reads(model, pair):
+    """A decode engine whose pool is full seats the request once blocks free up; the
+    holder keeps the KV meanwhile."""
+    path, hf = model
+    p, _ = pair
+    small = make_engine(path, num_kv_blocks=9)  # 8 usable blocks
+    try:
+        busy = prompt(51, 40)  # 5 blocks while it decodes 20 tokens: the next request's 6 do not fit
+        small.add_request(EngineRequest("busy", busy, greedy(20)))
+        early = small.step()
+        ids = prompt(52, 45)
+        first, handle = prefill(p, "pr", ids, greedy(4))
+        rest = greedy(3, output_offset=1)
+        small.add_request(EngineRequest("dr", ids + first, rest, kv_source=handle))
+        early += small.step()
+        assert small.scheduler.num_waiting == 1  # no room: it waits, holding nothing
+        outs = run(small)
+        assert tokens(early) + tokens(outs["busy"]) == hf_greedy(hf, busy, 20)
+        assert first + tokens(outs["dr"]) == hf_greedy(hf, ids, 4)
+        assert outs["dr"][0].num_cached_tokens == 45
+        p.abort("pr")
+        all_free(p)
+        all_free(small)
+    finally:
+        small.close()
+
+
+def test_a_hold_whose_reader_never_comes_is_given_back_when_its_lease_ends(model):
+    path, _ = model
+    p = make_engine(path, kv_hold_seconds=0.05)
+    try:
+        prefill(p, "pl", prompt(61, 20), greedy(4))
+        assert p.kv.held and p.holds_kv()
+        import time
+
+        time.sleep(0.1)
+        p.step()  # any step gives back what has expired
+        assert not p.kv.held and p.kv.stats().expired == 1
+        all_free(p)
+    finally:
+        p.close()
