@@ -105,6 +105,8 @@ class SessionStream:
                     live = self._requests.get(request_id)
                     if live is not None and live.session is self:
                         self._cancel(live)
+                    elif live is None:  # ended: KV it still holds for a transfer is let go
+                        self._service.aengine.abort(request_id)
         except grpc.aio.AioRpcError:  # the call broke: the writer's finally aborts what is left
             pass
         finally:

@@ -217,7 +217,10 @@ class StepLoop:
         if cmd is None:
             raise _Stop
         if isinstance(cmd, Abort):
+            held = self.engine.holds_kv()
             self._abort(cmd.request_id)
+            if held:  # KV held for a transfer may have been let go: the snapshot says so (drains wait on it)
+                self._publish([], self._settled())
         elif isinstance(cmd, Migrate):
             self.engine.migrate()
         elif isinstance(cmd, EngineRequest):
