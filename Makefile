@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat requirements.txt pyproject.toml | md5sum | cut -c1-8)
 
 .PHONY: setup system-deps proto test test-gpu gpu-env gpu-wheels run bench-offline bench-host bench-strategies \
-	bench-lora bench-quant bench-llamacpp bench-gpu gpu-check-smoke gpu-report test-kernels-triton36 bench-fairness check-install clean fuzz fuzz-scheduler soak bench-spec bench-tp bench-kv-tier
+	bench-lora bench-quant bench-llamacpp bench-gpu gpu-check-smoke gpu-report test-kernels-triton36 bench-fairness check-install clean fuzz fuzz-scheduler soak bench-spec bench-tp bench-kv-tier bench-pd
 
 setup: $(STAMP)
 
@@ -227,6 +227,11 @@ bench-tp: setup
 # pool, with and without --kv-offload-bytes (~30 s).
 bench-kv-tier: setup
 	$(PY) -m omnibus.bench.kv_tier --out docs/benchmarks/kv-tier.md
+
+# Prefill/decode disaggregation and live migration on drain: engine and router processes
+# (SmolLM2, Mooncake over loopback), about 4 min on 2 cores.
+bench-pd: setup system-deps
+	$(PY) -m omnibus.bench.pd --out docs/benchmarks/pd.md
 
 # Fair share (FIFO vs VTC), deadlines (EDF vs FIFO) and prefix-aware routing (2 and 4
 # engines), real processes on this machine (~12 min on 2 cores).
