@@ -43,6 +43,7 @@ BASE = ("--num-kv-blocks", "2400", "--block-size", "16", "--max-num-seqs", "48",
 
 @contextlib.contextmanager
 def fleet(model: Path, logs: Path, roles: tuple[str, str], kv: bool, drain_s: float = 30.0) -> Iterator[dict]:
+    logs.mkdir(parents=True, exist_ok=True)
     flags = (*BASE, "--drain-seconds", str(drain_s), *(("--kv-transfer", "mooncake") if kv else ()))
     engines = [engine_process(model, logs, f"engine-{i}-{role}", *flags, *(("--role", role) if kv else ()),
                               env=ENV) for i, role in enumerate(roles)]
