@@ -265,7 +265,7 @@ def serve_rank(runtime: Any, tp: TensorParallel) -> None:
     import torch.distributed as dist
 
     from omnibus.engine.lora.batch import LoraBatch
-    from omnibus.engine.worker.model_runner import copy_kv
+    from omnibus.engine.worker.kv_pool import copy_kv
 
     device = runtime.device
     box: list[Any] = [None]

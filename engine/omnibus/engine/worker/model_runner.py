@@ -30,6 +30,7 @@ from omnibus.engine.parallel.ranks import Ranks, ShardedModel, host_batch
 from omnibus.engine.parallel.shard import ShardPlan, check_divisible, local_kv_heads
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
 from omnibus.engine.worker.grammar import GrammarMatcher, Grammars
+from omnibus.engine.worker.kv_pool import copy_kv, host_caches, kv_caches
 from omnibus.engine.worker.memory import MemoryUse, kv_cache_budget, lora_stack_bytes
 from omnibus.engine.worker.sampling import (
     PromptRows, SampledBatch, Sampler, SamplerOutput, prompt_logprobs)
@@ -479,60 +480,6 @@ def build_model(config: EngineConfig, model_config: ModelConfig, dtype: torch.dt
     if device.type == "cpu" and config.cpu_matmul == "onednn":
         packed = pack_linears(model)
     return model, packed
-
-
-def kv_caches(mc: ModelConfig, tp: TensorParallel, num_blocks: int, block_size: int, dtype: torch.dtype,
-              device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's (K, V) cache of `num_blocks` blocks for this rank's KV heads, zeros (not
-    empty: padded attention reads of the null block must be finite)."""
-    shape = (num_blocks, block_size, local_kv_heads(mc, tp), mc.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(mc.num_layers)]
-
-
-def host_caches(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_blocks: int
-                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The host tier: each layer's (K, V) of `num_blocks` blocks shaped as the device's, in
-    pinned host memory on CUDA (so copies run on the device's stream, in order)."""
-    if not num_blocks:
-        return []
-    pin = kv_caches[0][0].device.type == "cuda"
-    return [tuple(torch.empty((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)  # type: ignore[misc]
-                  for t in layer) for layer in kv_caches]
-
-
-def copy_kv(device: list[tuple[torch.Tensor, torch.Tensor]], host: list[tuple[torch.Tensor, torch.Tensor]],
-            copies: list) -> None:
-    """Make the allocator's queued copies (core/block_allocator.py KvCopy) in their order,
-    every layer's K and V. On CUDA each block is one `copy_` between the device pool and
-    its pinned host slot, queued on the current stream (so a save completes before a later
-    load from that slot and before the forward overwrites the block, without a host sync);
-    on the CPU, runs of one direction at a time, one index_copy_ each."""
-    if not copies:
-        return
-    if device[0][0].device.type == "cuda":
-        for c in copies:
-            for dev_layer, host_layer in zip(device, host):
-                for d, h in zip(dev_layer, host_layer):
-                    if c.save:
-                        h[c.slot].copy_(d[c.block], non_blocking=True)
-                    else:
-                        d[c.block].copy_(h[c.slot], non_blocking=True)
-        return
-    i = 0
-    while i < len(copies):
-        j = i
-        while j < len(copies) and copies[j].save == copies[i].save:
-            j += 1
-        blocks = torch.tensor([c.block for c in copies[i:j]], dtype=torch.long)
-        slots = torch.tensor([c.slot for c in copies[i:j]], dtype=torch.long)
-        for dev_layer, host_layer in zip(device, host):
-            for d, h in zip(dev_layer, host_layer):
-                if copies[i].save:
-                    h.index_copy_(0, slots, d.index_select(0, blocks))
-                else:
-                    d.index_copy_(0, blocks, h.index_select(0, slots))
-        i = j
 
 
 class ShardRuntime:
