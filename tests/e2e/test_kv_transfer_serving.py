@@ -89,7 +89,7 @@ def test_prefill_and_decode_on_two_engines_serve_what_one_engine_serves(fleet):
     # each decode engine read the prompt's KV (every prompt token): none was computed twice
     assert loaded(fleet, "decode-1", "decode-2") - before == sum(len(c[0]) for c in cases)
     text = scrape(fleet["metrics"])
-    assert metric(text, "omnibus_router_prefill_handoffs_total", kv="kv") >= len(cases)
+    assert metric(text, "omnibus_router_prefill_handoffs_total", kv_from="transfer") >= len(cases)
     prefill = fleet["prefill"].address
     wait_until(lambda: engine_stats(prefill).kv_transfer.held == 0, 10, "the router to release the held KV")
     stats = engine_stats(prefill).kv_transfer

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 
@@ -243,8 +244,6 @@ def test_a_hold_whose_reader_never_comes_is_given_back_when_its_lease_ends(model
     try:
         prefill(p, "pl", prompt(61, 20), greedy(4))
         assert p.kv.held and p.holds_kv()
-        import time
-
         time.sleep(0.1)
         p.step()  # any step gives back what has expired
         assert not p.kv.held and p.kv.stats().expired == 1

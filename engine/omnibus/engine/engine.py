@@ -33,7 +33,7 @@ from omnibus.common.sampling import SamplingParams, check_context, check_token_i
 from omnibus.engine.worker.sampling import make_generator
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig
 from omnibus.engine.core.study import StudyCounters
-from omnibus.engine.kv_transfer.connector import KvConnector, KvTransferStats
+from omnibus.engine.kv_transfer.connector import KvTransferStats, make_connector
 from omnibus.engine.core.sequence import RequestOutput, Sequence, SequenceStatus
 from omnibus.engine.spec import SpecStats, Speculator
 from omnibus.engine.spec.proposer import NgramProposer
@@ -100,7 +100,7 @@ class Engine:
         self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                         host_blocks=self.runner.num_host_blocks)
         self.speculator = self._speculator(config)
-        self.kv = self._connector(config)
+        self.kv = None if config.kv_transfer == "none" else make_connector(config, self.runner.kv_caches)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, config.waiting_order),
             self.allocator,
@@ -119,14 +119,6 @@ class Engine:
         self.overlap = self.runner.device.type == "cuda" if overlap is None else overlap
         self._in_flight: Step | None = None  # launched, picks not yet reported (overlap only)
         self._migrating = False  # migrate(): the next step ends every request for another engine
-
-    def _connector(self, config: EngineConfig) -> KvConnector | None:
-        if config.kv_transfer == "none":
-            return None
-        from omnibus.engine.kv_transfer.transport import make_transport
-
-        return KvConnector(make_transport(config.kv_transfer, config.kv_transfer_host), self.runner.kv_caches,
-                           config.block_size, config.kv_hold_seconds)
 
     # ---- requests ------------------------------------------------------------
 
@@ -160,9 +152,11 @@ class Engine:
             generator=None if params.seed is None else make_generator(
                 params.seed, self.runner.device, params.output_offset),
             grammar=grammar,
-            kv_source=request.kv_source if self.kv is not None else None,
+            kv_source=request.kv_source if self.kv is not None and params.prompt_logprobs == 0 else None,
             kv_hold=request.kv_hold and self.kv is not None,
         )
+        if seq.kv_source is not None:
+            self.kv.readable(seq)  # checked once: a handle this engine cannot read is dropped
         self.scheduler.add(seq)
 
     def _validate(self, request: EngineRequest) -> None:
@@ -230,8 +224,7 @@ class Engine:
             results += self._report(prev)
             prev = None
         if self._migrating:
-            held = self.scheduler.migrate() if self.kv is not None else 0
-            log.info("engine_migrating", held=held)
+            log.info("engine_migrating", held=self.scheduler.migrate())
             self._migrating = False
         plan = self.scheduler.schedule()
         step = None
@@ -239,6 +232,12 @@ class Engine:
             plan.kv_copies = self.allocator.take_copies()  # queued since the last launch, if any
             step = self.runner.launch(plan, prev)
             self.num_steps += 1
+        if self.kv is not None and self.kv.queued:
+            # Reads from other engines start once the host tier's queued copies are made: a
+            # block the tier saves may be one a read writes (the launch made them, else now).
+            if plan.is_empty:
+                self.runner.make_copies(self.allocator.take_copies())
+            self.kv.launch_reads()
         if prev is not None:
             results += self._report(prev)
         if step is not None:

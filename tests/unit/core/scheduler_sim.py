@@ -25,6 +25,14 @@ After every step `Simulator` checks the invariants the scheduler promises and ra
 - once arrivals stop, every request ends within a bounded number of steps (liveness),
   and every finished output equals the model's output for that prompt alone;
 - tenants continuously backlogged together stay within the VTC bound of each other.
+
+With KV transfer (`SimConfig.kv`, a fake connector: `FakeKv`) some requests are prefill
+hops (max_tokens 1, `kv_hold`) whose continuations read the hop's held blocks, and in
+some runs the engine migrates (a drain) mid-run and every request goes on as a
+continuation reading its own held KV; reads land a few steps late or fail (garbage in the
+blocks), holders are released by the continuation or by their lease. The KV check above
+then also proves that a read's blocks hold the right tokens when used, a failed read is
+recomputed, and held blocks are never reused while held.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from omnibus.engine.core.block_allocator import BlockAllocator
 from omnibus.engine.core.policies import make_policy
 from omnibus.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from omnibus.engine.core.sequence import RequestOutput, SamplerOutput, Sequence, SequenceStatus
+from omnibus.engine.kv_transfer.handle import KvHandle
 from omnibus.engine.spec import SpecConfig, Speculator
 from omnibus.engine.spec.proposer import NgramProposer
 
@@ -166,6 +175,8 @@ class SimConfig:
     step_seconds: float = 0.01  # simulated time of one step
     speculative: bool = False  # n-gram speculation (engine/omnibus/engine/spec)
     host_blocks: int = 0  # the prefix cache's host tier (--kv-offload-bytes), in blocks
+    kv: bool = False  # KV transfer: prefill hops and their continuations (FakeKv)
+    migrate_step: int | None = None  # with kv: the step at which the engine migrates (a drain)
 
     @staticmethod
     def random(seed: int) -> "SimConfig":
@@ -191,6 +202,8 @@ class SimConfig:
             arrival_steps=r.randint(1, 80),
             speculative=r.random() < 0.35,
             host_blocks=r.choice([0, 0, 3, 16]),
+            kv=(kv := r.random() < 0.35),
+            migrate_step=r.randint(2, 40) if kv and r.random() < 0.4 else None,
         )
 
 
@@ -224,8 +237,11 @@ def make_workload(cfg: SimConfig, rng: random.Random) -> list[Arrival]:
                     None)
         adapter = rng.choice(adapters) if adapters and rng.random() < 0.5 else None
         ignore_eos = flood or rng.random() < 0.5
+        hop = cfg.kv and not flood and rng.random() < 0.3  # a prefill for a decode engine
+        if hop:
+            max_tokens, ignore_eos = 1, True
         seq = Sequence(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                                       temperature=0.0),
+                                                       temperature=0.0), kv_hold=hop,
                        priority=5 if rng.random() < 0.15 and not flood else 0, adapter=adapter,
                        adapter_salt=f"salt-{adapter}" if adapter else None,
                        cache_salt=CACHE_SALTS[tenant % len(CACHE_SALTS)], tenant=f"t{tenant}",
@@ -248,6 +264,77 @@ class SimResult:
     max_counter_gap: float  # the largest gap seen between tenants backlogged together
     counter_bound: float  # the VTC bound it was checked against
     host_hits: int = 0  # prefix blocks loaded back from the host tier
+    kv_loads: tuple[int, int] = (0, 0)  # KV reads that landed, and that failed
+    kv_expired: int = 0  # holds whose lease ran out
+    migrated: int = 0  # requests a migration continued with their KV
+
+
+class FakeKv:
+    """The KV connector's scheduler side (kv_transfer/connector.py) over the simulator's
+    fake KV. A handle names blocks this engine holds; a read begins when the engine
+    launches it (after the step's host-tier copies, which the simulator makes when it
+    reports that step: so no read lands before a launch's copies, 2-4 steps later), copying
+    the holder's blocks if the hold is still there (else, or in one read of seven, it fails
+    and leaves garbage in the blocks), as the real lease check does."""
+
+    HOLD_STEPS = 12  # the lease, in steps
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        self.held: dict[str, tuple[list[int], int, KvHandle]] = {}  # rid -> blocks, expiry step, handle
+        self.loads: list[list] = []  # [request, first block, handle, landing step or None, lands]
+        self.landed = self.failed = self.expired_holds = 0
+
+    def hold(self, seq: Sequence) -> KvHandle | None:
+        n = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        if n <= 0 or seq.request_id in self.held:
+            return None
+        nb = -(-n // self.sim.cfg.block_size)
+        blocks, seq.block_table = seq.block_table[:nb], seq.block_table[nb:]
+        seq.num_registered_blocks = 0
+        handle = KvHandle("sim", seq.request_id, n, tuple(blocks), (0, 0), 1, "sim", b"", 0, self.sim.step)
+        self.held[seq.request_id] = (blocks, self.sim.step + self.HOLD_STEPS, handle)
+        return handle
+
+    def release(self, request_id: str) -> list[int] | None:
+        held = self.held.pop(request_id, None)
+        return None if held is None else held[0]
+
+    def expired(self, now: float) -> list[list[int]]:
+        gone = [rid for rid, (_, expiry, _) in self.held.items() if expiry <= self.sim.step]
+        self.expired_holds += len(gone)
+        return [self.held.pop(rid)[0] for rid in gone]
+
+    def held_tables(self):
+        return (blocks for blocks, _, _ in self.held.values())
+
+    def start_load(self, seq: Sequence, first_block: int) -> None:
+        assert seq.kv_source is not None and seq.status is SequenceStatus.LOADING
+        self.loads.append([seq, first_block, seq.kv_source, None, self.sim.rng.random() < 6 / 7])
+
+    @property
+    def queued(self) -> bool:
+        return any(load[3] is None for load in self.loads)
+
+    def launch_reads(self) -> None:
+        for load in self.loads:
+            if load[3] is None:
+                load[3] = self.sim.step + self.sim.rng.randint(2, 4)
+
+    def finished(self) -> list[tuple[Sequence, int]]:
+        done, bs, kv = [], self.sim.cfg.block_size, self.sim.kv
+        for load in [x for x in self.loads if x[3] is not None and x[3] <= self.sim.step]:
+            self.loads.remove(load)
+            seq, first, src, _, ok = load
+            held = self.held.get(src.request_id)
+            ok = ok and held is not None and held[2] is src
+            for i in range(first, len(src.blocks)):  # the read writes whole blocks, landed or not
+                for o in range(bs):
+                    kv[(seq.block_table[i], o)] = kv.get((src.blocks[i], o)) if ok else ("garbage", "", -2)
+            self.landed += ok
+            self.failed += not ok
+            done.append((seq, src.num_tokens if ok else 0))
+        return done
 
 
 class Simulator:
@@ -263,8 +350,13 @@ class Simulator:
             if cfg.speculative else None
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.budget, cfg.max_model_len, cfg.waiting_order),
-            self.allocator, policy, (EOS,), self.adapters, speculator)  # type: ignore[arg-type]
+            self.allocator, policy, (EOS,), self.adapters, speculator,
+            FakeKv(self) if cfg.kv else None)  # type: ignore[arg-type]
         self.arrivals = make_workload(cfg, self.rng)
+        self.pending: list[Arrival] = []
+        self.extra_work = 0  # tokens of continuations added while running (the liveness bound grows)
+        self.holders: dict[str, str] = {}  # continuation id -> the id holding its source KV
+        self.migrated = 0
         self._watch_displacements()
         # (block, offset) -> (adapter salt, cache salt, token): whose KV the slot holds
         self.kv: dict[tuple[int, int], tuple[str | None, str, int]] = {}
@@ -291,15 +383,16 @@ class Simulator:
     # -- driving --
 
     def run(self) -> SimResult:
-        pending = list(self.arrivals)
+        pending = self.pending = list(self.arrivals)
         last_arrival = max(a.step for a in self.arrivals)
         # Liveness bound once arrivals stop: every remaining token computed one per step,
         # twice over (recompute after preemption), plus adapter loads and batch windows.
         work = sum(a.seq.num_prompt_tokens + a.seq.params.max_tokens for a in self.arrivals)
         limit = last_arrival + 2 * work + 10 * (self.cfg.adapter_load_steps + 1) + 50
         in_flight: SchedulerOutput | None = None
-        while pending or self.scheduler.has_unfinished() or in_flight is not None:
-            if self.step > limit:
+        kv = self.scheduler.lifecycle.kv  # held KV keeps the engine stepping until its lease ends
+        while pending or self.scheduler.has_unfinished() or in_flight is not None or (kv and kv.held):
+            if self.step > limit + 2 * self.extra_work:
                 raise InvariantViolation(
                     f"liveness: {len(self.scheduler.requests)} requests unfinished {self.step - last_arrival} "
                     f"steps after the last arrival (bound {limit - last_arrival})")
@@ -308,6 +401,11 @@ class Simulator:
             if not pending:
                 self.scheduler.policy.close_arrivals()
             self._cancel()
+            if self.step == self.cfg.migrate_step:  # a drain: the step in flight reports first
+                if in_flight is not None:
+                    self._report(in_flight)
+                    in_flight = None
+                self._migrate()
             plan = self._schedule()
             if in_flight is not None:
                 self._report(in_flight)
@@ -323,8 +421,47 @@ class Simulator:
             self.step += 1
             self.now = T0 + self.step * self.cfg.step_seconds
         self._check_end()
+        kv = self.scheduler.lifecycle.kv
         return SimResult(self.step, self.finished, self.scheduler.num_preemptions, self.max_preempt,
-                         self.max_gap, self.counter_bound, self.allocator.num_host_hits)
+                         self.max_gap, self.counter_bound, self.allocator.num_host_hits,
+                         (kv.landed, kv.failed) if kv else (0, 0), kv.expired_holds if kv else 0, self.migrated)
+
+    def _migrate(self) -> None:
+        """Engine.migrate: every request ends; each goes on as a continuation (prompt +
+        outputs, the rest of its tokens) reading its KV where it is held."""
+        alive = set(self.scheduler.requests)
+        self.scheduler.migrate()
+        for out in self.scheduler.take_aborted():
+            self._record(out)
+            if out.request_id in alive and out.request_id not in self.cancels:
+                self.migrated += out.kv_handle is not None
+                self._continue(out)
+
+    def _continue(self, out: RequestOutput) -> None:
+        """A continuation of `out`'s request on "another engine" (this one), reading the
+        KV its handle names, if any; held KV is released once the continuation reports."""
+        a = next(x for x in self.arrivals if x.seq.request_id == out.request_id)
+        orig, sent = a.seq, self.outputs[out.request_id]
+        left = orig.params.max_tokens - len(sent) if not orig.kv_hold else self.rng.randint(1, 8)
+        prompt = orig.prompt_token_ids + sent
+        left = min(left, self.cfg.max_model_len - len(prompt))
+        if left <= 0 or (sent and sent[-1] == EOS and not orig.params.ignore_eos):
+            if out.kv_handle is not None:
+                self.scheduler.abort(out.request_id)  # nobody reads it
+            return
+        rid = f"{out.request_id}~"
+        seq = Sequence(rid, prompt, SamplingParams(max_tokens=left, ignore_eos=orig.params.ignore_eos, temperature=0.0),
+                       priority=orig.priority, adapter=orig.adapter, adapter_salt=orig.adapter_salt,
+                       cache_salt=orig.cache_salt, tenant=orig.tenant, weight=orig.weight, deadline=orig.deadline,
+                       arrival_time=self.now, kv_source=out.kv_handle)
+        if out.kv_handle is not None and self.rng.random() < 0.85:  # else its lease ends it
+            self.holders[rid] = out.request_id
+        step = self.step + self.rng.randint(0, 2)
+        cont = Arrival(step, seq, None)
+        self.arrivals.append(cont)
+        self.pending.append(cont)
+        self.pending.sort(key=lambda x: (x.step, x.seq.arrival_index))
+        self.extra_work += len(prompt) + left
 
     def _arrive(self, a: Arrival) -> None:
         s = a.seq
@@ -353,8 +490,13 @@ class Simulator:
         self.allocator.frees, self.allocator.limit = 0, 2 * len(before) + 2
         try:
             plan = s.schedule(self.now)
-            if not plan.is_empty:  # the engine takes the queued copies when it launches a step
+            kv = s.lifecycle.kv
+            # the engine makes the queued copies when it launches a step, or before it begins
+            # reads from other engines (Engine.step); here they are made when it reports
+            if not plan.is_empty or (kv is not None and kv.queued):
                 plan.kv_copies = self.allocator.take_copies()
+            if kv is not None:
+                kv.launch_reads()
         finally:
             self.allocator.limit = None
         self._check_plan(plan, before)
@@ -383,8 +525,12 @@ class Simulator:
         if rid in self.finished:
             raise InvariantViolation(f"{rid} reported after it finished")
         self.outputs[rid] += out.new_token_ids
+        if rid in self.holders and (out.new_token_ids or out.finished):  # the reader's first output
+            self.scheduler.abort(self.holders.pop(rid))
         if out.finished:
             self.finished[rid] = out
+            if out.kv_handle is not None and out.finish_reason == "length":  # a prefill hop
+                self._continue(out)
 
     # -- invariants --
 
@@ -484,7 +630,7 @@ class Simulator:
         except RuntimeError as e:
             raise InvariantViolation(f"{e}, step {self.step} ({self.cfg})") from None
         if self.adapters is not None:
-            pinned = sum(1 for seq in s.running if seq.lora_slot is not None)
+            pinned = sum(1 for seq in s.running + s.lifecycle.loading if seq.lora_slot is not None)
             if pinned != sum(self.adapters.pins):
                 raise InvariantViolation(f"adapter pins {sum(self.adapters.pins)} but {pinned} running "
                                          f"requests hold slots, step {self.step}")

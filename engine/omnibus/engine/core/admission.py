@@ -94,16 +94,23 @@ class Admission:
         limit = None if seq.prompt_logprobs is None else len(seq.prompt_logprobs)
         cached = self._allocator.allocate_prefix(seq, limit)
         # KV that another engine holds for it (past the local hit) is read, not computed.
-        loads = self._loads(seq, cached)
-        n = 0 if loads else min(seq.num_tokens - cached, budget + refunds)
-        reserve = max(loads or cached + n, self.policy.reserve_tokens(seq))
+        src = seq.kv_source
+        loads = src.num_tokens if src is not None and src.num_tokens > cached else 0
+
+        def wanted() -> tuple[int, int]:  # tokens planned now, tokens to hold blocks for
+            # A loading request holds blocks for its whole context: its first step, once the
+            # read lands, computes the token after the read ones (seated then, it is no
+            # preemption victim, so that step must not need a block more).
+            n = 0 if loads else min(seq.num_tokens - cached, budget + refunds)
+            return n, max(seq.num_tokens if loads else cached + n, self.policy.reserve_tokens(seq))
+
+        n, reserve = wanted()
         while not self._allocator.allocate_slots(seq, reserve):  # each pass evicts one request
             refund = self._displace_for(seq, out)
             if refund is None:
                 return None
             refunds, freed = refunds + refund, freed + 1
-            n = 0 if loads else min(seq.num_tokens - cached, budget + refunds)
-            reserve = max(loads or cached + n, self.policy.reserve_tokens(seq))
+            n, reserve = wanted()
         if loads:
             self._life.load(seq, cached)
             return 0, refunds, freed
@@ -111,19 +118,6 @@ class Admission:
         if n > 0:
             out.scheduled.append(plan_chunk(seq, n, self._life.step))
         return n, refunds, freed
-
-    def _loads(self, seq: Sequence, cached: int) -> int:
-        """The tokens whose KV `seq` reads from another engine (its kv_source), past the
-        `cached` ones of the local prefix; 0: it computes them (no source, one this engine
-        cannot read, or a local hit that covers it)."""
-        kv = self._life.kv
-        if seq.kv_source is None or kv is None or seq.prompt_logprobs is not None or not kv.readable(seq):
-            seq.kv_source = None
-            return 0
-        if seq.kv_source.num_tokens <= cached:
-            seq.kv_source = None
-            return 0
-        return seq.kv_source.num_tokens
 
     def _displace_for(self, seq: Sequence, out: SchedulerOutput) -> int | None:
         """Preempt the running request that waiting `seq` may displace (core/order.py) and
@@ -162,6 +156,7 @@ class Admission:
             # rewritten): its KV will be these weights', so it is salted and hashed as theirs.
             seq.adapter_salt = gate.salt
             seq.block_hashes.clear()
+            seq.kv_source = None  # another engine's KV of it was computed under the old weights
         return "ok"
 
     def _oldest_arrival(self) -> float | None:

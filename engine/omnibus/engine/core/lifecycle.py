@@ -20,6 +20,7 @@ releases them (`release`) or the lease runs out (`expire`).
 from __future__ import annotations
 
 import bisect
+import time
 from typing import TYPE_CHECKING
 
 from omnibus.engine.core.block_allocator import BlockAllocator
@@ -71,7 +72,12 @@ class Lifecycle:
         """A waiting request, taken off the queue, joins the running set; the KV of its
         first `cached` tokens came from the prefix cache."""
         self.num_waiting -= 1
-        seq.num_computed_tokens = cached
+        self._run(seq, cached)
+
+    def _run(self, seq: Sequence, cached: int) -> None:
+        """Into the running set, the KV of its first `cached` tokens in place (read from
+        another engine or not, its kv_source is spent: a preempted request recomputes)."""
+        seq.num_computed_tokens, seq.kv_source = cached, None
         if not seq.first_scheduled:
             seq.first_scheduled, seq.num_cached_tokens = True, cached
         seq.status = SequenceStatus.RUNNING
@@ -104,14 +110,12 @@ class Lifecycle:
         gives its blocks back now that nothing writes into them."""
         if self.kv is None or not self.loading:
             return
-        for seq, ok in self.kv.finished():
+        for seq, read in self.kv.finished():
             self.loading.remove(seq)
-            src, seq.kv_source = seq.kv_source, None
             if seq.status is SequenceStatus.FINISHED:
                 self.leave_running(seq)
-                continue
-            self.num_waiting += 1  # seat() counts it out of the queue
-            self.seat(seq, src.num_tokens if ok and src is not None else seq.num_computed_tokens)
+            else:
+                self._run(seq, read or seq.num_computed_tokens)
 
     def release(self, request_id: str) -> bool:
         """The KV an ended request holds for a transfer, given back (its reader is done)."""
@@ -120,10 +124,10 @@ class Lifecycle:
             self.allocator.free_blocks(blocks)
         return blocks is not None
 
-    def expire(self, now: float) -> None:
-        """Holds whose lease ran out give their blocks back."""
+    def expire(self) -> None:
+        """Holds whose lease ran out give their blocks back (leases run on the clock)."""
         if self.kv is not None and self.kv.held:
-            for blocks in self.kv.expired(now):
+            for blocks in self.kv.expired(time.monotonic()):
                 self.allocator.free_blocks(blocks)
 
     def leave_running(self, seq: Sequence, hold: bool = False) -> None:

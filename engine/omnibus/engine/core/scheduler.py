@@ -154,7 +154,7 @@ class Scheduler:
         life.step += 1
         self._now = time.monotonic() if now is None else now
         life.loaded()  # reads from other engines that finished: those requests run now
-        life.expire(time.monotonic())  # leases run on the clock, whatever `now` a test plans at
+        life.expire()
         self._measure_step_time()
         self.order.now = self._now
         out = SchedulerOutput()

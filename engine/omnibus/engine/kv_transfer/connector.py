@@ -5,13 +5,16 @@ disaggregation managers, for one process: the step loop's.
 
 Scheduler side (core/lifecycle.py and core/admission.py call these, never a transport):
 
-- `readable(seq)`: whether the KV a request's `kv_source` handle names can be read into
-  this engine (same pool layout; the handle's digest equals the request's own tokens,
-  adapter salt and cache salt), so admission reserves blocks for it and seats it LOADING;
+- `readable(seq)` (once, when the request arrives): whether the KV its `kv_source` handle
+  names can be read into this engine (same pool layout; the handle's digest equals the
+  request's own tokens, adapter salt and cache salt); if so admission reserves blocks for
+  it and seats it LOADING;
 - `start_load(seq, first_block)` / `finished()`: read the blocks past the local prefix
   hit on a worker thread (overlapped with the steps of everyone else; the transport
   releases the GIL) and report each load done or failed. A failed load is recomputed
-  from the local prefix, never used;
+  from the local prefix, never used. Reads are queued and begin at `launch_reads`, which
+  the engine calls once the step's host-tier copies are made: a fresh block may be one
+  whose old KV the tier is about to save;
 - `hold(seq)`: a request that ends for a transfer (a prefill for another engine, or a
   running request of a draining engine) keeps its computed blocks, referenced, under a
   lease; its output carries the `KvHandle`;
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from omnibus.engine.config import EngineConfig
 from omnibus.engine.core.sequence import Sequence
 from omnibus.engine.kv_transfer.handle import KvHandle, kv_digest
 from omnibus.engine.kv_transfer.transport import Transport
@@ -43,8 +47,7 @@ from omnibus.engine.kv_transfer.transport import Transport
 log = structlog.get_logger(__name__)
 
 LEASE_SLOTS = 4096  # handles held at once at most (a hold past them is not offered)
-LOAD_THREADS = 2  # concurrent reads
-PROBE_SLOTS = 64  # lease words read back per thread: one per load in flight
+LOAD_THREADS = 2  # concurrent reads, each reading lease words into its own probe word
 
 
 @dataclass
@@ -63,7 +66,7 @@ class KvTransferStats:
     expired: int = 0  # ... whose lease ran out first
     loads: int = 0  # reads finished since start, and the failed ones among them
     load_failures: int = 0
-    loaded_tokens: int = 0  # tokens whose KV arrived (not computed here)
+    loaded_tokens: int = 0  # tokens whose KV arrived (not computed here; a local prefix hit is not counted)
     loaded_bytes: int = 0
     load_seconds: float = 0.0  # summed over loads
     refused: int = 0  # kv_source handles not read (layout or digest mismatch, malformed)
@@ -96,16 +99,19 @@ class KvConnector:
         for t in self._tensors:
             transport.register(t.data_ptr(), t.numel() * t.element_size())
         self._lease = torch.zeros(LEASE_SLOTS, dtype=torch.int64)  # slot -> epoch while held
-        self._probes = torch.zeros(LOAD_THREADS * PROBE_SLOTS, dtype=torch.int64)  # readers' copies
+        self._probes = torch.zeros(LOAD_THREADS, dtype=torch.int64)  # where a read's lease word lands
         for t in (self._lease, self._probes):
             transport.register(t.data_ptr(), t.numel() * 8)
         self._free_slots = list(range(LEASE_SLOTS - 1, -1, -1))
-        self._free_probes = list(range(self._probes.numel()))
+        self._free_probes: queue.SimpleQueue[int] = queue.SimpleQueue()  # one per read running
+        for probe in range(LOAD_THREADS):
+            self._free_probes.put(probe)
         self._epochs = itertools.count(1)
         self.held: dict[str, _Held] = {}
-        self._loads: dict[int, Sequence] = {}
+        self._loads: dict[int, tuple[Sequence, int]] = {}  # ticket -> (request, tokens it reads)
         self._tickets = itertools.count(1)
-        self._done: queue.SimpleQueue[tuple[int, bool, float, int, int | None]] = queue.SimpleQueue()
+        self._queued: list[tuple[int, KvHandle, list[int], tuple[int, ...]]] = []  # reads to begin
+        self._done: queue.SimpleQueue[tuple[int, bool, float, int]] = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="omnibus-kv")
         self._stats = dict.fromkeys(KvTransferStats.__dataclass_fields__, 0)
 
@@ -182,60 +188,69 @@ class KvConnector:
             return False
         return True
 
-    def start_load(self, seq: Sequence, first_block: int) -> int:
-        """Reads the source's blocks from `first_block` on into `seq.block_table`'s (which
-        holds them already) on a worker thread; returns the load's ticket."""
+    def start_load(self, seq: Sequence, first_block: int) -> None:
+        """Queues a read of the source's blocks from `first_block` on into `seq.block_table`'s
+        (which holds them already), begun by `launch_reads`; `finished` reports it."""
         src = seq.kv_source
         assert src is not None
         ticket = next(self._tickets)
-        self._loads[ticket] = seq
         nb = len(src.blocks)
-        local_blocks, remote_blocks = seq.block_table[first_block:nb], src.blocks[first_block:nb]
-        probe = self._free_probes.pop() if self._free_probes else None
-        self._pool.submit(self._read, ticket, src, local_blocks, remote_blocks, probe)
-        return ticket
+        self._loads[ticket] = (seq, src.num_tokens - first_block * self.block_size)
+        self._queued.append((ticket, src, seq.block_table[first_block:nb], src.blocks[first_block:nb]))
 
-    def _read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...],
-              probe: int | None) -> None:
-        start, ok = time.perf_counter(), False
-        nbytes = 0
+    @property
+    def queued(self) -> bool:
+        """Reads wait for `launch_reads`."""
+        return bool(self._queued)
+
+    def launch_reads(self) -> None:
+        """Begins the queued reads on the worker threads (after the step's host-tier copies)."""
+        for args in self._queued:
+            self._pool.submit(self._read, *args)
+        self._queued = []
+
+    def _read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
+        """On a worker thread: the blocks, then the lease word (into this read's probe
+        word); the read counts only if the word still holds the handle's epoch."""
+        start, ok, nbytes = time.perf_counter(), False, 0
+        probe = self._free_probes.get()  # never waits: one per thread
         try:
             local, remote, lengths = _ranges(local_blocks, remote_blocks, self.regions, src.regions,
                                              self.block_bytes)
             nbytes = sum(lengths)
-            if probe is None:
-                ok = False  # every probe word is in use: cannot check the lease
-            elif not local or self.transport.read(src.peer, local, remote, lengths):
-                addr = self._probes.data_ptr() + probe * 8
+            if self.transport.read(src.peer, local, remote, lengths):
                 self._probes[probe] = 0
+                addr = self._probes.data_ptr() + probe * 8
                 ok = (self.transport.read(src.peer, [addr], [src.lease_addr], [8])
                       and int(self._probes[probe]) == src.lease_epoch)
         except Exception:  # a transport error is a failed load: recomputed, never used
-            log.exception("kv_load_failed", peer=src.peer)
-        self._done.put((ticket, ok, time.perf_counter() - start, nbytes if ok else 0, probe))
+            log.exception("kv_read_error", peer=src.peer)
+        finally:
+            self._free_probes.put(probe)
+        self._done.put((ticket, ok, time.perf_counter() - start, nbytes if ok else 0))
 
-    def finished(self) -> list[tuple[Sequence, bool]]:
-        """The loads done since the last call: each request and whether its KV arrived."""
+    def finished(self) -> list[tuple[Sequence, int]]:
+        """The loads done since the last call: each request and the tokens whose KV it
+        now holds (the handle's), 0 when its read failed."""
         done = []
+        s = self._stats
         while True:
             try:
-                ticket, ok, seconds, nbytes, probe = self._done.get_nowait()
+                ticket, ok, seconds, nbytes = self._done.get_nowait()
             except queue.Empty:
                 return done
-            if probe is not None:
-                self._free_probes.append(probe)
-            seq = self._loads.pop(ticket)
-            s = self._stats
+            seq, tokens = self._loads.pop(ticket)
+            src = seq.kv_source
+            assert src is not None
             s["loads"] += 1
             s["load_seconds"] += seconds
             if ok:
-                s["loaded_tokens"] += seq.kv_source.num_tokens if seq.kv_source else 0
+                s["loaded_tokens"] += tokens
                 s["loaded_bytes"] += nbytes
             else:
                 s["load_failures"] += 1
-                log.warning("kv_load_failed", request_id=seq.request_id,
-                            peer=seq.kv_source.peer if seq.kv_source else "")
-            done.append((seq, ok))
+                log.warning("kv_load_failed", request_id=seq.request_id, peer=src.peer)
+            done.append((seq, src.num_tokens if ok else 0))
 
     @property
     def loading(self) -> int:
@@ -248,6 +263,14 @@ class KvConnector:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)  # a read in flight writes into the pool
         self.transport.close()
+
+
+def make_connector(config: EngineConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> KvConnector:
+    """The engine's connector for --kv-transfer (not "none") over its KV pool."""
+    from omnibus.engine.kv_transfer.transport import make_transport
+
+    return KvConnector(make_transport(config.kv_transfer, config.kv_transfer_host), kv_caches,
+                       config.block_size, config.kv_hold_seconds)
 
 
 def _ranges(local_blocks: list[int], remote_blocks: tuple[int, ...], local_regions: tuple[int, ...],

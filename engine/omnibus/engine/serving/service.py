@@ -288,35 +288,29 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             session.close()
         await _wait_until(lambda: not self._sessions, wait)
 
-    async def _migrate(self, grace: float) -> None:
-        """Live migration: every request ends at once for another engine to go on with
-        (finish ABORTED; a running one's output carries the handle of its KV, held here),
-        then the drain waits, within `grace`, until the readers have released it."""
-        end = time.monotonic() + grace
-        log.info("drain_migrating", requests=len(self.requests))
-        self.aengine.migrate()
-        await _wait_until(lambda: not self.requests, max(0.0, end - time.monotonic()))
-
-        def released() -> bool:
-            kv = self.aengine.stats().kv_transfer
-            return kv is None or kv.held == 0
-
-        if not await _wait_until(released, max(0.0, end - time.monotonic())):
-            log.warning("drain_kv_still_held", held=self.aengine.stats().kv_transfer)
-
     async def drain(self, grace: float) -> None:
         """Refuses new requests, lets in-flight ones finish for `grace` seconds, then
-        aborts the rest (their streams end with finish reason ABORTED)."""
+        aborts the rest (their streams end with finish reason ABORTED). With
+        --kv-transfer every request ends at once instead (live migration): running ones
+        with the handle of their KV, held here until the engines going on with them have
+        read it (within `grace`)."""
         self.draining = True
+        end = time.monotonic() + grace
         if self.aengine.config.kv_transfer != "none" and self.requests:
-            await self._migrate(grace)
-            return
-        if await _wait_until(lambda: not self.requests, grace):
-            return
-        log.warning("drain_grace_expired", aborting=sorted(self.requests.ids()))
-        for rid in self.requests.ids():
-            self.aengine.abort(rid)
-        await _wait_until(lambda: not self.requests, ABORT_WAIT_S)
+            log.info("drain_migrating", requests=len(self.requests))
+            self.aengine.migrate()
+        if not await _wait_until(lambda: not self.requests, grace):
+            log.warning("drain_grace_expired", aborting=sorted(self.requests.ids()))
+            for rid in self.requests.ids():
+                self.aengine.abort(rid)
+            await _wait_until(lambda: not self.requests, ABORT_WAIT_S)
+        if not await _wait_until(self._released, max(0.0, end - time.monotonic())):
+            log.warning("drain_kv_still_held", kv=self.aengine.stats().kv_transfer)
+
+    def _released(self) -> bool:
+        """No KV is held here for other engines."""
+        kv = self.aengine.stats().kv_transfer
+        return kv is None or kv.held == 0
 
 
 def _with_call_deadline(

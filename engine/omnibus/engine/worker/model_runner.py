@@ -377,15 +377,20 @@ class ModelRunner:
         before, when its picks have not been reported yet (overlapped scheduling)."""
         return self.run(plan, self.prepare(plan, prev))
 
+    def make_copies(self, copies) -> None:
+        """The host tier's queued saves and loads (core/block_allocator.py KvCopy), in order,
+        on every rank."""
+        if copies:
+            if self.ranks is not None:
+                self.ranks.send(("kv_copies", copies))
+            copy_kv(self.kv_caches, self.host_caches, copies)
+
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput, batch: ForwardBatch) -> Step:
         """`launch` with the inputs already prepared."""
         if self.idle_meter is not None:
             self.idle_meter.step_started()
-        if plan.kv_copies:  # the host tier's saves and loads, before this step's forward
-            if self.ranks is not None:
-                self.ranks.send(("kv_copies", plan.kv_copies))
-            copy_kv(self.kv_caches, self.host_caches, plan.kv_copies)
+        self.make_copies(plan.kv_copies)  # the host tier's saves and loads, before this step's forward
         if self.graphs is not None and self.graphs.can_run(batch, len(plan.scheduled)):
             if self.ranks is not None:
                 self.ranks.send(("graph", host_batch(batch)))

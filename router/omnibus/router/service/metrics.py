@@ -50,9 +50,9 @@ class RouterMetrics:
         )
         self.handoffs = Counter(
             "omnibus_router_prefill_handoffs",
-            "Streams a prefill engine handed to a decode engine (--role), by how the decode "
-            "engine got the prompt's KV: kv (a handle to read) or recompute (none held)",
-            ["kv"],
+            "Streams a prefill engine handed to a decode engine (--role), by where the decode "
+            "engine gets the prompt's KV: transfer (a handle to read) or recompute (none held)",
+            ["kv_from"],
             registry=r,
         )
         self.prompt_tokens = Counter(

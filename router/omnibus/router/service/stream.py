@@ -343,7 +343,7 @@ class Streamer:
                 if response.token_ids or response.text or not drained:
                     yield response
                 if handoff and response.finish_reason == UNSPECIFIED:
-                    self._metrics.handoffs.labels("kv" if job.kv_source is not None else "recompute").inc()
+                    self._metrics.handoffs.labels("transfer" if job.kv_source is not None else "recompute").inc()
                     raise _Handoff()
                 if drained and response.finish_reason == UNSPECIFIED:
                     moved = "engine_migrated" if job.kv_source is not None else "engine_drained"
