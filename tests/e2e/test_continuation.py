@@ -29,17 +29,22 @@ from tests.grpc_helpers import (
 )
 
 FLAGS = ("--num-kv-blocks", "1200", "--block-size", "8", "--max-num-seqs", "16")
-TOKENS = 600
+TOKENS = 300  # each stream, long enough to be cut mid-way (the fault lands after every first token)
 N = 10
 
 
 @pytest.fixture
-def processes(tmp_path_factory):
+def processes(tmp_path_factory, fault):
     model = tiny_checkpoint(tmp_path_factory)
     logs = tmp_path_factory.mktemp("logs")
     # A short drain: on SIGTERM the engine ends what is still running ABORTED after 0.5 s.
-    # The step loop in a process of its own: the core-SIGKILL case kills that process.
-    engines = [engine_process(model, logs, f"engine-{i}", *FLAGS, "--drain-seconds", "0.5", "--step-loop", "process")
+    # The step loop in a process of its own (as `--step-loop auto` runs it) where the fault
+    # reaches it: core-SIGKILL kills that process, SIGTERM's drain talks to it; a SIGKILL or
+    # SIGSTOP of the server takes either loop with it (the process one's own death watch:
+    # tests/unit/core/test_step_loop_process.py), so those run it on a thread, one torch
+    # import and model load less per engine.
+    loop = "process" if fault in ("core-SIGKILL", "SIGTERM") else "thread"
+    engines = [engine_process(model, logs, f"engine-{i}", *FLAGS, "--drain-seconds", "0.5", "--step-loop", loop)
                for i in range(2)]
     procs = list(engines)
     try:

@@ -1,7 +1,7 @@
 """test_continuation's lost engines, the stalled half: an engine stopped (SIGSTOP) or
 drained past its grace period (SIGTERM). A file of its own so that a second test worker
 runs it beside the killed half (each case starts two engines and a router and streams
-2 x 6,000 tokens)."""
+2 x 3,000 tokens)."""
 
 from __future__ import annotations
 

@@ -11,11 +11,13 @@ every block free."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 
 import pytest
 
+from omnibus.common.sampling import StructuredOutput
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.engine import Engine
 from omnibus.engine.request import EngineRequest
@@ -236,6 +238,40 @@ def test_a_reader_with_no_room_waits_then_reads(model, pair):
         all_free(small)
     finally:
         small.close()
+
+
+def test_a_drafting_decode_engine_and_a_structured_request_go_on_after_the_read(model):
+    """A decode engine that speculates with a draft model (the draft computes the moved
+    context in its own pool: none of it travels) and a structured request (the grammar is
+    replayed over the first token the prefill engine sent) go on as one engine serves them:
+    greedy equal to transformers, the structured one equal to one engine's JSON."""
+    path, hf = model
+    p = make_engine(path, structured_max_whitespace=4)
+    d = make_engine(path, speculative="draft", speculative_draft_model=str(path), structured_max_whitespace=4)
+    one = Engine(EngineConfig(model=str(path), dtype="float32", block_size=BLOCK, structured_max_whitespace=4))
+    try:
+        ids = prompt(71, 40)
+        first, handle = prefill(p, "ps", ids, greedy(16))
+        outs = decode(d, "ds", ids, first, greedy(16), handle)
+        assert first + tokens(outs) == hf_greedy(hf, ids, 16)
+        spec = d.stats().speculative
+        assert outs[0].num_cached_tokens == 40 and spec.accepted >= 0.7 * spec.proposed > 0
+        assert p.abort("ps")
+        fmt = SamplingParams(max_tokens=24, temperature=0.0,
+                             structured_output=StructuredOutput("json_schema", json.dumps(
+                                 {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})))
+        ids = prompt(72, 30)
+        (want,) = one.generate([ids], fmt)
+        first, handle = prefill(p, "pj", ids, fmt)
+        outs = decode(d, "dj", ids, first, fmt, handle)
+        assert first + tokens(outs) == want and outs[0].num_cached_tokens == 30
+        assert p.abort("pj")
+        all_free(p)
+        all_free(d)
+        assert d.speculator.proposer.allocator.check_integrity([]).referenced == 0
+    finally:
+        for e in (p, d, one):
+            e.close()
 
 
 def test_a_hold_whose_reader_never_comes_is_given_back_when_its_lease_ends(model):

@@ -52,6 +52,21 @@ def test_the_fixed_seeds_cover_every_feature():
     assert sum(r.kv_expired for r in results) > 0 and sum(r.migrated for r in results) >= 3
 
 
+def test_tenants_that_preempt_each_other_on_a_tiny_pool_still_finish():
+    """Seed 3955 of `make fuzz-scheduler`: two tenants, 15 blocks of 2 tokens, one token a
+    step. While recomputing after a preemption was charged to the tenant's counter, the
+    recomputing request passed the other's counter, became the next victim, and the two
+    took turns losing their KV with no request ever finishing (liveness: 10 unfinished past
+    the bound). A recompute is now free (Sequence.num_charged_tokens): every request ends
+    and the counters still keep the VTC bound."""
+    cfg = SimConfig.random(3955)
+    assert (cfg.num_blocks, cfg.budget, cfg.waiting_order, len(cfg.tenants)) == (15, 1, "slo", 2)
+    sim = Simulator(cfg)
+    result = sim.run()
+    assert {f"r{i}" for i in range(cfg.num_requests)} <= set(result.finished)
+    assert result.preemptions > 0 and result.max_counter_gap <= result.counter_bound
+
+
 def test_the_kv_check_catches_a_prefix_cache_shared_across_cache_groups(monkeypatch):
     """The simulated tenants send the same prompt families from different cache groups
     (scheduler_sim.CACHE_SALTS). Were block hashes blind to the cache salt (vLLM's

@@ -91,6 +91,9 @@ class Sequence:
     num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0  # advanced when a step is planned, not when it reports
     num_pending: int = 0  # tokens sampled by launched steps, not yet reported (0 or 1)
+    # The most tokens ever computed for it: its tenant is charged (fair share) only past
+    # this, so recomputing after a preemption costs the tenant nothing (core/waiting.py).
+    num_charged_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks

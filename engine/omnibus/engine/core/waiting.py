@@ -111,13 +111,24 @@ class WaitingQueue:
         return [t for t, q in self._queues.items() if _live_head(q.by_arrival) is not None]
 
     def charge(self, scheduled: Iterable[ScheduledSeq]) -> None:
-        """Each planned sequence's tenant is served its tokens this step (summed per
-        tenant first: one counter update per tenant, not per sequence)."""
+        """Each planned sequence's tenant is served the tokens of this step that no step
+        computed for it before (summed per tenant first: one counter update per tenant).
+        A preempted request's recompute is the engine's doing, not service: charging it
+        let two tenants take turns preempting each other as their counters crossed, each
+        recompute pushing the recomputing one past the other, with no token ever finished
+        (a livelock the scheduler simulator found). Charged only for new tokens, counters
+        cross only as real tokens are computed, so every preemption follows progress."""
         if not self.order.fair:
             return
         served: dict[tuple[str, float], int] = {}
         for item in scheduled:
-            key = (item.seq.tenant, item.seq.weight)
-            served[key] = served.get(key, 0) + item.num_tokens
+            seq = item.seq
+            end = seq.num_computed_tokens + item.num_tokens
+            fresh = end - seq.num_charged_tokens
+            if fresh <= 0:
+                continue
+            seq.num_charged_tokens = end
+            key = (seq.tenant, seq.weight)
+            served[key] = served.get(key, 0) + fresh
         for (tenant, weight), tokens in served.items():
             self.order.counters.charge(tenant, tokens, weight)
