@@ -36,11 +36,12 @@ CMD ["serve", "--help"]
 FROM base AS engine
 # Triton JIT-compiles a small C launcher for each kernel on first use, so the runtime
 # needs a C compiler and libc headers (gcc, libc6-dev); nothing else is built here.
+# Mooncake's transfer engine (--kv-transfer) links libibverbs1, even over TCP.
 # Unpinned on purpose (DL3008): Debian's security updates replace pinned point releases.
 ARG TORCH_INDEX_URL=https://pypi.org/simple
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libibverbs1 \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=wheel /wheels /wheels
 COPY requirements.txt /tmp/requirements.txt

@@ -274,6 +274,79 @@ def test_a_drafting_decode_engine_and_a_structured_request_go_on_after_the_read(
             e.close()
 
 
+def block_bytes(engine: Engine) -> int:
+    """One block of the pool over every layer's K and V."""
+    return engine.kv.block_bytes * len(engine.kv.regions)
+
+
+def test_an_engine_staging_through_host_memory_and_one_reading_in_place_go_on_token_exact(model, pair):
+    """--kv-transfer-staging-bytes (how a pool on a GPU moves: copied out when held, in
+    when read) on a CPU pool: a staged holder gives its pool blocks back at once and holds
+    the copy; staged and in-place engines read each other's handles, and a staged engine's
+    drain moves its requests, all token-exact with nothing recomputed."""
+    path, hf = model
+    p, d = pair
+    staged = make_engine(path, kv_transfer_staging_bytes=64 * block_bytes(p))
+    try:
+        ids = prompt(81, 45)
+        first, handle = prefill(staged, "sp", ids, greedy(8))
+        assert staged.check_integrity().referenced == 0 and staged.kv.stats().held_blocks == 0  # the copy is held
+        outs = decode(d, "sd", ids, first, greedy(8), handle)
+        assert first + tokens(outs) == hf_greedy(hf, ids, 8) and outs[0].num_cached_tokens == 45
+        assert staged.abort("sp") and staged.kv._staging.free == 64
+        ids = prompt(82, 37)
+        first, handle = prefill(p, "ip", ids, greedy(8))
+        outs = decode(staged, "is", ids, first, greedy(8), handle)
+        assert first + tokens(outs) == hf_greedy(hf, ids, 8) and outs[0].num_cached_tokens == 37
+        assert p.abort("ip") and staged.kv._staging.free == 64
+        # a drain of the staged engine: its running requests read by the in-place one
+        runs = [prompt(83 + i, 20 + 7 * i) for i in range(3)]
+        for i, ids in enumerate(runs):
+            staged.add_request(EngineRequest(f"sm{i}", ids, greedy(16)))
+        sent = {f"sm{i}": [] for i in range(3)}
+        for _ in range(4):
+            for out in staged.step():
+                sent[out.request_id] += out.new_token_ids
+        staged.migrate()
+        ended = run(staged)
+        for i, ids in enumerate(runs):
+            rid = f"sm{i}"
+            sent[rid] += tokens(ended[rid])
+            handle = ended[rid][-1].kv_handle
+            outs = decode(d, rid, ids, sent[rid], greedy(16), handle)
+            assert sent[rid] + tokens(outs) == hf_greedy(hf, ids, 16), rid
+            assert outs[0].num_cached_tokens == handle.num_tokens
+            assert staged.abort(rid)
+        assert staged.kv._staging.free == 64
+        for e in (staged, p, d):
+            all_free(e)
+    finally:
+        staged.close()
+
+
+def test_staging_with_no_room_holds_nothing_and_reads_nothing_and_both_are_recomputed(model, pair):
+    path, hf = model
+    p, d = pair
+    small = make_engine(path, kv_transfer_staging_bytes=2 * block_bytes(p))  # 2 blocks: a 45-token prompt needs 6
+    try:
+        ids = prompt(91, 45)
+        small.add_request(EngineRequest("nh", ids, greedy(1), kv_hold=True))
+        (out,) = run(small)["nh"]
+        assert out.finish_reason == "length" and out.kv_handle is None  # ends as a plain request
+        all_free(small)
+        ids = prompt(92, 45)  # (not the one just computed here: its prefix is cached, 1 block to read)
+        first, handle = prefill(p, "nr", ids, greedy(6))
+        failures = small.kv.stats().load_failures
+        outs = decode(small, "nr", ids, first, greedy(6), handle)
+        assert first + tokens(outs) == hf_greedy(hf, ids, 6) and outs[0].num_cached_tokens == 0
+        assert small.kv.stats().load_failures == failures + 1 and small.kv._staging.free == 2
+        assert p.abort("nr")
+        all_free(small)
+        all_free(p)
+    finally:
+        small.close()
+
+
 def test_a_hold_whose_reader_never_comes_is_given_back_when_its_lease_ends(model):
     path, _ = model
     p = make_engine(path, kv_hold_seconds=0.05)
@@ -286,3 +359,15 @@ def test_a_hold_whose_reader_never_comes_is_given_back_when_its_lease_ends(model
         all_free(p)
     finally:
         p.close()
+
+
+def test_auto_is_the_address_this_hosts_name_resolves_to_and_an_unresolvable_name_says_so(monkeypatch):
+    import socket
+
+    from omnibus.engine.kv_transfer.transport import own_address
+
+    assert own_address("10.1.2.3") == "10.1.2.3"
+    assert own_address("auto") == socket.gethostbyname(socket.gethostname())
+    monkeypatch.setattr(socket, "gethostname", lambda: "no-such-host.invalid")
+    with pytest.raises(RuntimeError, match="'no-such-host.invalid' does not resolve.*pass the address"):
+        own_address("auto")

@@ -147,6 +147,24 @@ def test_gpu_engines_request_a_gpu_and_run_cuda_and_cpu_ones_do_not():
     assert container(cpu, "omnibus-router")["image"] == "omnibus-router:dev"
 
 
+def test_a_rolling_update_of_cpu_engines_migrates_their_streams_and_gpu_engines_leave_it_off():
+    """The base (CPU) engines start with --kv-transfer at their pod's IP, and a rolling
+    update starts a new pod before it stops an old one (somewhere for the stopped one's
+    streams to move, KV and all). The GPU overlays do not enable it: its staging path has
+    not run on a GPU."""
+    cpu = render("overlays/cpu")
+    engine = container(cpu, "omnibus-engine")
+    config, _ = configs_from_args(engine_parser().parse_args(engine["args"]))
+    assert (config.kv_transfer, config.kv_transfer_host) == ("mooncake", "$(POD_IP)")
+    (pod_ip,) = [e for e in engine["env"] if e["name"] == "POD_IP"]  # Kubernetes expands $(POD_IP) in args
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    rolling = one(cpu, "Deployment", "omnibus-engine")["spec"]["strategy"]
+    assert rolling["type"] == "RollingUpdate" and rolling["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    for overlay in ("overlays/gpu", "overlays/gpu-tp"):
+        args = engine_parser().parse_args(container(render(overlay), "omnibus-engine")["args"])
+        assert args.kv_transfer == "none", overlay
+
+
 def test_a_tensor_parallel_engine_holds_as_many_gpus_as_ranks_and_shared_memory():
     docs = render("overlays/gpu-tp")
     engine = container(docs, "omnibus-engine")

@@ -54,13 +54,22 @@ async def _reflect(channel: grpc.aio.Channel) -> reflection_pb2.ServerReflection
     raise AssertionError("no reflection reply")
 
 
+async def _refused(channel: grpc.aio.Channel, metadata: tuple = ()) -> tuple[grpc.StatusCode, str]:
+    """The status of a reflection stream opened with `metadata` and never written to. (A
+    write racing the server's early status can turn it into INTERNAL "Failed execute_batch"
+    on the client: grpc/grpc#36066, open as of grpcio 1.8x; the server's refusal is what is
+    under test, so nothing is written.)"""
+    call = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(metadata=metadata, timeout=5)
+    code, details = await call.code(), await call.details()
+    call.cancel()
+    return code, details
+
+
 async def test_token_guards_every_method_but_health(token_server: str, pki: Pki) -> None:
     async with grpc.aio.insecure_channel(token_server) as channel:
         assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await _reflect(channel)
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert "token" in err.value.details()
+        code, details = await _refused(channel)
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "token" in details
         # An unknown method is refused the same way: no token, no map of the API.
         unknown = channel.unary_unary("/omnibus.v1.Engine/Nope")
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -68,9 +77,7 @@ async def test_token_guards_every_method_but_health(token_server: str, pki: Pki)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     wrong = ClientSecurity.from_files(token_file=str(pki.wrong_token))
     async with wrong.aio_channel(token_server) as channel:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await _reflect(channel)
-        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert (await _refused(channel))[0] == grpc.StatusCode.UNAUTHENTICATED
     right = ClientSecurity.from_files(token_file=str(pki.token))
     async with right.aio_channel(token_server) as channel:
         reply = await _reflect(channel)
@@ -91,14 +98,7 @@ async def test_token_in_other_forms_is_refused(token_server: str) -> None:
             (("x-engine-token", "s3cret-engine-token"),),
             (("authorization-bin", b"Bearer s3cret-engine-token"),),
         ]:
-            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            call = stub.ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                metadata=metadata, timeout=5)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                async for _ in call:
-                    pass
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, metadata
+            assert (await _refused(channel, metadata))[0] == grpc.StatusCode.UNAUTHENTICATED, metadata
 
 
 async def test_mutual_tls(pki: Pki) -> None:

@@ -34,6 +34,7 @@ CPU_MATMULS = ("onednn", "aten")
 # W8A8 per channel with per-token activations, INT4 in groups of 32).
 QUANTIZATIONS = ("auto", "none", "int8", "fp8", "int4")
 KV_TRANSFERS = ("none", "mooncake")  # --kv-transfer (kv_transfer/transport.py TRANSPORTS)
+KV_STAGING_DEFAULT = 2 << 30  # --kv-transfer-staging-bytes 0 on a GPU: 2 GiB (8 prompts of 2,000 tokens of Llama-3-8B)
 ROLES = ("both", "prefill", "decode")  # --role
 # What the KV cache holds. auto: the model dtype; fp8 (= fp8_e4m3): float8_e4m3fn, each
 # layer's keys and values divided by its scales (the checkpoint's self_attn.k_scale /
@@ -319,6 +320,10 @@ class EngineConfig:
     kv_transfer: str = "none"
     kv_transfer_host: str = "127.0.0.1"
     kv_hold_seconds: float = 30.0
+    # Host memory the transfers stage KV in (pinned): a pool the transport cannot read in
+    # place (on a GPU) is copied out when held and in when read; 0: none for a host pool
+    # (read in place), KV_STAGING_DEFAULT for a device pool
+    kv_transfer_staging_bytes: int = 0
     # What routers send it (the load report carries it): "both" whole requests; "prefill"
     # the prompt of a request a "decode" engine goes on with, reading the KV (--kv-transfer)
     role: str = "both"
@@ -358,6 +363,8 @@ class EngineConfig:
         self.spec_config()  # ValueError naming the flag
         _check(self.kv_offload_bytes >= 0, "kv_offload_bytes", ">= 0", self.kv_offload_bytes)
         _check(self.kv_transfer in KV_TRANSFERS, "kv_transfer", " | ".join(KV_TRANSFERS), self.kv_transfer)
+        _check(self.kv_transfer_staging_bytes >= 0, "kv_transfer_staging_bytes", ">= 0",
+               self.kv_transfer_staging_bytes)
         _check(0 < self.kv_hold_seconds < math.inf, "kv_hold_seconds", "> 0 and finite", self.kv_hold_seconds)
         _check(self.role in ROLES, "role", " | ".join(ROLES), self.role)
         _check(self.role == "both" or self.kv_transfer != "none", "role",

@@ -57,6 +57,17 @@ def test_each_command_is_accepted_by_its_cli_and_makes_a_valid_config(name):
         assert (config.model, config.host) == ("/models/smollm2.gguf", "0.0.0.0")
 
 
+def test_stopped_cpu_engines_move_their_streams_kv_to_the_others_and_gpu_ones_do_not_yet():
+    """engine-cpu replicas offer and read KV (--kv-transfer) at their container's own IP,
+    so a stopped one's streams go on elsewhere with their KV; the GPU variants leave it
+    off (the staging path has not run on a GPU)."""
+    config, _ = configs_from_args(service_args("engine-cpu"))
+    assert (config.kv_transfer, config.kv_transfer_host) == ("mooncake", "auto")
+    assert configs_from_args(service_args("engine"))[0].kv_transfer == "none"
+    assert configs_from_args(service_args("engine-tp"))[0].kv_transfer == "none"
+    assert "libibverbs1" in DOCKERFILE  # Mooncake's transfer engine links it
+
+
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_healthcheck_asks_the_grpc_health_protocol_on_the_service_port(name):
     test = SERVICES[name]["healthcheck"]["test"]

@@ -21,10 +21,18 @@ Scheduler side (core/lifecycle.py and core/admission.py call these, never a tran
 - `release(request_id)` (the reader's router aborts the request) and `expired(now)`
   (the lease ran out: `--kv-hold-seconds`) give them back to the allocator.
 
-Worker side: the KV pool's regions and a lease table are registered with the transport.
+Worker side: the KV pool's regions (or a staging area's, below) and a lease table are
+registered with the transport.
 A lease word holds the handle's epoch while its blocks are held and is zeroed before
 they are released: a reader reads the word after the blocks and trusts the blocks only
 if the epoch is still there (they were held, unchanged, while it read them).
+
+Staging (`_Staging`, --kv-transfer-staging-bytes): a pool the transport cannot read in
+place (device memory, with a TCP transport) moves through host memory laid out as the
+pool's blocks are. A hold copies its blocks out (and gives the pool's blocks back at
+once: the staged copy is what is held); a read lands in staging slots and is copied into
+the request's blocks on the step thread before it runs. Either side may stage or not: a
+handle names blocks of registered memory of the pool's layout, wherever they are.
 """
 
 from __future__ import annotations
@@ -52,9 +60,46 @@ LOAD_THREADS = 2  # concurrent reads, each reading lease words into its own prob
 
 @dataclass
 class _Held:
-    blocks: list[int]
+    blocks: list[int]  # pool blocks it keeps referenced ([] when staged)
     slot: int
     expires: float
+    staged: list[int]  # staging slots holding its copy ([] when read in place)
+
+
+class _Staging:
+    """Host memory shaped as `slots` blocks of every K and V tensor of the pool (pinned
+    when the pool is on a GPU), the slots handed out by a free list. Step thread only,
+    except the bytes a read's worker thread writes into slots it was given."""
+
+    def __init__(self, tensors: list[torch.Tensor], slots: int) -> None:
+        pin = tensors[0].device.type == "cuda"
+        self.tensors = [torch.empty((slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in tensors]
+        self._free = list(range(slots - 1, -1, -1))
+
+    def take(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        taken, self._free = self._free[len(self._free) - n:], self._free[:len(self._free) - n]
+        return taken
+
+    def give(self, slots: list[int]) -> None:
+        self._free += slots
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def copy_out(self, pool: list[torch.Tensor], blocks: list[int], slots: list[int]) -> None:
+        """The pool's `blocks` into `slots` (synchronously: the copy is whole on return)."""
+        src, dst = torch.tensor(blocks, device=pool[0].device), torch.tensor(slots)
+        for p, t in zip(pool, self.tensors):
+            t.index_copy_(0, dst, p.index_select(0, src).cpu())
+
+    def copy_in(self, pool: list[torch.Tensor], slots: list[int], blocks: list[int]) -> None:
+        """`slots` into the pool's `blocks`; the slots are free to reuse on return."""
+        src, dst = torch.tensor(slots), torch.tensor(blocks, device=pool[0].device)
+        for p, t in zip(pool, self.tensors):
+            p.index_copy_(0, dst, t.index_select(0, src).to(p.device))
 
 
 @dataclass(frozen=True)
@@ -83,20 +128,28 @@ class KvConnector:
     step loop's thread only."""
 
     def __init__(self, transport: Transport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, hold_seconds: float) -> None:
+                 block_size: int, hold_seconds: float, staging_bytes: int = 0) -> None:
+        """`staging_bytes` > 0: holds and reads go through that much host memory (a pool on
+        a GPU needs it: the TCP transport reads host memory only)."""
         self.transport = transport
         self.block_size = block_size
         self.hold_seconds = hold_seconds
         self.layout = pool_layout(kv_caches)
         self._tensors = [t for layer in kv_caches for t in layer]  # K0, V0, K1, V1, ...
-        if any(t.device.type != "cpu" for t in self._tensors):
-            # The TCP transport reads host memory; device memory needs Mooncake's CUDA build
-            # (RDMA) and its registration of device pointers, which has not run here.
-            raise RuntimeError("--kv-transfer reads the KV pool in host memory: this engine's pool is on "
-                               f"{self._tensors[0].device}; KV transfer from device memory is not supported yet")
-        self.regions = tuple(t.data_ptr() for t in self._tensors)
         self.block_bytes = self._tensors[0][0].numel() * self._tensors[0].element_size()
-        for t in self._tensors:
+        self._staging: _Staging | None = None
+        if staging_bytes:
+            slots = staging_bytes // (self.block_bytes * len(self._tensors))
+            if slots < 1:
+                raise ValueError(f"--kv-transfer-staging-bytes {staging_bytes} holds no block of this pool "
+                                 f"({self.block_bytes * len(self._tensors)} bytes a block over its layers)")
+            self._staging = _Staging(self._tensors, slots)
+        elif any(t.device.type != "cpu" for t in self._tensors):
+            raise ValueError("--kv-transfer reads a pool in device memory through host staging: "
+                             "--kv-transfer-staging-bytes must be > 0")
+        shown = self._staging.tensors if self._staging is not None else self._tensors
+        self.regions = tuple(t.data_ptr() for t in shown)
+        for t in shown:
             transport.register(t.data_ptr(), t.numel() * t.element_size())
         self._lease = torch.zeros(LEASE_SLOTS, dtype=torch.int64)  # slot -> epoch while held
         self._probes = torch.zeros(LOAD_THREADS, dtype=torch.int64)  # where a read's lease word lands
@@ -108,7 +161,8 @@ class KvConnector:
             self._free_probes.put(probe)
         self._epochs = itertools.count(1)
         self.held: dict[str, _Held] = {}
-        self._loads: dict[int, tuple[Sequence, int]] = {}  # ticket -> (request, tokens it reads)
+        # ticket -> (request, tokens it reads, its blocks they land in, staging slots on the way)
+        self._loads: dict[int, tuple[Sequence, int, list[int], list[int]]] = {}
         self._tickets = itertools.count(1)
         self._queued: list[tuple[int, KvHandle, list[int], tuple[int, ...]]] = []  # reads to begin
         self._done: queue.SimpleQueue[tuple[int, bool, float, int]] = queue.SimpleQueue()
@@ -119,20 +173,32 @@ class KvConnector:
 
     def hold(self, seq: Sequence) -> KvHandle | None:
         """Keeps the blocks of `seq`'s computed tokens (its last token's KV is not
-        computed yet) for a reader: they leave `seq.block_table` referenced, the rest
-        stay for the caller to free. None when there is nothing to hold or no lease."""
+        computed yet) for a reader: in place they leave `seq.block_table` referenced (the
+        rest stay for the caller to free); staged, a copy is kept and every block stays
+        for the caller. None when there is nothing to hold, no lease or no staging room."""
         n = min(seq.num_computed_tokens, seq.num_tokens - 1)
         if n <= 0 or not self._free_slots or seq.request_id in self.held:
             return None
         nb = -(-n // self.block_size)
-        blocks, seq.block_table = seq.block_table[:nb], seq.block_table[nb:]
-        seq.num_registered_blocks = 0
+        staged: list[int] = []
+        if self._staging is not None:
+            taken = self._staging.take(nb)
+            if taken is None:
+                log.warning("kv_staging_full", request_id=seq.request_id, blocks=nb, free=self._staging.free)
+                return None
+            staged = taken
+            self._staging.copy_out(self._tensors, seq.block_table[:nb], staged)
+            blocks, offered = [], staged
+        else:
+            blocks, seq.block_table = seq.block_table[:nb], seq.block_table[nb:]
+            seq.num_registered_blocks = 0
+            offered = blocks
         slot, epoch = self._free_slots.pop(), next(self._epochs)
         self._lease[slot] = epoch
-        self.held[seq.request_id] = _Held(blocks, slot, time.monotonic() + self.hold_seconds)
+        self.held[seq.request_id] = _Held(blocks, slot, time.monotonic() + self.hold_seconds, staged)
         self._stats["sent"] += 1
         return KvHandle(
-            peer=self.transport.address, request_id=seq.request_id, num_tokens=n, blocks=tuple(blocks),
+            peer=self.transport.address, request_id=seq.request_id, num_tokens=n, blocks=tuple(offered),
             regions=self.regions, block_bytes=self.block_bytes, layout=self.layout,
             digest=kv_digest(seq.token_ids[:n], seq.adapter_salt, seq.cache_salt),
             lease_addr=self._lease.data_ptr() + slot * 8, lease_epoch=epoch)
@@ -159,10 +225,12 @@ class KvConnector:
     def _let_go(self, held: _Held) -> list[int]:
         self._lease[held.slot] = 0  # before the blocks can be reused: readers see the lease end
         self._free_slots.append(held.slot)
+        if held.staged and self._staging is not None:
+            self._staging.give(held.staged)
         return held.blocks
 
     def held_tables(self) -> Iterator[list[int]]:
-        return (h.blocks for h in self.held.values())
+        return (h.blocks for h in self.held.values() if h.blocks)
 
     # ---- the reader ------------------------------------------------------------
 
@@ -190,13 +258,24 @@ class KvConnector:
 
     def start_load(self, seq: Sequence, first_block: int) -> None:
         """Queues a read of the source's blocks from `first_block` on into `seq.block_table`'s
-        (which holds them already), begun by `launch_reads`; `finished` reports it."""
+        (which holds them already; staged, into staging slots first), begun by
+        `launch_reads`; `finished` reports it (failed at once when staging has no room)."""
         src = seq.kv_source
         assert src is not None
         ticket = next(self._tickets)
         nb = len(src.blocks)
-        self._loads[ticket] = (seq, src.num_tokens - first_block * self.block_size)
-        self._queued.append((ticket, src, seq.block_table[first_block:nb], src.blocks[first_block:nb]))
+        local = seq.block_table[first_block:nb]
+        slots: list[int] = []
+        if self._staging is not None:
+            taken = self._staging.take(len(local))
+            if taken is None:
+                log.warning("kv_staging_full", request_id=seq.request_id, blocks=len(local), free=self._staging.free)
+                self._loads[ticket] = (seq, 0, local, [])
+                self._done.put((ticket, False, 0.0, 0))
+                return
+            slots = taken
+        self._loads[ticket] = (seq, src.num_tokens - first_block * self.block_size, local, slots)
+        self._queued.append((ticket, src, slots or local, src.blocks[first_block:nb]))
 
     @property
     def queued(self) -> bool:
@@ -239,7 +318,12 @@ class KvConnector:
                 ticket, ok, seconds, nbytes = self._done.get_nowait()
             except queue.Empty:
                 return done
-            seq, tokens = self._loads.pop(ticket)
+            seq, tokens, blocks, slots = self._loads.pop(ticket)
+            staging = self._staging
+            if slots and staging is not None:  # staged: into the request's blocks now, before it runs
+                if ok:
+                    staging.copy_in(self._tensors, slots, blocks)
+                staging.give(slots)
             src = seq.kv_source
             assert src is not None
             s["loads"] += 1
@@ -266,11 +350,16 @@ class KvConnector:
 
 
 def make_connector(config: EngineConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> KvConnector:
-    """The engine's connector for --kv-transfer (not "none") over its KV pool."""
+    """The engine's connector for --kv-transfer (not "none") over its KV pool, staged
+    through host memory when the pool is on a GPU (or when asked to be)."""
+    from omnibus.engine.config import KV_STAGING_DEFAULT
     from omnibus.engine.kv_transfer.transport import make_transport
 
+    staging = config.kv_transfer_staging_bytes
+    if not staging and kv_caches[0][0].device.type != "cpu":
+        staging = KV_STAGING_DEFAULT
     return KvConnector(make_transport(config.kv_transfer, config.kv_transfer_host), kv_caches,
-                       config.block_size, config.kv_hold_seconds)
+                       config.block_size, config.kv_hold_seconds, staging)
 
 
 def _ranges(local_blocks: list[int], remote_blocks: tuple[int, ...], local_regions: tuple[int, ...],

@@ -11,6 +11,7 @@ prepared reads, a peer's metadata) and would be a second class here.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Protocol
 
 TRANSPORTS = ("mooncake",)  # --kv-transfer's choices besides "none"
@@ -58,7 +59,21 @@ class MooncakeTransport:
         self._engine = None
 
 
+def own_address(host: str) -> str:
+    """`host`, or for "auto" the address this machine's name resolves to (a container's or
+    a pod's own IP: Docker and Kubernetes write it into /etc/hosts for the hostname)."""
+    if host != "auto":
+        return host
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError as exc:
+        raise RuntimeError(f"--kv-transfer-host auto: this host's name {name!r} does not resolve ({exc}); "
+                           "pass the address other engines reach this one at") from exc
+
+
 def make_transport(kind: str, host: str) -> Transport:
+    host = own_address(host)
     if kind == "mooncake":
         return MooncakeTransport(host)
     raise ValueError(f"unknown KV transport {kind!r}; choose from {', '.join(TRANSPORTS)}")

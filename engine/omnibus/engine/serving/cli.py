@@ -114,7 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the engines that go on with them instead of recomputing it",
     )
     p.add_argument("--kv-transfer-host", default=_ENGINE["kv_transfer_host"], metavar="HOST",
-                   help="the address other engines read this engine's KV at (its host as they see it)")
+                   help="the address other engines read this engine's KV at (its host as they see it); "
+                   "auto: the address this host's name resolves to (a container's or pod's own IP)")
+    p.add_argument(
+        "--kv-transfer-staging-bytes", type=int, default=_ENGINE["kv_transfer_staging_bytes"], metavar="BYTES",
+        help="pinned host memory KV is staged in on its way between engines: a KV pool on a GPU is "
+        "copied out when held and in when read (0: none for a pool in host memory, which is read in "
+        "place; 2 GiB for one on a GPU). A hold or read that finds no room is recomputed instead",
+    )
     p.add_argument(
         "--kv-hold-seconds", type=float, default=_ENGINE["kv_hold_seconds"], metavar="S",
         help="KV held for another engine (a prefill's, a drained request's) is given back after "
