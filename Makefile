@@ -116,10 +116,14 @@ gpu-env:
 test-gpu: gpu-env
 	$(GPU_VENV)/bin/python -m pytest -q -m gpu tests/gpu
 
+# GPU_KV_WHEELS=1 adds Mooncake's transfer engine (46 MB, so .whl grows to ~56 MB of the
+# device tool's 64 MiB carry): tests/gpu's KV-transfer test skips without it.
+GPU_KV_WHEELS ?= 0
+GPU_WHEELS := grpcio|protobuf|structlog|pytest-asyncio|grpcio-health-checking|grpcio-reflection|hypothesis|setuptools|sortedcontainers|attrs$(if $(filter 1,$(GPU_KV_WHEELS)),|mooncake-transfer-engine-non-cuda|msgpack)
 gpu-wheels: setup
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
-	  $$(grep -E '^(grpcio|protobuf|structlog|pytest-asyncio|grpcio-health-checking|grpcio-reflection|hypothesis|setuptools|sortedcontainers|attrs)==' requirements.txt)
+	  $$(grep -E '^($(GPU_WHEELS))==' requirements.txt)
 
 # `make run`: one engine worker and the router on localhost, serving MODEL: by default
 # SmolLM2-135M-Instruct, a pretrained chat model, from the Q4_1 GGUF file that the

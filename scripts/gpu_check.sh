@@ -8,7 +8,8 @@
 # The device-tool call, when a GPU is lent (15 minutes of device time in all):
 #   1. here, once:  make gpu-wheels
 #      (.whl/, ~10 MB: grpcio, protobuf, structlog, pytest-asyncio, ... for the GPU
-#      machine's Python 3.12; that machine has no network, so the wheels travel by carry)
+#      machine's Python 3.12; that machine has no network, so the wheels travel by carry;
+#      GPU_KV_WHEELS=1 adds Mooncake's 46 MB, for tests/gpu's KV-transfer test)
 #   2. run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=360)
 #      360 s + ~1.5 min to start the machine leaves room for one rerun inside the 15
 #      minutes. The machine stays warm 30 s after a reply: rerun at once what was cut

@@ -4,7 +4,9 @@ that KV and goes on, token for token as one engine serves the request (greedy, s
 with a LoRA adapter); a decode engine drained mid-stream (SIGTERM) moves its running
 streams' KV to the other decode engine, every stream completing token-exact with no
 prompt recomputed (counted); a prefill engine killed mid-traffic leaves the decode engine
-recomputing, token-exact, and the router serving. The in-process faults are in
+recomputing, token-exact, and the router serving. One decode engine stages its KV through
+host memory (--kv-transfer-staging-bytes, as on a GPU), the others read in place: they
+read each other's handles. The in-process faults are in
 tests/oracle/test_kv_transfer.py."""
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ def fleet(tmp_path_factory):
     make_adapter(model, adapters / "b-r8", *ADAPTERS["b-r8"], seed=1)
     logs = tmp_path_factory.mktemp("logs")
     flags = (*FLAGS, "--adapter-dir", str(adapters))
-    engines = {name: engine_process(model, logs, name, *flags, "--role", role)
-               for name, role in (("prefill", "prefill"), ("decode-1", "decode"), ("decode-2", "decode"))}
+    # decode-2 stages its KV through host memory as an engine on a GPU does (copied in when
+    # read, out when held for a drain); the others read theirs in place
+    staged = ("--kv-transfer-staging-bytes", str(32 << 20))
+    engines = {name: engine_process(model, logs, name, *flags, "--role", role, *extra)
+               for name, role, extra in (("prefill", "prefill", ()), ("decode-1", "decode", ()),
+                                         ("decode-2", "decode", staged))}
     procs = list(engines.values())
     try:
         for proc in procs:

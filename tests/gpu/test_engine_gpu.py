@@ -107,3 +107,52 @@ def test_the_host_tier_on_cuda_loads_what_it_saved(tmp_path):
     assert engine.generate([turn2], params) == [hf_greedy(hf, turn2, 4)]
     assert engine.stats().num_host_cache_hit_blocks == 7
     engine.check_integrity()
+
+
+
+def test_kv_moves_between_engines_on_cuda_through_host_staging(tmp_path):
+    """--kv-transfer on a GPU: each engine's pool is staged through pinned host memory (its
+    default 2 GiB cut to 16 MiB here): a prefill engine's KV, read by a decode engine, goes
+    on token for token as transformers (greedy) with no prompt token computed twice, and
+    both pools' blocks are all free at the end."""
+    pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine: make gpu-wheels GPU_KV_WHEELS=1 carries it")
+    kv_round_trip(tmp_path, "cuda")
+
+
+def kv_round_trip(tmp_path, device: str) -> None:
+    import random
+
+    from omnibus.engine.request import EngineRequest
+
+    path = make_checkpoint(tmp_path / "m", "llama")
+    hf = load_hf(path)
+    config = EngineConfig(model=str(path), device=device, dtype="float32", kv_cache_memory=64 << 20, block_size=8,
+                          kv_transfer="mooncake", kv_transfer_staging_bytes=16 << 20)
+    p, d = Engine(config), Engine(config)
+    rng = random.Random(3)
+
+    def run(engine, request):
+        engine.add_request(request)
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+        return outs
+
+    try:
+        for n in (45, 16, 130):
+            ids = [rng.randrange(3, 300) for _ in range(n)]
+            (first,) = run(p, EngineRequest(f"p{n}", ids, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                         ignore_eos=True), kv_hold=True))
+            assert first.kv_handle is not None and first.kv_handle.num_tokens == n
+            rest = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, output_offset=1)
+            outs = run(d, EngineRequest(f"d{n}", ids + first.new_token_ids, rest, kv_source=first.kv_handle))
+            assert first.new_token_ids + [t for o in outs for t in o.new_token_ids] == hf_greedy(hf, ids, 12), n
+            assert outs[0].num_cached_tokens == n  # read, not computed
+            assert p.abort(f"p{n}")
+        stats = d.kv.stats()
+        assert stats.load_failures == 0 and stats.loaded_tokens == 45 + 16 + 130
+        for e in (p, d):
+            assert e.check_integrity().referenced == 0 and not e.kv.held
+    finally:
+        for e in (p, d):
+            e.close()
