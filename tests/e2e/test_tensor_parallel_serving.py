@@ -34,7 +34,8 @@ def fleet(tmp_path_factory):
     make_adapter(model, adapters / "b-r8", *ADAPTERS["b-r8"], seed=1)
     logs = tmp_path_factory.mktemp("logs")
     flags = (*FLAGS, "--adapter-dir", str(adapters))
-    tp = engine_process(model, logs, "engine-tp", *flags, "--tensor-parallel-size", "2", "--step-loop", "process")
+    tp = engine_process(model, logs, "engine-tp", *flags, "--tensor-parallel-size", "2", "--step-loop", "process",
+                        "--kv-transfer", "mooncake")
     one = engine_process(model, logs, "engine-one", *flags)
     procs = [tp, one]
     try:
@@ -75,6 +76,66 @@ def test_two_ranks_serve_what_one_device_serves_through_the_router(fleet):
     text = "".join(r.text for r in fleet["via_tp"].Generate(structured))
     assert text == "".join(r.text for r in fleet["via_one"].Generate(structured))
     assert set(json.loads(text)) == {"name", "n"}
+
+
+def test_two_rank_engines_move_kv_rank_to_rank_both_ways_token_exact(fleet):
+    """--kv-transfer under tensor parallelism: each rank reads its heads of the blocks from
+    the holder's rank of the same number. The served TP engine (its step loop in its own
+    process) holds a prefill's KV in place; a TP engine here reads it through host
+    staging (copied in on both ranks); that engine's drain holds its request's KV staged
+    (copied out on both ranks) and the served engine reads it in place. Both go on as the
+    one-device engine serves them, with nothing recomputed."""
+    import random
+
+    from omnibus.v1 import engine_pb2_grpc
+
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
+    from omnibus.engine.kv_transfer.handle import KvHandle
+    from omnibus.engine.request import EngineRequest
+    from omnibus.engine.worker.sampling import SamplingParams
+    from tests.grpc_helpers import engine_request
+
+    pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is in `make setup`'s environment")
+    rng = random.Random(5)
+    ids = [rng.randrange(3, 250) for _ in range(37)]
+
+    def served(address: str, req) -> tuple[list[int], object]:
+        with grpc.insecure_channel(address) as channel:
+            replies = list(engine_pb2_grpc.EngineStub(channel).Generate(req, timeout=60))
+        return [t for r in replies for t in r.token_ids], replies[-1]
+
+    want, _ = served(fleet["one"].address, engine_request("kv-ref", ids, max_tokens=16))
+    here = Engine(EngineConfig(model=str(fleet["model"]), num_kv_blocks=512, block_size=8, tensor_parallel_size=2,
+                               kv_transfer="mooncake", kv_transfer_staging_bytes=8 << 20))
+    try:
+        hold = engine_request("kv-p", ids, max_tokens=1)
+        hold.kv_hold = True
+        first, last = served(fleet["tp"].address, hold)
+        handle = KvHandle.from_proto(last.kv_handle)
+        assert handle.num_tokens == len(ids) and len(handle.rank_peers) == 1
+        rest = SamplingParams(max_tokens=15, temperature=0.0, ignore_eos=True, output_offset=1)
+        here.add_request(EngineRequest("kv-d", ids + first, rest, kv_source=handle))
+        got, outs = list(first), []
+        wait_until(lambda: outs.extend(here.step()) or sum(len(o.new_token_ids) for o in outs) >= 3, 30,
+                   "the read and three tokens")  # then a drain
+        here.migrate()
+        while here.has_unfinished():
+            outs += here.step()
+        got += [t for o in outs for t in o.new_token_ids]
+        assert outs[0].num_cached_tokens == len(ids) and outs[-1].finish_reason == "abort"
+        moved = outs[-1].kv_handle
+        assert moved is not None and moved.num_tokens == len(ids) + len(got) - 1
+        back = engine_request("kv-b", ids + got, max_tokens=16 - len(got), output_offset=len(got))
+        back.kv_source.CopyFrom(moved.to_proto())
+        tail, last = served(fleet["tp"].address, back)
+        assert got + tail == want
+        stats = engine_stats(fleet["tp"].address).kv_transfer
+        # its own prefill of the prompt left 4 full blocks cached: it reads only the rest
+        assert stats.loaded_tokens == moved.num_tokens - 32 and stats.load_failures == 0
+        assert here.abort("kv-d") and here.check_integrity().referenced == 0 and not here.kv.held
+    finally:
+        here.close()
 
 
 def rank_pid(fleet) -> int:

@@ -181,13 +181,13 @@ def test_a_transfer_cut_mid_way_is_recomputed_token_exact(model, pair):
     p, d = pair
     ids = prompt(31, 45)
     first, handle = prefill(p, "pc", ids, greedy(6))
-    real = d.kv.transport
-    d.kv.transport = _LetGoMidRead(real, p, "pc")
+    real = d.kv.shard.transport
+    d.kv.shard.transport = _LetGoMidRead(real, p, "pc")
     failures = d.kv.stats().load_failures
     try:
         outs = decode(d, "dc", ids, first, greedy(6), handle)
     finally:
-        d.kv.transport = real
+        d.kv.shard.transport = real
     assert first + tokens(outs) == hf_greedy(hf, ids, 6)
     assert outs[0].num_cached_tokens == 0  # nothing read: recomputed
     assert d.kv.stats().load_failures == failures + 1
@@ -210,6 +210,23 @@ def test_a_holder_that_is_gone_and_a_handle_that_does_not_match_are_recomputed(m
     outs = decode(d, "dm", other, first, greedy(6), handle)
     assert tokens(outs) == hf_greedy(hf, other + first, 5)
     assert d.kv.stats().refused == refused + 1
+    all_free(d)
+
+
+def test_a_handle_of_another_rank_count_is_refused_and_recomputed(model, pair):
+    """A two-rank engine's handle names each rank's half of the heads (layout ".../tp2",
+    a peer per rank): a one-rank engine does not read it, and computes the request."""
+    path, hf = model
+    p, d = pair
+    ids = prompt(141, 30)
+    first, handle = prefill(p, "pt", ids, greedy(6))
+    two = dataclasses.replace(handle, layout=handle.layout + "/tp2", rank_peers=(handle.peer,),
+                              regions=handle.regions * 2)
+    refused = d.kv.stats().refused
+    outs = decode(d, "dt", ids, first, greedy(6), two)
+    assert first + tokens(outs) == hf_greedy(hf, ids, 6) and outs[0].num_cached_tokens == 0
+    assert d.kv.stats().refused == refused + 1 and p.abort("pt")
+    all_free(p)
     all_free(d)
 
 
@@ -274,6 +291,61 @@ def test_a_drafting_decode_engine_and_a_structured_request_go_on_after_the_read(
             e.close()
 
 
+def test_a_reader_with_the_prompts_head_cached_reads_only_the_rest(model, pair):
+    """Prefix caching still holds on the decode side: the blocks it has cached (a shared
+    system prompt) are not read; only the blocks past them travel."""
+    path, hf = model
+    p, d = pair
+    head = prompt(101, 24)  # 3 full blocks
+    d.add_request(EngineRequest("warm", head + prompt(102, 5), greedy(2)))
+    run(d)
+    ids = head + prompt(103, 21)
+    first, handle = prefill(p, "ph", ids, greedy(6))
+    before = d.kv.stats().loaded_tokens
+    outs = decode(d, "dh", ids, first, greedy(6), handle)
+    assert first + tokens(outs) == hf_greedy(hf, ids, 6)
+    assert outs[0].num_cached_tokens == 45  # 24 cached here + 21 read
+    assert d.kv.stats().loaded_tokens - before == 45 - 24
+    assert p.abort("ph")
+    all_free(p)
+    all_free(d)
+
+
+def test_a_migrated_structured_request_keeps_its_grammar_and_goes_on_as_one_engine(model):
+    """A drain mid-stream of a JSON-schema request: the reader replays the sent tokens
+    into a fresh matcher (output_offset), reads the KV, and finishes the same JSON as one
+    engine that was never drained."""
+    path, _ = model
+    kw = dict(structured_max_whitespace=4)
+    a, b = make_engine(path, **kw), make_engine(path, **kw)
+    one = Engine(EngineConfig(model=str(path), dtype="float32", block_size=BLOCK, **kw))
+    try:
+        fmt = SamplingParams(max_tokens=32, temperature=0.0, structured_output=StructuredOutput("json_schema", json.dumps(
+            {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+             "required": ["a", "b"]})))
+        ids = prompt(111, 26)
+        (want,) = one.generate([ids], fmt)
+        assert len(want) > 8  # still writing when the drain comes
+        a.add_request(EngineRequest("js", ids, fmt))
+        sent: list[int] = []
+        for _ in range(5):
+            for out in a.step():
+                sent += out.new_token_ids
+        a.migrate()
+        ended = run(a)["js"]
+        sent += tokens(ended)
+        handle = ended[-1].kv_handle
+        assert handle is not None and 0 < len(sent) < len(want)
+        outs = decode(b, "js", ids, sent, fmt, handle)
+        assert sent + tokens(outs) == want and outs[0].num_cached_tokens == handle.num_tokens
+        assert a.abort("js")
+        all_free(a)
+        all_free(b)
+    finally:
+        for e in (a, b, one):
+            e.close()
+
+
 def block_bytes(engine: Engine) -> int:
     """One block of the pool over every layer's K and V."""
     return engine.kv.block_bytes * len(engine.kv.regions)
@@ -293,12 +365,12 @@ def test_an_engine_staging_through_host_memory_and_one_reading_in_place_go_on_to
         assert staged.check_integrity().referenced == 0 and staged.kv.stats().held_blocks == 0  # the copy is held
         outs = decode(d, "sd", ids, first, greedy(8), handle)
         assert first + tokens(outs) == hf_greedy(hf, ids, 8) and outs[0].num_cached_tokens == 45
-        assert staged.abort("sp") and staged.kv._staging.free == 64
+        assert staged.abort("sp") and staged.kv.staging.free == 64
         ids = prompt(82, 37)
         first, handle = prefill(p, "ip", ids, greedy(8))
         outs = decode(staged, "is", ids, first, greedy(8), handle)
         assert first + tokens(outs) == hf_greedy(hf, ids, 8) and outs[0].num_cached_tokens == 37
-        assert p.abort("ip") and staged.kv._staging.free == 64
+        assert p.abort("ip") and staged.kv.staging.free == 64
         # a drain of the staged engine: its running requests read by the in-place one
         runs = [prompt(83 + i, 20 + 7 * i) for i in range(3)]
         for i, ids in enumerate(runs):
@@ -317,7 +389,7 @@ def test_an_engine_staging_through_host_memory_and_one_reading_in_place_go_on_to
             assert sent[rid] + tokens(outs) == hf_greedy(hf, ids, 16), rid
             assert outs[0].num_cached_tokens == handle.num_tokens
             assert staged.abort(rid)
-        assert staged.kv._staging.free == 64
+        assert staged.kv.staging.free == 64
         for e in (staged, p, d):
             all_free(e)
     finally:
@@ -339,7 +411,7 @@ def test_staging_with_no_room_holds_nothing_and_reads_nothing_and_both_are_recom
         failures = small.kv.stats().load_failures
         outs = decode(small, "nr", ids, first, greedy(6), handle)
         assert first + tokens(outs) == hf_greedy(hf, ids, 6) and outs[0].num_cached_tokens == 0
-        assert small.kv.stats().load_failures == failures + 1 and small.kv._staging.free == 2
+        assert small.kv.stats().load_failures == failures + 1 and small.kv.staging.free == 2
         assert p.abort("nr")
         all_free(small)
         all_free(p)

@@ -369,9 +369,6 @@ class EngineConfig:
         _check(self.role in ROLES, "role", " | ".join(ROLES), self.role)
         _check(self.role == "both" or self.kv_transfer != "none", "role",
                "both unless --kv-transfer is set (a prefill or decode engine moves KV)", self.role)
-        _check(self.kv_transfer == "none" or self.tensor_parallel_size == 1, "kv_transfer",
-               "none with tensor parallelism (each rank's KV heads would move separately: not built yet)",
-               self.kv_transfer)
         _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size", "in [1, 64]", self.tensor_parallel_size)
         _check(self.tensor_parallel_size == 1 or self.load_format != "null", "tensor_parallel_size",
                "1 with load_format null (the null model has no layers to split)", self.tensor_parallel_size)

@@ -100,7 +100,8 @@ class Engine:
         self.allocator = BlockAllocator(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                         host_blocks=self.runner.num_host_blocks)
         self.speculator = self._speculator(config)
-        self.kv = None if config.kv_transfer == "none" else make_connector(config, self.runner.kv_caches)
+        self.kv = None if config.kv_transfer == "none" else make_connector(config, self.runner.kv_caches,
+                                                                                self.runner.ranks)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, config.waiting_order),
             self.allocator,

@@ -81,7 +81,7 @@ class EngineGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., deadline_ms: _Optional[int] = ..., handle: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_hold: _Optional[bool] = ..., kv_source: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("peer", "request_id", "num_tokens", "blocks", "regions", "block_bytes", "layout", "digest", "lease_addr", "lease_epoch")
+    __slots__ = ("peer", "request_id", "num_tokens", "blocks", "regions", "block_bytes", "layout", "digest", "lease_addr", "lease_epoch", "rank_peers")
     PEER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class KvHandle(_message.Message):
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     LEASE_ADDR_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_PEERS_FIELD_NUMBER: _ClassVar[int]
     peer: str
     request_id: str
     num_tokens: int
@@ -102,7 +103,8 @@ class KvHandle(_message.Message):
     digest: bytes
     lease_addr: int
     lease_epoch: int
-    def __init__(self, peer: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., regions: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., digest: _Optional[bytes] = ..., lease_addr: _Optional[int] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
+    rank_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, peer: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., regions: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., digest: _Optional[bytes] = ..., lease_addr: _Optional[int] = ..., lease_epoch: _Optional[int] = ..., rank_peers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EngineGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "handle", "status_code", "status_message", "prompt_logprobs", "kv_handle")

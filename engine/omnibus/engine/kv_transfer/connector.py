@@ -27,12 +27,17 @@ A lease word holds the handle's epoch while its blocks are held and is zeroed be
 they are released: a reader reads the word after the blocks and trusts the blocks only
 if the epoch is still there (they were held, unchanged, while it read them).
 
-Staging (`_Staging`, --kv-transfer-staging-bytes): a pool the transport cannot read in
+Staging (shards.py `Staging`, --kv-transfer-staging-bytes): a pool the transport cannot read in
 place (device memory, with a TCP transport) moves through host memory laid out as the
 pool's blocks are. A hold copies its blocks out (and gives the pool's blocks back at
 once: the staged copy is what is held); a read lands in staging slots and is copied into
 the request's blocks on the step thread before it runs. Either side may stage or not: a
 handle names blocks of registered memory of the pool's layout, wherever they are.
+
+Tensor parallelism (shards.py): each rank holds its heads of every block at the same
+block ids. This connector (rank 0's) decides for all: holds and leases are its own, a
+staged hold or read is copied on every rank, a read is made by every rank from the
+holder's rank of the same number, and it counts only when every rank's read did.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -50,12 +56,15 @@ import torch
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.core.sequence import Sequence
 from omnibus.engine.kv_transfer.handle import KvHandle, kv_digest
+from omnibus.engine.kv_transfer.shards import LOAD_THREADS, KvShard, RankLink, staging_slots
 from omnibus.engine.kv_transfer.transport import Transport
+
+if TYPE_CHECKING:
+    from omnibus.engine.parallel.ranks import Ranks
 
 log = structlog.get_logger(__name__)
 
 LEASE_SLOTS = 4096  # handles held at once at most (a hold past them is not offered)
-LOAD_THREADS = 2  # concurrent reads, each reading lease words into its own probe word
 
 
 @dataclass
@@ -66,40 +75,17 @@ class _Held:
     staged: list[int]  # staging slots holding its copy ([] when read in place)
 
 
-class _Staging:
-    """Host memory shaped as `slots` blocks of every K and V tensor of the pool (pinned
-    when the pool is on a GPU), the slots handed out by a free list. Step thread only,
-    except the bytes a read's worker thread writes into slots it was given."""
-
-    def __init__(self, tensors: list[torch.Tensor], slots: int) -> None:
-        pin = tensors[0].device.type == "cuda"
-        self.tensors = [torch.empty((slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in tensors]
-        self._free = list(range(slots - 1, -1, -1))
-
-    def take(self, n: int) -> list[int] | None:
-        if n > len(self._free):
-            return None
-        taken, self._free = self._free[len(self._free) - n:], self._free[:len(self._free) - n]
-        return taken
-
-    def give(self, slots: list[int]) -> None:
-        self._free += slots
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def copy_out(self, pool: list[torch.Tensor], blocks: list[int], slots: list[int]) -> None:
-        """The pool's `blocks` into `slots` (synchronously: the copy is whole on return)."""
-        src, dst = torch.tensor(blocks, device=pool[0].device), torch.tensor(slots)
-        for p, t in zip(pool, self.tensors):
-            t.index_copy_(0, dst, p.index_select(0, src).cpu())
-
-    def copy_in(self, pool: list[torch.Tensor], slots: list[int], blocks: list[int]) -> None:
-        """`slots` into the pool's `blocks`; the slots are free to reuse on return."""
-        src, dst = torch.tensor(slots), torch.tensor(blocks, device=pool[0].device)
-        for p, t in zip(pool, self.tensors):
-            p.index_copy_(0, dst, t.index_select(0, src).to(p.device))
+@dataclass
+class _Load:
+    seq: Sequence
+    tokens: int  # the tokens it reads
+    blocks: list[int]  # its blocks they land in
+    slots: list[int]  # staging slots on the way ([] when read in place)
+    ranks_left: int  # ranks whose read has not reported yet (tensor parallelism)
+    ok: bool = True
+    seconds: float = 0.0
+    nbytes: int = 0
+    own_done: bool = False
 
 
 @dataclass(frozen=True)
@@ -117,10 +103,12 @@ class KvTransferStats:
     refused: int = 0  # kv_source handles not read (layout or digest mismatch, malformed)
 
 
-def pool_layout(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
-    """The KV pool's layout as a handle names it: layers, one block's shape, the dtype."""
+def pool_layout(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ranks: int = 1) -> str:
+    """The KV pool's layout as a handle names it: layers, one block's shape (one rank's
+    heads), the dtype, and the ranks over which the heads are split."""
     k = kv_caches[0][0]
-    return f"{len(kv_caches)}x{'x'.join(map(str, k.shape[1:]))}:{str(k.dtype).removeprefix('torch.')}"
+    shape = f"{len(kv_caches)}x{'x'.join(map(str, k.shape[1:]))}:{str(k.dtype).removeprefix('torch.')}"
+    return shape if ranks == 1 else f"{shape}/tp{ranks}"
 
 
 class KvConnector:
@@ -128,41 +116,34 @@ class KvConnector:
     step loop's thread only."""
 
     def __init__(self, transport: Transport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, hold_seconds: float, staging_bytes: int = 0) -> None:
+                 block_size: int, hold_seconds: float, staging_bytes: int = 0,
+                 ranks: RankLink | None = None, transport_kind: str = "mooncake", host: str = "127.0.0.1") -> None:
         """`staging_bytes` > 0: holds and reads go through that much host memory (a pool on
-        a GPU needs it: the TCP transport reads host memory only)."""
+        a GPU needs it: the TCP transport reads host memory only). `ranks`: the other
+        ranks of a tensor-parallel engine, each given a shard of its own (a transport of
+        `transport_kind` on `host`, staging as this rank's)."""
         self.transport = transport
         self.block_size = block_size
         self.hold_seconds = hold_seconds
-        self.layout = pool_layout(kv_caches)
-        self._tensors = [t for layer in kv_caches for t in layer]  # K0, V0, K1, V1, ...
-        self.block_bytes = self._tensors[0][0].numel() * self._tensors[0].element_size()
-        self._staging: _Staging | None = None
-        if staging_bytes:
-            slots = staging_bytes // (self.block_bytes * len(self._tensors))
-            if slots < 1:
-                raise ValueError(f"--kv-transfer-staging-bytes {staging_bytes} holds no block of this pool "
-                                 f"({self.block_bytes * len(self._tensors)} bytes a block over its layers)")
-            self._staging = _Staging(self._tensors, slots)
-        elif any(t.device.type != "cpu" for t in self._tensors):
-            raise ValueError("--kv-transfer reads a pool in device memory through host staging: "
-                             "--kv-transfer-staging-bytes must be > 0")
-        shown = self._staging.tensors if self._staging is not None else self._tensors
-        self.regions = tuple(t.data_ptr() for t in shown)
-        for t in shown:
-            transport.register(t.data_ptr(), t.numel() * t.element_size())
+        tensors = [t for layer in kv_caches for t in layer]  # K0, V0, K1, V1, ...
+        slots = staging_slots(staging_bytes, tensors) if staging_bytes else 0
+        self.shard = KvShard(transport, kv_caches, slots)
+        self.staging = self.shard.staging
+        self.block_bytes = self.shard.block_bytes
+        self.ranks = ranks
+        self.rank_peers: tuple[str, ...] = ()
+        self.regions = self.shard.regions  # every rank's, as a handle names them
+        if ranks is not None:
+            others = ranks.setup(transport_kind, host, slots)
+            self.rank_peers = tuple(address for address, _ in others)
+            self.regions += tuple(r for _, regions in others for r in regions)
+        self.layout = pool_layout(kv_caches, 1 + len(self.rank_peers))
         self._lease = torch.zeros(LEASE_SLOTS, dtype=torch.int64)  # slot -> epoch while held
-        self._probes = torch.zeros(LOAD_THREADS, dtype=torch.int64)  # where a read's lease word lands
-        for t in (self._lease, self._probes):
-            transport.register(t.data_ptr(), t.numel() * 8)
+        transport.register(self._lease.data_ptr(), LEASE_SLOTS * 8)
         self._free_slots = list(range(LEASE_SLOTS - 1, -1, -1))
-        self._free_probes: queue.SimpleQueue[int] = queue.SimpleQueue()  # one per read running
-        for probe in range(LOAD_THREADS):
-            self._free_probes.put(probe)
         self._epochs = itertools.count(1)
         self.held: dict[str, _Held] = {}
-        # ticket -> (request, tokens it reads, its blocks they land in, staging slots on the way)
-        self._loads: dict[int, tuple[Sequence, int, list[int], list[int]]] = {}
+        self._loads: dict[int, _Load] = {}
         self._tickets = itertools.count(1)
         self._queued: list[tuple[int, KvHandle, list[int], tuple[int, ...]]] = []  # reads to begin
         self._done: queue.SimpleQueue[tuple[int, bool, float, int]] = queue.SimpleQueue()
@@ -181,13 +162,15 @@ class KvConnector:
             return None
         nb = -(-n // self.block_size)
         staged: list[int] = []
-        if self._staging is not None:
-            taken = self._staging.take(nb)
+        if self.staging is not None:
+            taken = self.staging.take(nb)
             if taken is None:
-                log.warning("kv_staging_full", request_id=seq.request_id, blocks=nb, free=self._staging.free)
+                log.warning("kv_staging_full", request_id=seq.request_id, blocks=nb, free=self.staging.free)
                 return None
             staged = taken
-            self._staging.copy_out(self._tensors, seq.block_table[:nb], staged)
+            if self.ranks is not None:
+                self.ranks.stage_out(seq.block_table[:nb], staged)
+            self.shard.stage_out(seq.block_table[:nb], staged)
             blocks, offered = [], staged
         else:
             blocks, seq.block_table = seq.block_table[:nb], seq.block_table[nb:]
@@ -201,7 +184,7 @@ class KvConnector:
             peer=self.transport.address, request_id=seq.request_id, num_tokens=n, blocks=tuple(offered),
             regions=self.regions, block_bytes=self.block_bytes, layout=self.layout,
             digest=kv_digest(seq.token_ids[:n], seq.adapter_salt, seq.cache_salt),
-            lease_addr=self._lease.data_ptr() + slot * 8, lease_epoch=epoch)
+            lease_addr=self._lease.data_ptr() + slot * 8, lease_epoch=epoch, rank_peers=self.rank_peers)
 
     def release(self, request_id: str) -> list[int] | None:
         """The blocks a reader is done with (for the allocator to free), or None when
@@ -225,8 +208,8 @@ class KvConnector:
     def _let_go(self, held: _Held) -> list[int]:
         self._lease[held.slot] = 0  # before the blocks can be reused: readers see the lease end
         self._free_slots.append(held.slot)
-        if held.staged and self._staging is not None:
-            self._staging.give(held.staged)
+        if held.staged and self.staging is not None:
+            self.staging.give(held.staged)
         return held.blocks
 
     def held_tables(self) -> Iterator[list[int]]:
@@ -243,8 +226,8 @@ class KvConnector:
         why = src.problem(self.block_size)
         if why is None and src.layout != self.layout:
             why = f"its pool layout {src.layout} is not this engine's {self.layout}"
-        if why is None and len(src.regions) != len(self.regions):
-            why = "its layers differ from this engine's"
+        if why is None and (len(src.regions) != len(self.regions) or len(src.rank_peers) != len(self.rank_peers)):
+            why = "its layers or ranks differ from this engine's"
         if why is None and (src.num_tokens >= seq.num_tokens
                             or kv_digest(seq.token_ids[:src.num_tokens], seq.adapter_salt, seq.cache_salt)
                             != src.digest):
@@ -266,15 +249,16 @@ class KvConnector:
         nb = len(src.blocks)
         local = seq.block_table[first_block:nb]
         slots: list[int] = []
-        if self._staging is not None:
-            taken = self._staging.take(len(local))
+        if self.staging is not None:
+            taken = self.staging.take(len(local))
             if taken is None:
-                log.warning("kv_staging_full", request_id=seq.request_id, blocks=len(local), free=self._staging.free)
-                self._loads[ticket] = (seq, 0, local, [])
+                log.warning("kv_staging_full", request_id=seq.request_id, blocks=len(local), free=self.staging.free)
+                self._loads[ticket] = _Load(seq, 0, local, [], 0)
                 self._done.put((ticket, False, 0.0, 0))
                 return
             slots = taken
-        self._loads[ticket] = (seq, src.num_tokens - first_block * self.block_size, local, slots)
+        self._loads[ticket] = _Load(seq, src.num_tokens - first_block * self.block_size, local, slots,
+                                    len(self.rank_peers))
         self._queued.append((ticket, src, slots or local, src.blocks[first_block:nb]))
 
     @property
@@ -283,58 +267,63 @@ class KvConnector:
         return bool(self._queued)
 
     def launch_reads(self) -> None:
-        """Begins the queued reads on the worker threads (after the step's host-tier copies)."""
-        for args in self._queued:
-            self._pool.submit(self._read, *args)
+        """Begins the queued reads on the worker threads (after the step's host-tier copies),
+        and on every other rank's."""
+        for ticket, src, local, remote in self._queued:
+            if self.ranks is not None:
+                self.ranks.read(ticket, src, local, remote)
+            self._pool.submit(self._read, ticket, src, local, remote)
         self._queued = []
 
     def _read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
-        """On a worker thread: the blocks, then the lease word (into this read's probe
-        word); the read counts only if the word still holds the handle's epoch."""
-        start, ok, nbytes = time.perf_counter(), False, 0
-        probe = self._free_probes.get()  # never waits: one per thread
-        try:
-            local, remote, lengths = _ranges(local_blocks, remote_blocks, self.regions, src.regions,
-                                             self.block_bytes)
-            nbytes = sum(lengths)
-            if self.transport.read(src.peer, local, remote, lengths):
-                self._probes[probe] = 0
-                addr = self._probes.data_ptr() + probe * 8
-                ok = (self.transport.read(src.peer, [addr], [src.lease_addr], [8])
-                      and int(self._probes[probe]) == src.lease_epoch)
-        except Exception:  # a transport error is a failed load: recomputed, never used
-            log.exception("kv_read_error", peer=src.peer)
-        finally:
-            self._free_probes.put(probe)
-        self._done.put((ticket, ok, time.perf_counter() - start, nbytes if ok else 0))
+        start = time.perf_counter()
+        k = len(self.shard.regions)
+        ok, nbytes = self.shard.read(src.peer, src.regions[:k], local_blocks, remote_blocks, src)
+        self._done.put((ticket, ok, time.perf_counter() - start, nbytes))
 
     def finished(self) -> list[tuple[Sequence, int]]:
-        """The loads done since the last call: each request and the tokens whose KV it
-        now holds (the handle's), 0 when its read failed."""
-        done = []
-        s = self._stats
+        """The loads done since the last call (this rank's read and every other rank's):
+        each request and the tokens whose KV it now holds (the handle's), 0 when a read
+        failed."""
         while True:
             try:
                 ticket, ok, seconds, nbytes = self._done.get_nowait()
             except queue.Empty:
-                return done
-            seq, tokens, blocks, slots = self._loads.pop(ticket)
-            staging = self._staging
-            if slots and staging is not None:  # staged: into the request's blocks now, before it runs
-                if ok:
-                    staging.copy_in(self._tensors, slots, blocks)
-                staging.give(slots)
-            src = seq.kv_source
-            assert src is not None
-            s["loads"] += 1
-            s["load_seconds"] += seconds
-            if ok:
-                s["loaded_tokens"] += tokens
-                s["loaded_bytes"] += nbytes
-            else:
-                s["load_failures"] += 1
-                log.warning("kv_load_failed", request_id=seq.request_id, peer=src.peer)
-            done.append((seq, src.num_tokens if ok else 0))
+                break
+            load = self._loads[ticket]
+            load.own_done, load.ok, load.seconds, load.nbytes = True, load.ok and ok, seconds, nbytes
+        if self.ranks is not None and any(load.ranks_left for load in self._loads.values()):
+            for reports in self.ranks.poll():
+                for ticket, ok in reports.items():
+                    load = self._loads[ticket]
+                    load.ranks_left -= 1
+                    load.ok = load.ok and ok
+        done = []
+        for ticket in [t for t, load in self._loads.items() if load.own_done and not load.ranks_left]:
+            done.append(self._settle(self._loads.pop(ticket)))
+        return done
+
+    def _settle(self, load: _Load) -> tuple[Sequence, int]:
+        """A read every rank has finished: staged, into the request's blocks now, before it
+        runs (on every rank); counted."""
+        if load.slots and self.staging is not None:
+            if load.ok:
+                if self.ranks is not None:
+                    self.ranks.stage_in(load.slots, load.blocks)
+                self.shard.stage_in(load.slots, load.blocks)
+            self.staging.give(load.slots)
+        src = load.seq.kv_source
+        assert src is not None
+        s = self._stats
+        s["loads"] += 1
+        s["load_seconds"] += load.seconds
+        if load.ok:
+            s["loaded_tokens"] += load.tokens
+            s["loaded_bytes"] += load.nbytes * (1 + len(self.rank_peers))
+        else:
+            s["load_failures"] += 1
+            log.warning("kv_load_failed", request_id=load.seq.request_id, peer=src.peer)
+        return load.seq, src.num_tokens if load.ok else 0
 
     @property
     def loading(self) -> int:
@@ -349,33 +338,18 @@ class KvConnector:
         self.transport.close()
 
 
-def make_connector(config: EngineConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> KvConnector:
-    """The engine's connector for --kv-transfer (not "none") over its KV pool, staged
-    through host memory when the pool is on a GPU (or when asked to be)."""
+def make_connector(config: EngineConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                   ranks: Ranks | None = None) -> KvConnector:
+    """The engine's connector for --kv-transfer (not "none") over its KV pool (and, under
+    tensor parallelism, every rank's), staged through host memory when the pool is on a
+    GPU (or when asked to be)."""
     from omnibus.engine.config import KV_STAGING_DEFAULT
-    from omnibus.engine.kv_transfer.transport import make_transport
+    from omnibus.engine.kv_transfer.transport import make_transport, own_address
 
     staging = config.kv_transfer_staging_bytes
     if not staging and kv_caches[0][0].device.type != "cpu":
         staging = KV_STAGING_DEFAULT
-    return KvConnector(make_transport(config.kv_transfer, config.kv_transfer_host), kv_caches,
-                       config.block_size, config.kv_hold_seconds, staging)
-
-
-def _ranges(local_blocks: list[int], remote_blocks: tuple[int, ...], local_regions: tuple[int, ...],
-            remote_regions: tuple[int, ...], block_bytes: int) -> tuple[list[int], list[int], list[int]]:
-    """The byte ranges that copy each remote block into its local block in every region,
-    runs of consecutive blocks on both sides merged into one range."""
-    runs: list[tuple[int, int, int]] = []  # (local block, remote block, blocks)
-    for lb, rb in zip(local_blocks, remote_blocks):
-        if runs and runs[-1][0] + runs[-1][2] == lb and runs[-1][1] + runs[-1][2] == rb:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((lb, rb, 1))
-    local, remote, lengths = [], [], []
-    for lbase, rbase in zip(local_regions, remote_regions):
-        for lb, rb, n in runs:
-            local.append(lbase + lb * block_bytes)
-            remote.append(rbase + rb * block_bytes)
-            lengths.append(n * block_bytes)
-    return local, remote, lengths
+    host = own_address(config.kv_transfer_host)
+    return KvConnector(make_transport(config.kv_transfer, host), kv_caches, config.block_size,
+                       config.kv_hold_seconds, staging, None if ranks is None else RankLink(ranks),
+                       config.kv_transfer, host)

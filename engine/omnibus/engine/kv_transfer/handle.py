@@ -34,6 +34,9 @@ class KvHandle:
     digest: bytes  # kv_digest of the tokens, the adapter's salt and the cache salt
     lease_addr: int  # a 64-bit word that holds lease_epoch while the blocks are held
     lease_epoch: int
+    # tensor parallelism: ranks 1..N-1's addresses (rank 0's is `peer`); `regions` then
+    # lists every rank's regions, rank 0's first; the lease word is rank 0's
+    rank_peers: tuple[str, ...] = ()
 
     def to_proto(self) -> engine_pb2.KvHandle:
         from omnibus.v1 import engine_pb2
@@ -42,12 +45,13 @@ class KvHandle:
             peer=self.peer, request_id=self.request_id, num_tokens=self.num_tokens,
             blocks=self.blocks, regions=self.regions, block_bytes=self.block_bytes,
             layout=self.layout, digest=self.digest, lease_addr=self.lease_addr,
-            lease_epoch=self.lease_epoch)
+            lease_epoch=self.lease_epoch, rank_peers=self.rank_peers)
 
     @classmethod
     def from_proto(cls, msg: engine_pb2.KvHandle) -> KvHandle:
         return cls(msg.peer, msg.request_id, msg.num_tokens, tuple(msg.blocks), tuple(msg.regions),
-                   msg.block_bytes, msg.layout, msg.digest, msg.lease_addr, msg.lease_epoch)
+                   msg.block_bytes, msg.layout, msg.digest, msg.lease_addr, msg.lease_epoch,
+                   tuple(msg.rank_peers))
 
     def problem(self, block_size: int) -> str | None:
         """Why the handle cannot describe a pool of `block_size`-token blocks (a router's
@@ -56,7 +60,8 @@ class KvHandle:
             return "it names no peer or no tokens"
         if len(self.blocks) != -(-self.num_tokens // block_size):
             return f"{len(self.blocks)} blocks cannot hold {self.num_tokens} tokens of {block_size}"
-        if not self.regions or len(self.regions) % 2 or self.block_bytes <= 0:
+        if (not self.regions or len(self.regions) % (2 * (1 + len(self.rank_peers))) or self.block_bytes <= 0
+                or not all(self.rank_peers)):
             return "its memory regions are malformed"
         return None
 

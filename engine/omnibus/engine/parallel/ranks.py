@@ -264,6 +264,7 @@ def rank_main(config: EngineConfig, model_config: ModelConfig, rank: int, port: 
 def serve_rank(runtime: Any, tp: TensorParallel) -> None:
     import torch.distributed as dist
 
+    from omnibus.engine.kv_transfer.shards import serve_kv
     from omnibus.engine.lora.batch import LoraBatch
     from omnibus.engine.worker.kv_pool import copy_kv
 
@@ -296,6 +297,9 @@ def serve_rank(runtime: Any, tp: TensorParallel) -> None:
                 runtime.slots.fill(message[1], message[2])
             elif kind == "lora_clear":
                 runtime.slots.clear(message[1])
+            elif kind.startswith("kv_"):  # KV that moves: this rank's shard of it
+                serve_kv(runtime, tp.rank, message,
+                         lambda obj: dist.gather_object(obj, None, dst=0, group=tp.cpu_group))
             elif kind == "stop":
                 return
 

@@ -1,0 +1,242 @@
+"""One rank's KV memory as the transport sees it, and the ranks of a tensor-parallel engine.
+
+`KvShard` is what every rank registers and reads with: its pool's K and V tensors (or a
+staging area shaped as them, `Staging`), probe words for lease checks, and `read`, which
+copies a peer's blocks into its own and then checks the holder's lease word. An engine
+of one rank has one shard, in its connector (connector.py). Under tensor parallelism
+each rank holds its heads of every block, at the same block ids: rank 0's connector
+decides (holds, leases, loads) and `RankLink` sends each decision to ranks 1..N-1, whose
+`RankKv` acts on it with its own shard and transport and reports its reads back. A
+handle then names every rank's peer and regions; rank r reads from the holder's rank r.
+"""
+
+from __future__ import annotations
+
+import queue
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+
+from omnibus.engine.kv_transfer.transport import Transport
+
+if TYPE_CHECKING:
+    from omnibus.engine.kv_transfer.handle import KvHandle
+    from omnibus.engine.parallel.ranks import Ranks
+
+log = structlog.get_logger(__name__)
+
+LOAD_THREADS = 2  # concurrent reads, each reading lease words into its own probe word
+
+
+class Staging:
+    """Host memory shaped as `slots` blocks of every K and V tensor of the pool (pinned
+    when the pool is on a GPU), the slots handed out by a free list. Step thread only,
+    except the bytes a read's worker thread writes into slots it was given."""
+
+    def __init__(self, tensors: list[torch.Tensor], slots: int) -> None:
+        pin = tensors[0].device.type == "cuda"
+        self.tensors = [torch.empty((slots, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in tensors]
+        self._free = list(range(slots - 1, -1, -1))
+
+    def take(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        taken, self._free = self._free[len(self._free) - n:], self._free[:len(self._free) - n]
+        return taken
+
+    def give(self, slots: list[int]) -> None:
+        self._free += slots
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def copy_out(self, pool: list[torch.Tensor], blocks: list[int], slots: list[int]) -> None:
+        """The pool's `blocks` into `slots` (synchronously: the copy is whole on return)."""
+        src, dst = torch.tensor(blocks, device=pool[0].device), torch.tensor(slots)
+        for p, t in zip(pool, self.tensors):
+            t.index_copy_(0, dst, p.index_select(0, src).cpu())
+
+    def copy_in(self, pool: list[torch.Tensor], slots: list[int], blocks: list[int]) -> None:
+        """`slots` into the pool's `blocks`; the slots are free to reuse on return."""
+        src, dst = torch.tensor(slots), torch.tensor(blocks, device=pool[0].device)
+        for p, t in zip(pool, self.tensors):
+            p.index_copy_(0, dst, t.index_select(0, src).to(p.device))
+
+
+def staging_slots(staging_bytes: int, tensors: list[torch.Tensor]) -> int:
+    """Blocks `staging_bytes` holds over every tensor of the pool (ValueError: none)."""
+    per_block = tensors[0][0].numel() * tensors[0].element_size() * len(tensors)
+    slots = staging_bytes // per_block
+    if slots < 1:
+        raise ValueError(f"--kv-transfer-staging-bytes {staging_bytes} holds no block of this pool "
+                         f"({per_block} bytes a block over its layers)")
+    return slots
+
+
+class KvShard:
+    """A rank's KV memory registered with its transport: the pool's tensors (K0, V0, K1,
+    ...) read in place, or a `Staging` area of `slots` blocks when `slots` > 0 (a pool
+    in device memory needs one: the TCP transport reads host memory only)."""
+
+    def __init__(self, transport: Transport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 slots: int) -> None:
+        self.transport = transport
+        self.tensors = [t for layer in kv_caches for t in layer]
+        self.block_bytes = self.tensors[0][0].numel() * self.tensors[0].element_size()
+        with torch.inference_mode(False):  # written from the read threads, which are not in inference mode
+            self.staging = Staging(self.tensors, slots) if slots else None
+            self._probes = torch.zeros(LOAD_THREADS, dtype=torch.int64)  # where a read's lease word lands
+        if self.staging is None and any(t.device.type != "cpu" for t in self.tensors):
+            raise ValueError("--kv-transfer reads a pool in device memory through host staging: "
+                             "--kv-transfer-staging-bytes must be > 0")
+        shown = self.staging.tensors if self.staging is not None else self.tensors
+        self.regions = tuple(t.data_ptr() for t in shown)
+        for t in shown:
+            transport.register(t.data_ptr(), t.numel() * t.element_size())
+        transport.register(self._probes.data_ptr(), LOAD_THREADS * 8)
+        self._free_probes: queue.SimpleQueue[int] = queue.SimpleQueue()  # one per read running
+        for probe in range(LOAD_THREADS):
+            self._free_probes.put(probe)
+
+    def read(self, peer: str, remote_regions: tuple[int, ...], local_blocks: list[int],
+             remote_blocks: tuple[int, ...], src: KvHandle) -> tuple[bool, int]:
+        """On a worker thread: `peer`'s blocks into this shard's (staging slots when it
+        stages), then the holder's lease word (into this read's probe word). True when the
+        word still holds the handle's epoch; the bytes read."""
+        ok, nbytes = False, 0
+        probe = self._free_probes.get()  # never waits: one per thread
+        try:
+            local, remote, lengths = _ranges(local_blocks, remote_blocks, self.regions, remote_regions,
+                                             self.block_bytes)
+            nbytes = sum(lengths)
+            if self.transport.read(peer, local, remote, lengths):
+                self._probes[probe] = 0
+                addr = self._probes.data_ptr() + probe * 8
+                ok = (self.transport.read(src.peer, [addr], [src.lease_addr], [8])
+                      and int(self._probes[probe]) == src.lease_epoch)
+        except Exception:  # a transport error is a failed load: recomputed, never used
+            log.exception("kv_read_error", peer=peer)
+        finally:
+            self._free_probes.put(probe)
+        return ok, nbytes if ok else 0
+
+    def stage_out(self, blocks: list[int], slots: list[int]) -> None:
+        assert self.staging is not None
+        self.staging.copy_out(self.tensors, blocks, slots)
+
+    def stage_in(self, slots: list[int], blocks: list[int]) -> None:
+        assert self.staging is not None
+        self.staging.copy_in(self.tensors, slots, blocks)
+
+
+def _ranges(local_blocks: list[int], remote_blocks: tuple[int, ...], local_regions: tuple[int, ...],
+            remote_regions: tuple[int, ...], block_bytes: int) -> tuple[list[int], list[int], list[int]]:
+    """The byte ranges that copy each remote block into its local block in every region,
+    runs of consecutive blocks on both sides merged into one range."""
+    runs: list[tuple[int, int, int]] = []  # (local block, remote block, blocks)
+    for lb, rb in zip(local_blocks, remote_blocks):
+        if runs and runs[-1][0] + runs[-1][2] == lb and runs[-1][1] + runs[-1][2] == rb:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((lb, rb, 1))
+    local, remote, lengths = [], [], []
+    for lbase, rbase in zip(local_regions, remote_regions):
+        for lb, rb, n in runs:
+            local.append(lbase + lb * block_bytes)
+            remote.append(rbase + rb * block_bytes)
+            lengths.append(n * block_bytes)
+    return local, remote, lengths
+
+
+# ---- tensor parallelism ---------------------------------------------------------
+
+
+class RankKv:
+    """Rank r's side (r >= 1), in its process: its shard, registered with its own transport,
+    and the reads rank 0 asked of it, done on worker threads and reported at each poll."""
+
+    def __init__(self, transport: Transport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 slots: int, rank: int) -> None:
+        self.shard, self.rank = KvShard(transport, kv_caches, slots), rank
+        self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="omnibus-kv")
+        self._done: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+
+    def hello(self) -> tuple[str, tuple[int, ...]]:
+        return self.shard.transport.address, self.shard.regions
+
+    def read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
+        k = len(self.shard.regions)
+        peer, regions = src.rank_peers[self.rank - 1], src.regions[self.rank * k:(self.rank + 1) * k]
+        self._pool.submit(lambda: self._done.put(
+            (ticket, self.shard.read(peer, regions, local_blocks, remote_blocks, src)[0])))
+
+    def finished(self) -> dict[int, bool]:
+        done = {}
+        while True:
+            try:
+                ticket, ok = self._done.get_nowait()
+            except queue.Empty:
+                return done
+            done[ticket] = ok
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.shard.transport.close()
+
+
+def serve_kv(runtime: Any, rank: int, message: tuple, gather: Any) -> None:
+    """Rank `rank`'s answer to rank 0's "kv_*" `message` (parallel/ranks.py serve_rank);
+    `gather(obj)` sends an object back to rank 0 (a gather over the group)."""
+    kind = message[0]
+    if kind == "kv_setup":
+        from omnibus.engine.kv_transfer.transport import make_transport
+
+        _, transport, host, slots = message
+        runtime.kv = RankKv(make_transport(transport, host), runtime.pool, slots, rank)
+        gather(runtime.kv.hello())
+    elif kind == "kv_read":
+        runtime.kv.read(*message[1:])
+    elif kind == "kv_poll":
+        gather(runtime.kv.finished())
+    elif kind == "kv_stage_out":
+        runtime.kv.shard.stage_out(message[1], message[2])
+    elif kind == "kv_stage_in":
+        runtime.kv.shard.stage_in(message[1], message[2])
+
+
+class RankLink:
+    """Rank 0's side: every decision about KV sent to ranks 1..N-1 (in the order of the
+    step's other messages), and their reads' results gathered back."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self.size = ranks.tp.size
+
+    def _gather(self) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.gather_object(None, out, dst=0, group=self.ranks.tp.cpu_group)
+        return out[1:]
+
+    def setup(self, transport: str, host: str, slots: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Each rank's shard (its own transport on `host`; `slots` staging blocks, 0:
+        none) and its (address, regions), ranks 1..N-1 in order."""
+        self.ranks.send(("kv_setup", transport, host, slots))
+        return self._gather()
+
+    def read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
+        self.ranks.send(("kv_read", ticket, src, local_blocks, remote_blocks))
+
+    def poll(self) -> list[dict[int, bool]]:
+        self.ranks.send(("kv_poll",))
+        return self._gather()
+
+    def stage_out(self, blocks: list[int], slots: list[int]) -> None:
+        self.ranks.send(("kv_stage_out", blocks, slots))
+
+    def stage_in(self, slots: list[int], blocks: list[int]) -> None:
+        self.ranks.send(("kv_stage_in", slots, blocks))
