@@ -230,6 +230,66 @@ def test_a_handle_of_another_rank_count_is_refused_and_recomputed(model, pair):
     all_free(d)
 
 
+class _PretendRank:
+    """Rank 1 of a pretend two-rank engine (rank 0 is the engine itself): it offers dummy
+    regions, and each read it is asked for reports `ok` at the next poll."""
+
+    def __init__(self, regions: int) -> None:
+        self.regions, self.ok, self.reads = regions, True, []
+
+    def setup(self, transport, host, slots):
+        return [("127.0.0.1:9", tuple(range(1, self.regions + 1)))]
+
+    def read(self, ticket, src, local, remote):
+        assert src.rank_peers == ("127.0.0.1:9",) and src.regions[self.regions:] == tuple(range(1, self.regions + 1))
+        self.reads.append(ticket)
+
+    def poll(self):
+        done, self.reads = {t: self.ok for t in self.reads}, []
+        return [done]
+
+    def stage_out(self, blocks, slots):
+        pass
+
+    stage_in = stage_out
+
+
+def test_a_load_counts_only_when_every_rank_read_its_part(model, pair, monkeypatch):
+    """Rank 0's connector under tensor parallelism: a read is done when rank 0's and every
+    other rank's are, and one rank's failed read fails the load (recomputed, token-exact)."""
+    import omnibus.engine.engine as engine_module
+    from omnibus.engine.kv_transfer.connector import KvConnector
+    from omnibus.engine.kv_transfer.transport import make_transport
+
+    path, hf = model
+    regions = len(pair[0].kv.regions)
+    ranks: list[_PretendRank] = []
+
+    def two_ranks(config, kv_caches, _ranks=None):
+        ranks.append(_PretendRank(regions))
+        return KvConnector(make_transport("mooncake", "127.0.0.1"), kv_caches, config.block_size,
+                           config.kv_hold_seconds, 0, ranks[-1])
+
+    monkeypatch.setattr(engine_module, "make_connector", two_ranks)
+    p, d = make_engine(path), make_engine(path)
+    try:
+        for i, ok in enumerate((True, False)):
+            ranks[1].ok = ok
+            ids = prompt(150 + i, 37)
+            first, handle = prefill(p, f"pr{i}", ids, greedy(6))
+            assert handle.layout.endswith("/tp2") and len(handle.regions) == 2 * regions
+            failures = d.kv.stats().load_failures
+            outs = decode(d, f"dr{i}", ids, first, greedy(6), handle)
+            assert first + tokens(outs) == hf_greedy(hf, ids, 6)
+            assert outs[0].num_cached_tokens == (37 if ok else 0)
+            assert d.kv.stats().load_failures == failures + (not ok) and p.abort(f"pr{i}")
+        for e in (p, d):
+            all_free(e)
+    finally:
+        for e in (p, d):
+            e.close()
+
+
 def test_a_reader_with_no_room_waits_then_reads(model, pair):
     """A decode engine whose pool is full seats the request once blocks free up; the
     holder keeps the KV meanwhile."""
