@@ -156,7 +156,8 @@ def _ranges(local_blocks: list[int], remote_blocks: tuple[int, ...], local_regio
 
 class RankKv:
     """Rank r's side (r >= 1), in its process: its shard, registered with its own transport,
-    and the reads rank 0 asked of it, done on worker threads and reported at each poll."""
+    and the reads rank 0 asked of it, done on worker threads and reported at each poll.
+    It lasts as long as the rank's process (which ends with os._exit)."""
 
     def __init__(self, transport: Transport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  slots: int, rank: int) -> None:
@@ -181,10 +182,6 @@ class RankKv:
             except queue.Empty:
                 return done
             done[ticket] = ok
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.shard.transport.close()
 
 
 def serve_kv(runtime: Any, rank: int, message: tuple, gather: Any) -> None:
