@@ -133,6 +133,7 @@ def test_two_rank_engines_move_kv_rank_to_rank_both_ways_token_exact(fleet):
         stats = engine_stats(fleet["tp"].address).kv_transfer
         # its own prefill of the prompt left 4 full blocks cached: it reads only the rest
         assert stats.loaded_tokens == moved.num_tokens - 32 and stats.load_failures == 0
+        assert stats.layout == here.kv.layout and stats.layout.endswith("/tp2")  # routers match readers by it
         assert here.abort("kv-d") and here.check_integrity().referenced == 0 and not here.kv.held
     finally:
         here.close()

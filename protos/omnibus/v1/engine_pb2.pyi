@@ -159,7 +159,7 @@ class WatchLoadRequest(_message.Message):
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "max_num_seqs", "block_size", "max_model_len", "resident_adapters", "draining", "cached_adapters", "available_adapters", "prefix_generation", "prefix_block_keys", "adapter_salts", "role", "kv_transfer")
+    __slots__ = ("num_waiting", "num_running", "num_free_blocks", "num_total_blocks", "max_num_seqs", "block_size", "max_model_len", "resident_adapters", "draining", "cached_adapters", "available_adapters", "prefix_generation", "prefix_block_keys", "adapter_salts", "role", "kv_transfer", "kv_layout")
     class AdapterSaltsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class LoadReport(_message.Message):
     ADAPTER_SALTS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_free_blocks: int
@@ -199,7 +200,8 @@ class LoadReport(_message.Message):
     adapter_salts: _containers.ScalarMap[str, str]
     role: str
     kv_transfer: bool
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., cached_adapters: _Optional[_Iterable[str]] = ..., available_adapters: _Optional[_Iterable[str]] = ..., prefix_generation: _Optional[int] = ..., prefix_block_keys: _Optional[_Iterable[int]] = ..., adapter_salts: _Optional[_Mapping[str, str]] = ..., role: _Optional[str] = ..., kv_transfer: _Optional[bool] = ...) -> None: ...
+    kv_layout: str
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., resident_adapters: _Optional[_Iterable[str]] = ..., draining: _Optional[bool] = ..., cached_adapters: _Optional[_Iterable[str]] = ..., available_adapters: _Optional[_Iterable[str]] = ..., prefix_generation: _Optional[int] = ..., prefix_block_keys: _Optional[_Iterable[int]] = ..., adapter_salts: _Optional[_Mapping[str, str]] = ..., role: _Optional[str] = ..., kv_transfer: _Optional[bool] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -234,7 +236,7 @@ class StatsResponse(_message.Message):
     def __init__(self, load: _Optional[_Union[LoadReport, _Mapping]] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_active_streams: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prefix_cache_hit_blocks: _Optional[int] = ..., slots_stepped: _Optional[int] = ..., useful_tokens: _Optional[int] = ..., kv_tokens_stored: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., kv_transfer: _Optional[_Union[KvTransferStats, _Mapping]] = ...) -> None: ...
 
 class KvTransferStats(_message.Message):
-    __slots__ = ("held", "held_blocks", "sent", "released", "expired", "loads", "load_failures", "loaded_tokens", "loaded_bytes", "load_seconds", "refused")
+    __slots__ = ("held", "held_blocks", "sent", "released", "expired", "loads", "load_failures", "loaded_tokens", "loaded_bytes", "load_seconds", "refused", "layout")
     HELD_FIELD_NUMBER: _ClassVar[int]
     HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SENT_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +248,7 @@ class KvTransferStats(_message.Message):
     LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     held: int
     held_blocks: int
     sent: int
@@ -257,7 +260,8 @@ class KvTransferStats(_message.Message):
     loaded_bytes: int
     load_seconds: float
     refused: int
-    def __init__(self, held: _Optional[int] = ..., held_blocks: _Optional[int] = ..., sent: _Optional[int] = ..., released: _Optional[int] = ..., expired: _Optional[int] = ..., loads: _Optional[int] = ..., load_failures: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., refused: _Optional[int] = ...) -> None: ...
+    layout: str
+    def __init__(self, held: _Optional[int] = ..., held_blocks: _Optional[int] = ..., sent: _Optional[int] = ..., released: _Optional[int] = ..., expired: _Optional[int] = ..., loads: _Optional[int] = ..., load_failures: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., refused: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("adapter",)

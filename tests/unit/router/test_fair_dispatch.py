@@ -300,3 +300,38 @@ def _one_engine(cap: int, max_num_seqs: int):
     engine = EngineClient(config.engines[0], config, lambda: None)
     engine.take_report(engine_pb2.LoadReport(max_num_seqs=max_num_seqs, num_total_blocks=8))
     return engine
+
+
+def test_a_request_that_reads_kv_goes_to_an_engine_that_can_read_it():
+    """A decode hop (or a migrated stream) reading KV of layout L goes to an engine whose
+    load report says it reads L, over one with more room that would have to recompute
+    (another rank count, block or dtype); with no such engine, the roomiest one."""
+    from omnibus.router.config import RouterConfig
+    from omnibus.router.dispatch.engines import EngineClient
+    from omnibus.v1 import engine_pb2
+
+    config = RouterConfig(model="m", engines=("127.0.0.1:1",))
+
+    def engine(address: str, layout: str, running: int) -> EngineClient:
+        client = EngineClient(address, config, lambda: None)
+        client.take_report(engine_pb2.LoadReport(max_num_seqs=8, num_running=running, num_total_blocks=64,
+                                                 num_free_blocks=64, block_size=8, kv_transfer=True,
+                                                 kv_layout=layout, role="decode"))
+        return client
+
+    async def main():
+        busy_tp2 = engine("127.0.0.1:2", "2x8x1x32:float32/tp2", running=6)
+        idle_tp1 = engine("127.0.0.1:3", "2x8x2x32:float32", running=0)
+        try:
+            d = Dispatcher(Fleet([idle_tp1, busy_tp2]), RequestQueue(0))
+            assert busy_tp2.load.kv_layout == "2x8x1x32:float32/tp2"
+            reads = Ticket(0, 1, 0.0, prompt_ids=PROMPT, kv_layout="2x8x1x32:float32/tp2")
+            assert d.best_engine(reads) is busy_tp2
+            assert d.best_engine(Ticket(0, 1, 0.0, prompt_ids=PROMPT)) is idle_tp1
+            other = Ticket(0, 1, 0.0, prompt_ids=PROMPT, kv_layout="4x8x1x32:bfloat16")
+            assert d.best_engine(other) is idle_tp1
+        finally:
+            await busy_tp2.close()
+            await idle_tp1.close()
+
+    asyncio.run(main())

@@ -101,6 +101,7 @@ class KvTransferStats:
     loaded_bytes: int = 0
     load_seconds: float = 0.0  # summed over loads
     refused: int = 0  # kv_source handles not read (layout or digest mismatch, malformed)
+    layout: str = ""  # the pool's layout as its handles name it (a reader needs the same)
 
 
 def pool_layout(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ranks: int = 1) -> str:
@@ -148,7 +149,7 @@ class KvConnector:
         self._queued: list[tuple[int, KvHandle, list[int], tuple[int, ...]]] = []  # reads to begin
         self._done: queue.SimpleQueue[tuple[int, bool, float, int]] = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="omnibus-kv")
-        self._stats = dict.fromkeys(KvTransferStats.__dataclass_fields__, 0)
+        self._stats = dict.fromkeys(KvTransferStats.__dataclass_fields__.keys() - {"layout"}, 0)
 
     # ---- the sender ------------------------------------------------------------
 
@@ -330,7 +331,7 @@ class KvConnector:
         return len(self._loads)
 
     def stats(self) -> KvTransferStats:
-        return KvTransferStats(**{**self._stats, "held": len(self.held),
+        return KvTransferStats(**{**self._stats, "held": len(self.held), "layout": self.layout,
                                   "held_blocks": sum(len(h.blocks) for h in self.held.values())})
 
     def close(self) -> None:

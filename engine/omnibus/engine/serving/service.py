@@ -218,6 +218,7 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             adapter_salts=dict(stats.adapter_salts),
             role=config.role,
             kv_transfer=config.kv_transfer != "none",
+            kv_layout="" if stats.kv_transfer is None else stats.kv_transfer.layout,
         )
 
     # ---- adapters ------------------------------------------------------------

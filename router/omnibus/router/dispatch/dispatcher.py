@@ -63,6 +63,7 @@ class Ticket:
     avoid: frozenset[str] = frozenset()  # engines (addresses) that refused to continue it
     cache_salt: str = ""  # the tenant's prefix-cache salt (as sent to the engine)
     roles: frozenset[str] | None = None  # engines of these --role only (None: any)
+    kv_layout: str = ""  # the layout of the KV it reads from another engine ("": none)
     # (block size, salt) -> leading block keys
     _keys: dict[tuple[int, str | None], list[int]] = field(default_factory=dict)
     future: asyncio.Future[EngineClient] = field(
@@ -189,8 +190,9 @@ class Dispatcher:
     def best_engine(self, ticket: Ticket, overflow: bool = False) -> EngineClient | None:
         """Among engines with room (`overflow`: room past the cap too), the ticket's
         adapter, if any, a KV pool that can hold it (engines' pools may differ) and not
-        in its `avoid`: the best adapter affinity, then the best score (room share +
-        prefix_weight * prefix share), then the most free KV blocks."""
+        in its `avoid`: one that can read the KV the ticket's request reads (the same
+        layout; another would recompute it), then the best adapter affinity, then the best
+        score (room share + prefix_weight * prefix share), then the most free KV blocks."""
         adapter = ticket.adapter
         room = methodcaller("overflow_room" if overflow else "room")
         open_ = [
@@ -204,6 +206,7 @@ class Dispatcher:
         return max(
             open_,
             key=lambda e: (
+                bool(ticket.kv_layout) and e.load.kv_layout == ticket.kv_layout,
                 e.seats.affinity(adapter) if adapter else 0,
                 room(e.seats) / e.seats.capacity + (weight * ticket.prefix_share(e) if weight else 0.0),
                 e.load.free_block_share(),

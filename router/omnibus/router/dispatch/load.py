@@ -126,6 +126,11 @@ class LoadView:
         """The engine reads and offers KV (--kv-transfer)."""
         return self._latest.kv_transfer
 
+    @property
+    def kv_layout(self) -> str:
+        """The KV layout the engine reads ("": it moves none)."""
+        return self._latest.kv_layout
+
     def has_adapter(self, adapter: str) -> bool:
         """The engine can serve `adapter`: it is under the engine's adapter root."""
         return adapter in self.adapters_available

@@ -259,6 +259,7 @@ class Streamer:
             job.request.priority, job.request.cost, job.arrival, job.adapter,
             tenant.name, tenant.weight, job.request.prompt_ids, avoid=frozenset(job.refused_by),
             cache_salt=tenant.cache_salt, roles=self._roles(job),
+            kv_layout=job.kv_source.layout if job.kv_source is not None else "",
         )
         self._dispatcher.submit(ticket)
         queue_left = (job.queued_at + self._config.max_queue_seconds - job.queued_before
