@@ -64,6 +64,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def one_adapter(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An adapter root for `--adapter-dir` holding one PEFT adapter of the tiny checkpoint,
+    "b-r8" (tests/oracle/test_lora.py ADAPTERS), built once."""
+    from tests.oracle.test_lora import ADAPTERS, make_adapter
+
+    root = tmp_path_factory.mktemp("one-adapter")
+    make_adapter(tiny_model, root / "b-r8", *ADAPTERS["b-r8"], seed=1)
+    return root
+
+
+@pytest.fixture(scope="session")
 def shared_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("shared-logs")
 

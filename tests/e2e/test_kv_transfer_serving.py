@@ -23,8 +23,7 @@ from omnibus.v1 import inference_pb2_grpc
 
 from omnibus.bench.processes import free_port
 from tests.grpc_helpers import (
-    engine_process, engine_request, engine_stats, metric, router_process, scrape, tiny_checkpoint, wait_until)
-from tests.oracle.test_lora import ADAPTERS, make_adapter
+    engine_process, engine_request, engine_stats, metric, router_process, scrape, wait_until)
 
 pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is in `make setup`'s environment")
 
@@ -33,12 +32,10 @@ FLAGS = ("--num-kv-blocks", "600", "--block-size", "8", "--max-num-seqs", "16", 
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    model = tiny_checkpoint(tmp_path_factory)
-    adapters = tmp_path_factory.mktemp("adapters")
-    make_adapter(model, adapters / "b-r8", *ADAPTERS["b-r8"], seed=1)
+def fleet(tmp_path_factory, tiny_model, one_adapter):
+    model = tiny_model
     logs = tmp_path_factory.mktemp("logs")
-    flags = (*FLAGS, "--adapter-dir", str(adapters))
+    flags = (*FLAGS, "--adapter-dir", str(one_adapter))
     # decode-2 stages its KV through host memory as an engine on a GPU does (copied in when
     # read, out when held for a drain); the others read theirs in place
     staged = ("--kv-transfer-staging-bytes", str(32 << 20))

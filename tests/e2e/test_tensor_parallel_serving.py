@@ -19,8 +19,7 @@ import pytest
 from omnibus.v1 import inference_pb2 as pb
 from omnibus.v1 import inference_pb2_grpc
 
-from tests.grpc_helpers import engine_process, engine_stats, router_process, tiny_checkpoint, wait_until
-from tests.oracle.test_lora import ADAPTERS, make_adapter
+from tests.grpc_helpers import engine_process, engine_stats, router_process, wait_until
 
 FLAGS = ("--num-kv-blocks", "512", "--block-size", "8", "--max-num-seqs", "8", "--max-loras", "2")
 SCHEMA = {"type": "object", "properties": {"name": {"enum": ["fox", "dog", "cat"]}, "n": {"enum": [1, 2, 3]}},
@@ -28,12 +27,10 @@ SCHEMA = {"type": "object", "properties": {"name": {"enum": ["fox", "dog", "cat"
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    model = tiny_checkpoint(tmp_path_factory)
-    adapters = tmp_path_factory.mktemp("adapters")
-    make_adapter(model, adapters / "b-r8", *ADAPTERS["b-r8"], seed=1)
+def fleet(tmp_path_factory, tiny_model, one_adapter):
+    model = tiny_model
     logs = tmp_path_factory.mktemp("logs")
-    flags = (*FLAGS, "--adapter-dir", str(adapters))
+    flags = (*FLAGS, "--adapter-dir", str(one_adapter))
     tp = engine_process(model, logs, "engine-tp", *flags, "--tensor-parallel-size", "2", "--step-loop", "process",
                         "--kv-transfer", "mooncake")
     one = engine_process(model, logs, "engine-one", *flags)

@@ -237,7 +237,7 @@ class _PretendRank:
     def __init__(self, regions: int) -> None:
         self.regions, self.ok, self.reads = regions, True, []
 
-    def setup(self, transport, host, slots):
+    def setup(self, slots):
         return [("127.0.0.1:9", tuple(range(1, self.regions + 1)))]
 
     def read(self, ticket, src, local, remote):

@@ -144,7 +144,7 @@ def write(path: Path, spec: Spec) -> Path:
 @functools.cache
 def hf_tokenizer(path: Path) -> Any:
     """transformers' tokenizer from a GGUF file (once per file: its conversion of
-    SmolLM2's 49,152-token vocabulary takes ~7 s here)."""
+    SmolLM2's 49,152-token vocabulary took 7.2 s, then 3.3 s, here)."""
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 

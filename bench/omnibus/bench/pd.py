@@ -36,6 +36,7 @@ from omnibus.v1 import inference_pb2_grpc
 from omnibus.bench.processes import engine_process, free_port, router_process
 from omnibus.bench.quant import smollm2_path
 from omnibus.bench.report import write_keeping_reading
+from omnibus.bench.stats import percentile
 
 ENV = {"OMP_NUM_THREADS": "1"}
 BASE = ("--num-kv-blocks", "2400", "--block-size", "16", "--max-num-seqs", "48", "--step-loop", "process")
@@ -73,14 +74,9 @@ def stream(stub, ids: list[int], max_tokens: int, times: list[float], tokens: li
             tokens.append(t)
 
 
-def kv_stats(address: str) -> engine_pb2.KvTransferStats:
+def engine_stats(address: str) -> engine_pb2.StatsResponse:
     with grpc.insecure_channel(address) as ch:
-        return engine_pb2_grpc.EngineStub(ch).Stats(engine_pb2.StatsRequest(), timeout=10).kv_transfer
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+        return engine_pb2_grpc.EngineStub(ch).Stats(engine_pb2.StatsRequest(), timeout=10)
 
 
 def disaggregation(model: Path, logs: Path, roles: tuple[str, str], n_decode: int, n_long: int,
@@ -107,9 +103,9 @@ def disaggregation(model: Path, logs: Path, roles: tuple[str, str], n_decode: in
             t.join()
         gaps = [b - a for ts in decode_times for a, b in zip(ts[1:], ts[2:])]  # after each stream's first token
         decode_addr = f["engines"][1].address if roles[0] == "prefill" else None
-        kv = kv_stats(decode_addr) if decode_addr else None
+        kv = engine_stats(decode_addr).kv_transfer if decode_addr else None
         return {
-            "tpot_p50": 1000 * pct(gaps, 0.5), "tpot_p99": 1000 * pct(gaps, 0.99),
+            "tpot_p50": 1000 * percentile(gaps, 50), "tpot_p99": 1000 * percentile(gaps, 99),
             "ttft_long": 1000 * statistics.median(ts[1] - ts[0] for ts in long_times),
             "ttft_decode": 1000 * statistics.median(ts[1] - ts[0] for ts in decode_times),
             "kv_bytes": kv.loaded_bytes / kv.loads if kv and kv.loads else 0.0,
@@ -133,13 +129,12 @@ def drain(model: Path, logs: Path, kv: bool, n: int, max_tokens: int) -> dict:
         while min(len(ts) for ts in times) < 6:
             time.sleep(0.05)
         victim = f["engines"][0]
-        with grpc.insecure_channel(victim.address) as ch:
-            running = engine_pb2_grpc.EngineStub(ch).Stats(engine_pb2.StatsRequest(), timeout=10).load.num_running
+        running = engine_stats(victim.address).load.num_running
         t_sig = time.perf_counter()
         victim.signal(signal.SIGTERM)
         for t in threads:
             t.join()
-        survivor = kv_stats(f["engines"][1].address) if kv else None
+        survivor = engine_stats(f["engines"][1].address).kv_transfer if kv else None
         moved_gaps = []
         for ts in times:
             after = [b - a for a, b in zip(ts[1:], ts[2:]) if b >= t_sig]

@@ -69,10 +69,10 @@ LEASE_SLOTS = 4096  # handles held at once at most (a hold past them is not offe
 
 @dataclass
 class _Held:
-    blocks: list[int]  # pool blocks it keeps referenced ([] when staged)
-    slot: int
+    blocks: list[int]  # the pool blocks it keeps referenced, or the staging slots of its copy
+    staged: bool
+    slot: int  # its lease word
     expires: float
-    staged: list[int]  # staging slots holding its copy ([] when read in place)
 
 
 @dataclass
@@ -117,13 +117,11 @@ class KvConnector:
     step loop's thread only."""
 
     def __init__(self, transport: Transport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, hold_seconds: float, staging_bytes: int = 0,
-                 ranks: RankLink | None = None, transport_kind: str = "mooncake", host: str = "127.0.0.1") -> None:
+                 block_size: int, hold_seconds: float, staging_bytes: int = 0, ranks: RankLink | None = None) -> None:
         """`staging_bytes` > 0: holds and reads go through that much host memory (a pool on
         a GPU needs it: the TCP transport reads host memory only). `ranks`: the other
-        ranks of a tensor-parallel engine, each given a shard of its own (a transport of
-        `transport_kind` on `host`, staging as this rank's)."""
-        self.transport = transport
+        ranks of a tensor-parallel engine, each given a shard of its own (staging as this
+        rank's)."""
         self.block_size = block_size
         self.hold_seconds = hold_seconds
         tensors = [t for layer in kv_caches for t in layer]  # K0, V0, K1, V1, ...
@@ -135,7 +133,7 @@ class KvConnector:
         self.rank_peers: tuple[str, ...] = ()
         self.regions = self.shard.regions  # every rank's, as a handle names them
         if ranks is not None:
-            others = ranks.setup(transport_kind, host, slots)
+            others = ranks.setup(slots)
             self.rank_peers = tuple(address for address, _ in others)
             self.regions += tuple(r for _, regions in others for r in regions)
         self.layout = pool_layout(kv_caches, 1 + len(self.rank_peers))
@@ -151,6 +149,10 @@ class KvConnector:
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="omnibus-kv")
         self._stats = dict.fromkeys(KvTransferStats.__dataclass_fields__.keys() - {"layout"}, 0)
 
+    @property
+    def transport(self) -> Transport:
+        return self.shard.transport
+
     # ---- the sender ------------------------------------------------------------
 
     def hold(self, seq: Sequence) -> KvHandle | None:
@@ -162,27 +164,24 @@ class KvConnector:
         if n <= 0 or not self._free_slots or seq.request_id in self.held:
             return None
         nb = -(-n // self.block_size)
-        staged: list[int] = []
         if self.staging is not None:
-            taken = self.staging.take(nb)
-            if taken is None:
+            blocks = self.staging.take(nb)
+            if blocks is None:
                 log.warning("kv_staging_full", request_id=seq.request_id, blocks=nb, free=self.staging.free)
                 return None
-            staged = taken
             if self.ranks is not None:
-                self.ranks.stage_out(seq.block_table[:nb], staged)
-            self.shard.stage_out(seq.block_table[:nb], staged)
-            blocks, offered = [], staged
+                self.ranks.stage_out(seq.block_table[:nb], blocks)
+            self.shard.stage_out(seq.block_table[:nb], blocks)
         else:
             blocks, seq.block_table = seq.block_table[:nb], seq.block_table[nb:]
             seq.num_registered_blocks = 0
-            offered = blocks
         slot, epoch = self._free_slots.pop(), next(self._epochs)
         self._lease[slot] = epoch
-        self.held[seq.request_id] = _Held(blocks, slot, time.monotonic() + self.hold_seconds, staged)
+        self.held[seq.request_id] = _Held(blocks, self.staging is not None, slot,
+                                          time.monotonic() + self.hold_seconds)
         self._stats["sent"] += 1
         return KvHandle(
-            peer=self.transport.address, request_id=seq.request_id, num_tokens=n, blocks=tuple(offered),
+            peer=self.transport.address, request_id=seq.request_id, num_tokens=n, blocks=tuple(blocks),
             regions=self.regions, block_bytes=self.block_bytes, layout=self.layout,
             digest=kv_digest(seq.token_ids[:n], seq.adapter_salt, seq.cache_salt),
             lease_addr=self._lease.data_ptr() + slot * 8, lease_epoch=epoch, rank_peers=self.rank_peers)
@@ -210,11 +209,13 @@ class KvConnector:
         self._lease[held.slot] = 0  # before the blocks can be reused: readers see the lease end
         self._free_slots.append(held.slot)
         if held.staged and self.staging is not None:
-            self.staging.give(held.staged)
+            self.staging.give(held.blocks)
+            return []
         return held.blocks
 
     def held_tables(self) -> Iterator[list[int]]:
-        return (h.blocks for h in self.held.values() if h.blocks)
+        """The pool blocks held (a staged hold keeps none)."""
+        return (h.blocks for h in self.held.values() if not h.staged)
 
     # ---- the reader ------------------------------------------------------------
 
@@ -293,7 +294,9 @@ class KvConnector:
                 break
             load = self._loads[ticket]
             load.own_done, load.ok, load.seconds, load.nbytes = True, load.ok and ok, seconds, nbytes
-        if self.ranks is not None and any(load.ranks_left for load in self._loads.values()):
+        # (the other ranks are asked once this rank's own read is done: one gather a step
+        # while they finish, none while the reads run)
+        if self.ranks is not None and any(load.own_done and load.ranks_left for load in self._loads.values()):
             for reports in self.ranks.poll():
                 for ticket, ok in reports.items():
                     load = self._loads[ticket]
@@ -326,13 +329,9 @@ class KvConnector:
             log.warning("kv_load_failed", request_id=load.seq.request_id, peer=src.peer)
         return load.seq, src.num_tokens if load.ok else 0
 
-    @property
-    def loading(self) -> int:
-        return len(self._loads)
-
     def stats(self) -> KvTransferStats:
         return KvTransferStats(**{**self._stats, "held": len(self.held), "layout": self.layout,
-                                  "held_blocks": sum(len(h.blocks) for h in self.held.values())})
+                                  "held_blocks": sum(map(len, self.held_tables()))})
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)  # a read in flight writes into the pool
@@ -345,12 +344,11 @@ def make_connector(config: EngineConfig, kv_caches: list[tuple[torch.Tensor, tor
     tensor parallelism, every rank's), staged through host memory when the pool is on a
     GPU (or when asked to be)."""
     from omnibus.engine.config import KV_STAGING_DEFAULT
-    from omnibus.engine.kv_transfer.transport import make_transport, own_address
+    from omnibus.engine.kv_transfer.transport import make_transport
 
     staging = config.kv_transfer_staging_bytes
     if not staging and kv_caches[0][0].device.type != "cpu":
         staging = KV_STAGING_DEFAULT
-    host = own_address(config.kv_transfer_host)
-    return KvConnector(make_transport(config.kv_transfer, host), kv_caches, config.block_size,
-                       config.kv_hold_seconds, staging, None if ranks is None else RankLink(ranks),
-                       config.kv_transfer, host)
+    link = None if ranks is None else RankLink(ranks, config.kv_transfer, config.kv_transfer_host)
+    return KvConnector(make_transport(config.kv_transfer, config.kv_transfer_host), kv_caches, config.block_size,
+                       config.kv_hold_seconds, staging, link)

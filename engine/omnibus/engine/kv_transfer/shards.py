@@ -208,8 +208,10 @@ class RankLink:
     """Rank 0's side: every decision about KV sent to ranks 1..N-1 (in the order of the
     step's other messages), and their reads' results gathered back."""
 
-    def __init__(self, ranks: Ranks) -> None:
-        self.ranks = ranks
+    def __init__(self, ranks: Ranks, transport: str, host: str) -> None:
+        """Each rank's shard gets a transport of kind `transport` on `host` (--kv-transfer,
+        --kv-transfer-host: the ranks share rank 0's host)."""
+        self.ranks, self.transport, self.host = ranks, transport, host
         self.size = ranks.tp.size
 
     def _gather(self) -> list[Any]:
@@ -219,10 +221,10 @@ class RankLink:
         dist.gather_object(None, out, dst=0, group=self.ranks.tp.cpu_group)
         return out[1:]
 
-    def setup(self, transport: str, host: str, slots: int) -> list[tuple[str, tuple[int, ...]]]:
-        """Each rank's shard (its own transport on `host`; `slots` staging blocks, 0:
-        none) and its (address, regions), ranks 1..N-1 in order."""
-        self.ranks.send(("kv_setup", transport, host, slots))
+    def setup(self, slots: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Each rank's shard (`slots` staging blocks, 0: none) and its (address, regions),
+        ranks 1..N-1 in order."""
+        self.ranks.send(("kv_setup", self.transport, self.host, slots))
         return self._gather()
 
     def read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
