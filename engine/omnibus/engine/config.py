@@ -324,6 +324,11 @@ class EngineConfig:
     # place (on a GPU) is copied out when held and in when read; 0: none for a host pool
     # (read in place), KV_STAGING_DEFAULT for a device pool
     kv_transfer_staging_bytes: int = 0
+    # A prefill for another engine gives its handle out once seated, and readers read each
+    # layer's blocks as the forward finalizes them (overlapped with the prefill), where the
+    # pool is read in place by one rank; else (or off) the handle comes with its first token.
+    # Off by default until it has run through the router's drain and bench-pd (docs/engine.md)
+    kv_transfer_overlap: bool = False
     # What routers send it (the load report carries it): "both" whole requests; "prefill"
     # the prompt of a request a "decode" engine goes on with, reading the KV (--kv-transfer)
     role: str = "both"

@@ -81,7 +81,7 @@ class EngineGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., adapter: _Optional[str] = ..., tenant: _Optional[str] = ..., tenant_weight: _Optional[float] = ..., deadline_ms: _Optional[int] = ..., handle: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_hold: _Optional[bool] = ..., kv_source: _Optional[_Union[KvHandle, _Mapping]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("peer", "request_id", "num_tokens", "blocks", "regions", "block_bytes", "layout", "digest", "lease_addr", "lease_epoch", "rank_peers")
+    __slots__ = ("peer", "request_id", "num_tokens", "blocks", "regions", "block_bytes", "layout", "digest", "lease_addr", "lease_epoch", "rank_peers", "progress_addr")
     PEER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class KvHandle(_message.Message):
     LEASE_ADDR_FIELD_NUMBER: _ClassVar[int]
     LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANK_PEERS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_ADDR_FIELD_NUMBER: _ClassVar[int]
     peer: str
     request_id: str
     num_tokens: int
@@ -104,7 +105,8 @@ class KvHandle(_message.Message):
     lease_addr: int
     lease_epoch: int
     rank_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, peer: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., regions: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., digest: _Optional[bytes] = ..., lease_addr: _Optional[int] = ..., lease_epoch: _Optional[int] = ..., rank_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    progress_addr: int
+    def __init__(self, peer: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., regions: _Optional[_Iterable[int]] = ..., block_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., digest: _Optional[bytes] = ..., lease_addr: _Optional[int] = ..., lease_epoch: _Optional[int] = ..., rank_peers: _Optional[_Iterable[str]] = ..., progress_addr: _Optional[int] = ...) -> None: ...
 
 class EngineGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "handle", "status_code", "status_message", "prompt_logprobs", "kv_handle")
@@ -236,7 +238,7 @@ class StatsResponse(_message.Message):
     def __init__(self, load: _Optional[_Union[LoadReport, _Mapping]] = ..., num_cached_blocks: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_active_streams: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prefix_cache_hit_blocks: _Optional[int] = ..., slots_stepped: _Optional[int] = ..., useful_tokens: _Optional[int] = ..., kv_tokens_stored: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., kv_transfer: _Optional[_Union[KvTransferStats, _Mapping]] = ...) -> None: ...
 
 class KvTransferStats(_message.Message):
-    __slots__ = ("held", "held_blocks", "sent", "released", "expired", "loads", "load_failures", "loaded_tokens", "loaded_bytes", "load_seconds", "refused", "layout")
+    __slots__ = ("held", "held_blocks", "sent", "released", "expired", "loads", "load_failures", "loaded_tokens", "loaded_bytes", "load_seconds", "refused", "layout", "sent_early", "load_wait_seconds", "dropped")
     HELD_FIELD_NUMBER: _ClassVar[int]
     HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SENT_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +251,9 @@ class KvTransferStats(_message.Message):
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SENT_EARLY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     held: int
     held_blocks: int
     sent: int
@@ -261,7 +266,10 @@ class KvTransferStats(_message.Message):
     load_seconds: float
     refused: int
     layout: str
-    def __init__(self, held: _Optional[int] = ..., held_blocks: _Optional[int] = ..., sent: _Optional[int] = ..., released: _Optional[int] = ..., expired: _Optional[int] = ..., loads: _Optional[int] = ..., load_failures: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., refused: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
+    sent_early: int
+    load_wait_seconds: float
+    dropped: int
+    def __init__(self, held: _Optional[int] = ..., held_blocks: _Optional[int] = ..., sent: _Optional[int] = ..., released: _Optional[int] = ..., expired: _Optional[int] = ..., loads: _Optional[int] = ..., load_failures: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., refused: _Optional[int] = ..., layout: _Optional[str] = ..., sent_early: _Optional[int] = ..., load_wait_seconds: _Optional[float] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("adapter",)

@@ -278,6 +278,7 @@ class FakeKv:
     and leaves garbage in the blocks), as the real lease check does."""
 
     HOLD_STEPS = 12  # the lease, in steps
+    overlaps = False  # early handles (hold_early): not modelled here; tests/oracle/test_kv_overlap.py
 
     def __init__(self, sim: Simulator) -> None:
         self.sim = sim

@@ -96,13 +96,16 @@ class Admission:
         # KV that another engine holds for it (past the local hit) is read, not computed.
         src = seq.kv_source
         loads = src.num_tokens if src is not None and src.num_tokens > cached else 0
+        # A prefill for another engine that hands its KV on when seated (an early handle
+        # names its blocks) holds blocks for its whole prompt from the start.
+        early = seq.kv_hold and not seq.num_output_tokens and self._life.kv is not None and self._life.kv.overlaps
 
         def wanted() -> tuple[int, int]:  # tokens planned now, tokens to hold blocks for
             # A loading request holds blocks for its whole context: its first step, once the
             # read lands, computes the token after the read ones (seated then, it is no
             # preemption victim, so that step must not need a block more).
             n = 0 if loads else min(seq.num_tokens - cached, budget + refunds)
-            return n, max(seq.num_tokens if loads else cached + n, self.policy.reserve_tokens(seq))
+            return n, max(seq.num_tokens if loads or early else cached + n, self.policy.reserve_tokens(seq))
 
         n, reserve = wanted()
         while not self._allocator.allocate_slots(seq, reserve):  # each pass evicts one request
@@ -115,6 +118,8 @@ class Admission:
             self._life.load(seq, cached)
             return 0, refunds, freed
         self._life.seat(seq, cached)
+        if early:
+            self._life.hold_early(seq)
         if n > 0:
             out.scheduled.append(plan_chunk(seq, n, self._life.step))
         return n, refunds, freed

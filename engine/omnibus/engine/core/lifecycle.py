@@ -14,7 +14,10 @@ engine is seated LOADING (`load`: blocks held, no tokens planned) and joins the 
 set when the read is done (`loaded`), from the arrived tokens or, if the read failed,
 from its local prefix. A request that ends for a transfer keeps its computed blocks
 under the connector's lease (`leave_running` with `hold`) until the reader's router
-releases them (`release`) or the lease runs out (`expire`).
+releases them (`release`) or the lease runs out (`expire`). A prefill for another engine
+may hand its KV on as soon as it is seated (`hold_early`: its output ends it for the
+router, the engine computes on); it leaves by `finish`, or ends if preempted (its reader
+recomputes: nobody waits for it here).
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class Lifecycle:
         # The step being planned (Scheduler.schedule counts them): within one, a request is
         # seated at most once and evicted at most once (Sequence.seated_step, evicted_step).
         self.step = 0
-        self._aborted: list[RequestOutput] = []  # reported by the next take_aborted()
+        # reported by the next take_aborted(): ended outside a step's results (and early handles)
+        self._aborted: list[RequestOutput] = []
 
     def add(self, seq: Sequence) -> None:
         """A new request (its id is not in use): registered and queued."""
@@ -86,8 +90,13 @@ class Lifecycle:
         bisect.insort(self.running, seq, key=Sequence.sort_key)
 
     def preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute: drop the KV (prefix-cached blocks stay reusable)."""
+        """Preempt by recompute: drop the KV (prefix-cached blocks stay reusable). A prefill
+        whose early handle is out ends instead: its reader recomputes what it cannot read."""
         self.running.remove(seq)
+        if seq.kv_progress is not None:
+            self.finish(seq, "abort")
+            self.num_preemptions += 1
+            return
         self.leave_running(seq)
         seq.num_computed_tokens = 0
         seq.evicted_step = self.step
@@ -117,6 +126,15 @@ class Lifecycle:
             else:
                 self._run(seq, read or seq.num_computed_tokens)
 
+    def hold_early(self, seq: Sequence) -> None:
+        """A prefill for another engine, just seated with blocks for its whole prompt, hands
+        its KV on now (when the connector gives early handles): its output ends it for
+        the router, and the reader reads each layer as this engine computes it."""
+        handle = None if self.kv is None else self.kv.hold_early(seq)
+        if handle is not None:  # positional, in RequestOutput's field order
+            self._aborted.append(RequestOutput(seq.request_id, [], [], True, "length", seq.num_prompt_tokens,
+                                               seq.num_cached_tokens, 0, None, None, handle))
+
     def release(self, request_id: str) -> bool:
         """The KV an ended request holds for a transfer, given back (its reader is done)."""
         blocks = None if self.kv is None else self.kv.release(request_id)
@@ -139,6 +157,8 @@ class Lifecycle:
             self.order.unseat(seq)
         if hold and self.kv is not None:
             seq.kv_handle = self.kv.hold(seq)
+        elif seq.kv_progress is not None and self.kv is not None:
+            self.kv.drop(seq)  # its lease ends before its blocks can be reused
         self.allocator.free(seq)
         if seq.lora_slot is not None and seq.adapter is not None:
             self.lora().release(seq.adapter)

@@ -116,6 +116,9 @@ class Sequence:
     # in order; None when it asked for none, and once they went out with its first token.
     prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
     kv_handle: KvHandle | None = None  # its KV, held for another engine when it ended
+    # Its early handle's progress words (kv_transfer/connector.py hold_early: one a layer,
+    # advanced by the forward) while its prefill runs for a reader; None: no early handle.
+    kv_progress: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

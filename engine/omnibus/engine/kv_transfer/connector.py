@@ -18,6 +18,14 @@ Scheduler side (core/lifecycle.py and core/admission.py call these, never a tran
 - `hold(seq)`: a request that ends for a transfer (a prefill for another engine, or a
   running request of a draining engine) keeps its computed blocks, referenced, under a
   lease; its output carries the `KvHandle`;
+- `hold_early(seq)` (--kv-transfer-overlap, a prefill for another engine, once seated
+  with blocks for its whole prompt): the handle goes out before the prefill runs, naming
+  the blocks of the prompt less its last token and per-layer progress words that the
+  forward advances (`seq.kv_progress`, worker/model_runner.py); the reader reads each
+  layer's blocks as they become final and computes the last prompt token itself. When
+  the prefill ends, `hold` keeps its blocks as any hold's; a request that ends before its
+  prompt is computed (aborted, preempted, drained) is `drop`ped: its lease ends first,
+  so a reader fails and recomputes;
 - `release(request_id)` (the reader's router aborts the request) and `expired(now)`
   (the lease ran out: `--kv-hold-seconds`) give them back to the allocator.
 
@@ -56,7 +64,7 @@ import torch
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.core.sequence import Sequence
 from omnibus.engine.kv_transfer.handle import KvHandle, kv_digest
-from omnibus.engine.kv_transfer.shards import LOAD_THREADS, KvShard, RankLink, staging_slots
+from omnibus.engine.kv_transfer.shards import LOAD_THREADS, KvShard, Progress, RankLink, staging_slots
 from omnibus.engine.kv_transfer.transport import Transport
 
 if TYPE_CHECKING:
@@ -71,8 +79,12 @@ LEASE_SLOTS = 4096  # handles held at once at most (a hold past them is not offe
 class _Held:
     blocks: list[int]  # the pool blocks it keeps referenced, or the staging slots of its copy
     staged: bool
-    slot: int  # its lease word
+    slot: int  # its lease word (and its row of progress words)
     expires: float
+    # an early hold whose prefill still runs: its blocks are the request's, the tokens it
+    # promises are `tokens`
+    live: bool = False
+    tokens: int = 0
 
 
 @dataclass
@@ -86,6 +98,7 @@ class _Load:
     seconds: float = 0.0
     nbytes: int = 0
     own_done: bool = False
+    waited: float = 0.0  # of `seconds`, waiting for the holder's progress
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,9 @@ class KvTransferStats:
     load_seconds: float = 0.0  # summed over loads
     refused: int = 0  # kv_source handles not read (layout or digest mismatch, malformed)
     layout: str = ""  # the pool's layout as its handles name it (a reader needs the same)
+    sent_early: int = 0  # of `sent`, given out before their prefill ended (--kv-transfer-overlap)
+    dropped: int = 0  # ... whose request ended before its prompt was computed (readers recompute)
+    load_wait_seconds: float = 0.0  # of load_seconds, waiting for holders' progress
 
 
 def pool_layout(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], ranks: int = 1) -> str:
@@ -117,11 +133,13 @@ class KvConnector:
     step loop's thread only."""
 
     def __init__(self, transport: Transport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, hold_seconds: float, staging_bytes: int = 0, ranks: RankLink | None = None) -> None:
+                 block_size: int, hold_seconds: float, staging_bytes: int = 0, ranks: RankLink | None = None,
+                 overlap: bool = True) -> None:
         """`staging_bytes` > 0: holds and reads go through that much host memory (a pool on
         a GPU needs it: the TCP transport reads host memory only). `ranks`: the other
         ranks of a tensor-parallel engine, each given a shard of its own (staging as this
-        rank's)."""
+        rank's). `overlap`: prefills for other engines give their handle out early
+        (`hold_early`) where the pool is read in place by one rank."""
         self.block_size = block_size
         self.hold_seconds = hold_seconds
         tensors = [t for layer in kv_caches for t in layer]  # K0, V0, K1, V1, ...
@@ -139,13 +157,22 @@ class KvConnector:
         self.layout = pool_layout(kv_caches, 1 + len(self.rank_peers))
         self._lease = torch.zeros(LEASE_SLOTS, dtype=torch.int64)  # slot -> epoch while held
         transport.register(self._lease.data_ptr(), LEASE_SLOTS * 8)
+        # An early hold's progress words (slot -> one per layer), written by the forward
+        # through numpy views (no torch dispatch per layer); staged or sharded pools give
+        # their handles when the prefill ends instead.
+        self.overlaps = overlap and self.staging is None and ranks is None
+        self.layers = len(kv_caches)
+        self._progress = torch.zeros((LEASE_SLOTS, self.layers) if self.overlaps else (0, 0), dtype=torch.int64)
+        self._progress_words = self._progress.numpy()
+        if self.overlaps:
+            transport.register(self._progress.data_ptr(), self._progress.numel() * 8)
         self._free_slots = list(range(LEASE_SLOTS - 1, -1, -1))
         self._epochs = itertools.count(1)
         self.held: dict[str, _Held] = {}
         self._loads: dict[int, _Load] = {}
         self._tickets = itertools.count(1)
         self._queued: list[tuple[int, KvHandle, list[int], tuple[int, ...]]] = []  # reads to begin
-        self._done: queue.SimpleQueue[tuple[int, bool, float, int]] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[int, bool, float, int, float]] = queue.SimpleQueue()
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="omnibus-kv")
         self._stats = dict.fromkeys(KvTransferStats.__dataclass_fields__.keys() - {"layout"}, 0)
 
@@ -160,8 +187,11 @@ class KvConnector:
         computed yet) for a reader: in place they leave `seq.block_table` referenced (the
         rest stay for the caller to free); staged, a copy is kept and every block stays
         for the caller. None when there is nothing to hold, no lease or no staging room."""
+        early = self.held.get(seq.request_id)
+        if early is not None:
+            return self._settle_early(seq, early)
         n = min(seq.num_computed_tokens, seq.num_tokens - 1)
-        if n <= 0 or not self._free_slots or seq.request_id in self.held:
+        if n <= 0 or not self._free_slots:
             return None
         nb = -(-n // self.block_size)
         if self.staging is not None:
@@ -186,12 +216,67 @@ class KvConnector:
             digest=kv_digest(seq.token_ids[:n], seq.adapter_salt, seq.cache_salt),
             lease_addr=self._lease.data_ptr() + slot * 8, lease_epoch=epoch, rank_peers=self.rank_peers)
 
+    def hold_early(self, seq: Sequence) -> KvHandle | None:
+        """A handle for the KV of `seq`'s prompt less its last token, given out before its
+        prefill runs (it is seated, with blocks for its whole prompt): each of its layers'
+        progress words says how many of its tokens are final. None when this connector
+        gives no early handles (staged, sharded, --kv-transfer-overlap off), or there is
+        nothing to hold or no lease."""
+        n = seq.num_prompt_tokens - 1
+        nb = -(-n // self.block_size)
+        if (not self.overlaps or n <= 0 or seq.num_output_tokens or len(seq.block_table) < nb
+                or not self._free_slots or seq.request_id in self.held):
+            return None
+        blocks = seq.block_table[:nb]
+        slot, epoch = self._free_slots.pop(), next(self._epochs)
+        self._lease[slot] = epoch
+        self._progress_words[slot] = 0  # the forward advances it (a prefix hit's blocks too: the host tier's copies land before it)
+        seq.kv_progress = self._progress_words[slot]
+        self.held[seq.request_id] = _Held(blocks, False, slot, float("inf"), live=True, tokens=n)
+        self._stats["sent"] += 1
+        self._stats["sent_early"] += 1
+        return KvHandle(
+            peer=self.transport.address, request_id=seq.request_id, num_tokens=n, blocks=tuple(blocks),
+            regions=self.regions, block_bytes=self.block_bytes, layout=self.layout,
+            digest=kv_digest(seq.token_ids[:n], seq.adapter_salt, seq.cache_salt),
+            lease_addr=self._lease.data_ptr() + slot * 8, lease_epoch=epoch,
+            progress_addr=self._progress.data_ptr() + slot * self.layers * 8)
+
+    def _settle_early(self, seq: Sequence, held: _Held) -> None:
+        """An early hold's request ends (`hold`): the blocks it promised become the hold's,
+        on its lease from now, when every layer's progress covers its tokens; else (it
+        ends mid-prefill: a drain) it is dropped, and its readers recompute. Its handle
+        went out already: None."""
+        if not held.live or int(self._progress_words[held.slot].min()) < held.tokens:
+            self.drop(seq)
+            return None
+        nb = len(held.blocks)
+        assert seq.block_table[:nb] == held.blocks, "an early hold's blocks moved under it"
+        seq.block_table = seq.block_table[nb:]
+        seq.num_registered_blocks, seq.kv_progress = 0, None
+        held.live, held.expires = False, time.monotonic() + self.hold_seconds
+        return None
+
+    def drop(self, seq: Sequence) -> None:
+        """`seq`'s early hold ends with its prefill unfinished (aborted, preempted, ended):
+        its lease ends before the request's blocks can be freed, so a reader fails and
+        recomputes. Its blocks stay the request's."""
+        held = self.held.get(seq.request_id)
+        if held is not None and held.live:
+            del self.held[seq.request_id]
+            self._let_go(held)
+            self._stats["dropped"] += 1
+            log.info("kv_early_hold_dropped", request_id=seq.request_id,
+                     computed=int(self._progress_words[held.slot].min()), promised=held.tokens)
+        seq.kv_progress = None
+
     def release(self, request_id: str) -> list[int] | None:
         """The blocks a reader is done with (for the allocator to free), or None when
         `request_id` holds none."""
-        held = self.held.pop(request_id, None)
-        if held is None:
+        held = self.held.get(request_id)
+        if held is None or held.live:  # a live one is its request's: aborting that drops it
             return None
+        del self.held[request_id]
         self._stats["released"] += 1
         return self._let_go(held)
 
@@ -199,7 +284,7 @@ class KvConnector:
         """The blocks of every hold whose lease ran out (O(held), and only while some are)."""
         if not self.held:
             return []
-        gone = [rid for rid, h in self.held.items() if h.expires <= now]
+        gone = [rid for rid, h in self.held.items() if h.expires <= now]  # (a live one's is inf)
         for rid in gone:
             log.warning("kv_hold_expired", request_id=rid, seconds=self.hold_seconds)
         self._stats["expired"] += len(gone)
@@ -214,8 +299,8 @@ class KvConnector:
         return held.blocks
 
     def held_tables(self) -> Iterator[list[int]]:
-        """The pool blocks held (a staged hold keeps none)."""
-        return (h.blocks for h in self.held.values() if not h.staged)
+        """The pool blocks held (a staged hold keeps none; a live one's are its request's)."""
+        return (h.blocks for h in self.held.values() if not h.staged and not h.live)
 
     # ---- the reader ------------------------------------------------------------
 
@@ -256,7 +341,7 @@ class KvConnector:
             if taken is None:
                 log.warning("kv_staging_full", request_id=seq.request_id, blocks=len(local), free=self.staging.free)
                 self._loads[ticket] = _Load(seq, 0, local, [], 0)
-                self._done.put((ticket, False, 0.0, 0))
+                self._done.put((ticket, False, 0.0, 0, 0.0))
                 return
             slots = taken
         self._loads[ticket] = _Load(seq, src.num_tokens - first_block * self.block_size, local, slots,
@@ -280,8 +365,10 @@ class KvConnector:
     def _read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
         start = time.perf_counter()
         k = len(self.shard.regions)
-        ok, nbytes = self.shard.read(src.peer, src.regions[:k], local_blocks, remote_blocks, src)
-        self._done.put((ticket, ok, time.perf_counter() - start, nbytes))
+        first = len(src.blocks) - len(remote_blocks)
+        ok, nbytes, waited = self.shard.read(src.peer, src.regions[:k], local_blocks, remote_blocks, src,
+                                             Progress(self.block_size, first, self.hold_seconds))
+        self._done.put((ticket, ok, time.perf_counter() - start, nbytes, waited))
 
     def finished(self) -> list[tuple[Sequence, int]]:
         """The loads done since the last call (this rank's read and every other rank's):
@@ -289,11 +376,12 @@ class KvConnector:
         failed."""
         while True:
             try:
-                ticket, ok, seconds, nbytes = self._done.get_nowait()
+                ticket, ok, seconds, nbytes, waited = self._done.get_nowait()
             except queue.Empty:
                 break
             load = self._loads[ticket]
             load.own_done, load.ok, load.seconds, load.nbytes = True, load.ok and ok, seconds, nbytes
+            load.waited = waited
         # (the other ranks are asked once this rank's own read is done: one gather a step
         # while they finish, none while the reads run)
         if self.ranks is not None and any(load.own_done and load.ranks_left for load in self._loads.values()):
@@ -321,6 +409,7 @@ class KvConnector:
         s = self._stats
         s["loads"] += 1
         s["load_seconds"] += load.seconds
+        s["load_wait_seconds"] += load.waited
         if load.ok:
             s["loaded_tokens"] += load.tokens
             s["loaded_bytes"] += load.nbytes * (1 + len(self.rank_peers))
@@ -351,4 +440,4 @@ def make_connector(config: EngineConfig, kv_caches: list[tuple[torch.Tensor, tor
         staging = KV_STAGING_DEFAULT
     link = None if ranks is None else RankLink(ranks, config.kv_transfer, config.kv_transfer_host)
     return KvConnector(make_transport(config.kv_transfer, config.kv_transfer_host), kv_caches, config.block_size,
-                       config.kv_hold_seconds, staging, link)
+                       config.kv_hold_seconds, staging, link, config.kv_transfer_overlap)

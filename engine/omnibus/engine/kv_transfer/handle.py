@@ -7,7 +7,9 @@ connector reads the blocks it names. Every field a reader needs to find, check a
 trust the bytes is here: the holder's transfer address and memory layout, which of
 its blocks hold which tokens, a digest of those tokens (with the adapter's identity
 and the tenant's cache group, as prefix-cache hashes have), and the lease word that
-says the blocks were still held while they were read. Torch-free.
+says the blocks were still held while they were read. A handle given out while its
+prefill still runs also names the holder's progress words: a reader reads each layer's
+blocks as they become final. Torch-free.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class KvHandle:
     # tensor parallelism: ranks 1..N-1's addresses (rank 0's is `peer`); `regions` then
     # lists every rank's regions, rank 0's first; the lease word is rank 0's
     rank_peers: tuple[str, ...] = ()
+    # given out before its prefill ended (--kv-transfer-overlap): the holder's progress
+    # words (one int64 a layer: that layer's tokens whose KV is final); 0: all final now
+    progress_addr: int = 0
 
     def to_proto(self) -> engine_pb2.KvHandle:
         from omnibus.v1 import engine_pb2
@@ -45,13 +50,13 @@ class KvHandle:
             peer=self.peer, request_id=self.request_id, num_tokens=self.num_tokens,
             blocks=self.blocks, regions=self.regions, block_bytes=self.block_bytes,
             layout=self.layout, digest=self.digest, lease_addr=self.lease_addr,
-            lease_epoch=self.lease_epoch, rank_peers=self.rank_peers)
+            lease_epoch=self.lease_epoch, rank_peers=self.rank_peers, progress_addr=self.progress_addr)
 
     @classmethod
     def from_proto(cls, msg: engine_pb2.KvHandle) -> KvHandle:
         return cls(msg.peer, msg.request_id, msg.num_tokens, tuple(msg.blocks), tuple(msg.regions),
                    msg.block_bytes, msg.layout, msg.digest, msg.lease_addr, msg.lease_epoch,
-                   tuple(msg.rank_peers))
+                   tuple(msg.rank_peers), msg.progress_addr)
 
     def problem(self, block_size: int) -> str | None:
         """Why the handle cannot describe a pool of `block_size`-token blocks (a router's
@@ -63,6 +68,8 @@ class KvHandle:
         if (not self.regions or len(self.regions) % (2 * (1 + len(self.rank_peers))) or self.block_bytes <= 0
                 or not all(self.rank_peers)):
             return "its memory regions are malformed"
+        if self.progress_addr and self.rank_peers:
+            return "a handle of several ranks names no progress words"
         return None
 
 

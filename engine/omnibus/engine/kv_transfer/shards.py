@@ -13,7 +13,9 @@ handle then names every rank's peer and regions; rank r reads from the holder's 
 from __future__ import annotations
 
 import queue
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-LOAD_THREADS = 2  # concurrent reads, each reading lease words into its own probe word
+LOAD_THREADS = 4  # concurrent reads, each reading lease (and progress) words into its own probe words
+POLL_FIRST_S, POLL_MOST_S = 0.001, 0.02  # an early handle's progress is polled this often, backing off
 
 
 class Staging:
@@ -76,6 +79,17 @@ def staging_slots(staging_bytes: int, tensors: list[torch.Tensor]) -> int:
     return slots
 
 
+@dataclass(frozen=True)
+class Progress:
+    """How a reader follows an early handle's progress words: the holder's block size, the
+    first block it reads (past its local prefix hit), and how long it waits for progress
+    that does not move before it gives up (the holder stalled)."""
+
+    block_size: int
+    first_block: int
+    stall_s: float
+
+
 class KvShard:
     """A rank's KV memory registered with its transport: the pool's tensors (K0, V0, K1,
     ...) read in place, or a `Staging` area of `slots` blocks when `slots` > 0 (a pool
@@ -86,9 +100,11 @@ class KvShard:
         self.transport = transport
         self.tensors = [t for layer in kv_caches for t in layer]
         self.block_bytes = self.tensors[0][0].numel() * self.tensors[0].element_size()
+        self.layers = len(kv_caches)
         with torch.inference_mode(False):  # written from the read threads, which are not in inference mode
             self.staging = Staging(self.tensors, slots) if slots else None
-            self._probes = torch.zeros(LOAD_THREADS, dtype=torch.int64)  # where a read's lease word lands
+            # where a read's lease word lands, then (an early handle's) the progress words
+            self._probes = torch.zeros((LOAD_THREADS, 1 + self.layers), dtype=torch.int64)
         if self.staging is None and any(t.device.type != "cpu" for t in self.tensors):
             raise ValueError("--kv-transfer reads a pool in device memory through host staging: "
                              "--kv-transfer-staging-bytes must be > 0")
@@ -96,32 +112,92 @@ class KvShard:
         self.regions = tuple(t.data_ptr() for t in shown)
         for t in shown:
             transport.register(t.data_ptr(), t.numel() * t.element_size())
-        transport.register(self._probes.data_ptr(), LOAD_THREADS * 8)
+        transport.register(self._probes.data_ptr(), self._probes.numel() * 8)
         self._free_probes: queue.SimpleQueue[int] = queue.SimpleQueue()  # one per read running
         for probe in range(LOAD_THREADS):
             self._free_probes.put(probe)
 
     def read(self, peer: str, remote_regions: tuple[int, ...], local_blocks: list[int],
-             remote_blocks: tuple[int, ...], src: KvHandle) -> tuple[bool, int]:
+             remote_blocks: tuple[int, ...], src: KvHandle,
+             progress: Progress | None = None) -> tuple[bool, int, float]:
         """On a worker thread: `peer`'s blocks into this shard's (staging slots when it
         stages), then the holder's lease word (into this read's probe word). True when the
-        word still holds the handle's epoch; the bytes read."""
-        ok, nbytes = False, 0
+        word still holds the handle's epoch; the bytes read; the seconds spent waiting for
+        an early handle's progress (`progress`: how to follow it)."""
+        ok, nbytes, waited = False, 0, 0.0
         probe = self._free_probes.get()  # never waits: one per thread
         try:
-            local, remote, lengths = _ranges(local_blocks, remote_blocks, self.regions, remote_regions,
-                                             self.block_bytes)
-            nbytes = sum(lengths)
-            if self.transport.read(peer, local, remote, lengths):
-                self._probes[probe] = 0
-                addr = self._probes.data_ptr() + probe * 8
-                ok = (self.transport.read(src.peer, [addr], [src.lease_addr], [8])
-                      and int(self._probes[probe]) == src.lease_epoch)
+            if src.progress_addr and progress is not None:
+                ok, nbytes, waited = self._read_as_final(peer, remote_regions, local_blocks, remote_blocks, src,
+                                                         progress, probe)
+            else:
+                local, remote, lengths = _ranges(local_blocks, remote_blocks, self.regions, remote_regions,
+                                                 self.block_bytes)
+                nbytes = sum(lengths)
+                ok = self.transport.read(peer, local, remote, lengths) and self._leased(src, probe)
         except Exception:  # a transport error is a failed load: recomputed, never used
             log.exception("kv_read_error", peer=peer)
         finally:
             self._free_probes.put(probe)
-        return ok, nbytes if ok else 0
+        return ok, nbytes if ok else 0, waited
+
+    def _leased(self, src: KvHandle, probe: int, progress: bool = False) -> bool:
+        """Reads the holder's lease word (and with `progress` its progress words after it)
+        into `probe`'s words: True when it still holds the handle's epoch."""
+        self._probes[probe, 0] = 0
+        addr = self._probes.data_ptr() + probe * self._probes.shape[1] * 8
+        local, remote, lengths = [addr], [src.lease_addr], [8]
+        if progress:
+            local.append(addr + 8)
+            remote.append(src.progress_addr)
+            lengths.append(self.layers * 8)
+        return self.transport.read(src.peer, local, remote, lengths) and int(self._probes[probe, 0]) == src.lease_epoch
+
+    def _read_as_final(self, peer: str, remote_regions: tuple[int, ...], local_blocks: list[int],
+                       remote_blocks: tuple[int, ...], src: KvHandle, progress: Progress,
+                       probe: int) -> tuple[bool, int, float]:
+        """An early handle's blocks, each layer's read as the holder's progress words say
+        they are final (a block once all its tokens are, the last at the end), until every
+        layer's are; the lease is checked with every look at the progress and after the
+        last read. Fails when the lease ends or the progress stands still for
+        `progress.stall_s`. Each pass reads something or waits (backing off), so it ends."""
+        bs, first, total = progress.block_size, progress.first_block, len(local_blocks)
+        done = [0] * self.layers  # blocks of local_blocks read, per layer
+        nbytes, waited, pause = 0, 0.0, POLL_FIRST_S
+        moved = time.monotonic()
+        words = self._probes[probe]
+        while True:
+            if not self._leased(src, probe, progress=True):
+                return False, 0, waited
+            if min(done) == total:
+                return True, nbytes, waited
+            final = words[1:].tolist()
+            local: list[int] = []
+            remote: list[int] = []
+            lengths: list[int] = []
+            for layer, tokens in enumerate(final):
+                ready = total if tokens >= src.num_tokens else min(total, max(0, tokens // bs - first))
+                if ready > done[layer]:
+                    kv = slice(2 * layer, 2 * layer + 2)
+                    ranges = _ranges(local_blocks[done[layer]:ready], remote_blocks[done[layer]:ready],
+                                     self.regions[kv], remote_regions[kv], self.block_bytes)
+                    local += ranges[0]
+                    remote += ranges[1]
+                    lengths += ranges[2]
+                    done[layer] = ready
+            if lengths:
+                if not self.transport.read(peer, local, remote, lengths):
+                    return False, 0, waited
+                nbytes += sum(lengths)
+                moved, pause = time.monotonic(), POLL_FIRST_S
+                continue
+            if time.monotonic() - moved > progress.stall_s:
+                log.warning("kv_progress_stalled", peer=peer, request_id=src.request_id, seconds=progress.stall_s,
+                            final=min(final), tokens=src.num_tokens)
+                return False, 0, waited
+            time.sleep(pause)
+            waited += pause
+            pause = min(2 * pause, POLL_MOST_S)
 
     def stage_out(self, blocks: list[int], slots: list[int]) -> None:
         assert self.staging is not None
@@ -172,7 +248,7 @@ class RankKv:
         k = len(self.shard.regions)
         peer, regions = src.rank_peers[self.rank - 1], src.regions[self.rank * k:(self.rank + 1) * k]
         self._pool.submit(lambda: self._done.put(
-            (ticket, self.shard.read(peer, regions, local_blocks, remote_blocks, src)[0])))
+            (ticket, self.shard.read(peer, regions, local_blocks, remote_blocks, src)[0])))  # no early handles here
 
     def finished(self) -> dict[int, bool]:
         done = {}

@@ -52,6 +52,8 @@ class ForwardBatch:
     attn_plan: AttentionPlan | None = None  # the CPU attention's per-step work (kernels.plan_attention)
     # rows whose logits score prompt tokens (worker.sampling.PromptRows); None: none
     prompt_logprobs: object | None = None
+    # early-held prefills' progress words (worker/kv_pool.py KvMarks), told as each layer's KV is written
+    kv_marks: object | None = None
 
 
 class RMSNorm(nn.Module):
@@ -257,9 +259,11 @@ class LlamaForCausalLM(nn.Module):
                                   batch.seq_lens, batch.slot_mapping)
             if plan is not None:
                 batch = replace(batch, attn_plan=plan)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches or [None] * len(self.layers)):
+        residual, marks = None, batch.kv_marks
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches or [None] * len(self.layers))):
             x, residual = layer(x, residual, batch, self.rope, kv_cache, batch.lora)
+            if marks is not None:
+                marks.layer_done(i)  # type: ignore[attr-defined]
         return self.norm(x, residual)[0]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         "place; 2 GiB for one on a GPU). A hold or read that finds no room is recomputed instead",
     )
     p.add_argument(
+        "--kv-transfer-overlap", action=argparse.BooleanOptionalAction, default=_ENGINE["kv_transfer_overlap"],
+        help="a prefill for a decode engine hands its KV on as soon as it is seated: the decode engine "
+        "reads each layer's blocks as the prefill's forward finishes them, overlapping the transfer with "
+        "the prefill, and computes the last prompt token itself (a pool read in place by one rank; a "
+        "staged or tensor-parallel pool hands its KV on with the first token; off by default: experimental)",
+    )
+    p.add_argument(
         "--kv-hold-seconds", type=float, default=_ENGINE["kv_hold_seconds"], metavar="S",
         help="KV held for another engine (a prefill's, a drained request's) is given back after "
         "this long if the reader's router has not released it",

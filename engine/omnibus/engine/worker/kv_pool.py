@@ -63,3 +63,28 @@ def copy_kv(device: list[tuple[torch.Tensor, torch.Tensor]], host: list[tuple[to
                 else:
                     d.index_copy_(0, blocks, h.index_select(0, slots))
         i = j
+
+
+class KvMarks:
+    """The progress words of the step's early-held prefills (kv_transfer/connector.py
+    hold_early): after layer l's forward, word l of each says its KV is final up to the
+    end of this step's chunk. Host words, written in order on the host: only pools read
+    in place on the CPU give early handles, and there the forward runs synchronously."""
+
+    __slots__ = ("_marks",)
+
+    def __init__(self, marks: list[tuple[object, int]]) -> None:
+        self._marks = marks  # (its progress words, the chunk's end)
+
+    def layer_done(self, layer: int | None) -> None:
+        """Layer `layer`'s KV of the step is written (None: every layer's)."""
+        at = slice(None) if layer is None else layer
+        for words, end in self._marks:
+            words[at] = end  # type: ignore[index]
+
+
+def kv_marks(scheduled) -> KvMarks | None:
+    """The step's marks, or None when no planned chunk belongs to an early hold."""
+    marks = [(item.seq.kv_progress, item.start + item.num_tokens) for item in scheduled
+             if item.seq.kv_progress is not None]
+    return KvMarks(marks) if marks else None

@@ -30,7 +30,7 @@ from omnibus.engine.parallel.ranks import Ranks, ShardedModel, host_batch
 from omnibus.engine.parallel.shard import ShardPlan, check_divisible, local_kv_heads
 from omnibus.engine.worker.cuda_graph import DecodeGraphs
 from omnibus.engine.worker.grammar import GrammarMatcher, Grammars
-from omnibus.engine.worker.kv_pool import copy_kv, host_caches, kv_caches
+from omnibus.engine.worker.kv_pool import copy_kv, host_caches, kv_caches, kv_marks
 from omnibus.engine.worker.memory import MemoryUse, kv_cache_budget, lora_stack_bytes
 from omnibus.engine.worker.sampling import (
     PromptRows, SampledBatch, Sampler, SamplerOutput, prompt_logprobs)
@@ -43,9 +43,8 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}  # the dtypes Engi
 
 
 def bind_device(device: torch.device) -> None:
-    """Make `device` the calling thread's current CUDA device: Triton launches, CUDA-graph
-    capture and `torch.cuda.Event()` use the current device, which is cuda:0 otherwise.
-    No-op for the CPU and for a bare "cuda" (the current device is meant)."""
+    """Make `device` the calling thread's current CUDA device (Triton launches, graph capture
+    and events use it; else cuda:0). No-op for the CPU and a bare "cuda" (the current one)."""
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 
@@ -344,6 +343,7 @@ class ModelRunner:
             prompt_logprobs=None if not score_spans else PromptRows(
                 to_device(score_rows, torch.long, dev), to_device(score_targets, torch.long, dev),
                 score_spans),
+            kv_marks=kv_marks(scheduled),
         )
 
     @torch.inference_mode()
@@ -397,6 +397,8 @@ class ModelRunner:
             hidden = self.graphs.run(batch)  # (n, hidden): decode-only, one token per sequence
         else:
             hidden = self.model(batch, self.kv_caches)  # (T, hidden)
+        if batch.kv_marks is not None:  # (a model that marks no layer, a graph)
+            batch.kv_marks.layer_done(None)
         rows, masked = self._sampled_rows(plan)
         penalties = False
         # host work while the forward runs

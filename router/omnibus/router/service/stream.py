@@ -11,7 +11,9 @@ reads it instead of recomputing it.
 Disaggregated serving: with engines of --role prefill in the fleet, a request's prompt
 is computed on one of them first (max_tokens 1, its KV held: the first token streams to
 the client), then a decode engine goes on with it, reading that KV. The holder is told
-to let go of held KV once the reader's first output arrives, or the stream ends. A client that stops reading for
+to let go of held KV once the reader's first output arrives, or the stream ends. A prefill
+engine that overlaps the transfer (--kv-transfer-overlap) hands the stream on as soon as
+it is seated, before its first token, and the decode engine samples that token itself. A client that stops reading for
 --client-stall-seconds has its engine work aborted and its seat freed (client_stalled).
 A router drain that runs out of time ends each stream with ABORTED, usage included.
 """
@@ -341,8 +343,8 @@ class Streamer:
                         self._take_source(job, out.kv_handle, engine)
                 self._queue.charge(tenant.name, len(out.token_ids), tenant.weight)  # fair share
                 response = self._shaper.response(job, out)
-                if response.token_ids or response.text or not drained:
-                    yield response
+                if response.token_ids or response.text or not (drained or handoff):
+                    yield response  # (an early handoff names the KV before the first token: nothing to send)
                 if handoff and response.finish_reason == UNSPECIFIED:
                     self._metrics.handoffs.labels("transfer" if job.kv_source is not None else "recompute").inc()
                     raise _Handoff()
