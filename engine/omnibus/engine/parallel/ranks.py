@@ -225,7 +225,7 @@ class ShardedModel:
 
 
 _BATCH_TENSORS = [f.name for f in fields(ForwardBatch)
-                  if f.name not in ("max_query_len", "lora", "attn_plan", "prompt_logprobs")]
+                  if f.name not in ("max_query_len", "lora", "attn_plan", "prompt_logprobs", "kv_marks")]
 
 
 def host_batch(batch: ForwardBatch) -> ForwardBatch:
@@ -233,7 +233,8 @@ def host_batch(batch: ForwardBatch) -> ForwardBatch:
     rank 0 uses (the attention plan is made by each rank's forward; prompt-logprob rows are
     scored through compute_logits)."""
     lora = None if batch.lora is None else batch.lora.runs  # each rank rebuilds it over its own slots
-    return replace(on_device(batch, torch.device("cpu")), lora=lora, attn_plan=None, prompt_logprobs=None)
+    return replace(on_device(batch, torch.device("cpu")), lora=lora, attn_plan=None, prompt_logprobs=None,
+                   kv_marks=None)  # (early holds are rank 0's only: a sharded pool gives none)
 
 
 def on_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
