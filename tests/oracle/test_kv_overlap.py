@@ -25,13 +25,22 @@ from tests.oracle.test_kv_transfer import model  # noqa: E402,F401 (the module's
 
 
 @pytest.fixture(scope="module")
-def engines(model):  # noqa: F811
+def pair(model):  # noqa: F811
     path, _ = model
     holder = make_engine(path, kv_transfer_overlap=True, max_num_batched_tokens=16, kv_hold_seconds=5.0)
     reader = make_engine(path, kv_transfer_overlap=True, kv_hold_seconds=0.5)  # its stall bound
     yield holder, reader
     holder.close()
     reader.close()
+
+
+@pytest.fixture
+def engines(pair):
+    """The pair, with whatever a failed test left behind aborted, so one failure stays one."""
+    yield pair
+    for engine in pair:
+        for rid in list(engine.scheduler.lifecycle.requests):
+            engine.abort(rid)
 
 
 def early_handle(holder, rid: str, ids: list[int]):
@@ -42,9 +51,27 @@ def early_handle(holder, rid: str, ids: list[int]):
     return out.kv_handle
 
 
-def step_both(holder, reader, rid: str, hold_steps: int | None = None, limit_s: float = 30.0) -> list[int]:
+def wait_for(condition, limit_s: float = 10.0) -> None:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < limit_s, "timed out waiting on the read thread"
+        time.sleep(0.005)
+
+
+def start_reading(holder, reader, rid: str, ids: list[int], max_tokens: int, hold_steps_first: int = 0):
+    """An early handle for `rid` on the holder (its first chunk computed, `hold_steps_first`
+    more steps), and the reader's request for it; the reader's stats before."""
+    handle = early_handle(holder, rid, ids)
+    for _ in range(hold_steps_first):
+        holder.step()
+    before = reader.kv.stats()
+    reader.add_request(EngineRequest(rid, ids, greedy(max_tokens), kv_source=handle))
+    return before
+
+
+def step_both(holder, reader, rid: str, hold_steps: int | None = None, limit_s: float = 30.0, outputs: bool = False):
     """Steps the holder (at most `hold_steps` times) and the reader in turn until the reader
-    is done; the reader's tokens for `rid`."""
+    is done; the reader's tokens for `rid` (its outputs with `outputs`)."""
     got: list = []
     start, steps = time.monotonic(), 0
     while reader.has_unfinished():
@@ -56,14 +83,13 @@ def step_both(holder, reader, rid: str, hold_steps: int | None = None, limit_s: 
         reader.check_integrity()
         time.sleep(0.002)  # the read thread polls the holder's progress
         assert time.monotonic() - start < limit_s, "the reader never finished"
-    return tokens(got)
+    return got if outputs else tokens(got)
 
 
 def test_an_early_handle_is_read_layer_by_layer_while_the_prefill_runs_token_exact(model, engines):
     path, hf = model
     holder, reader = engines
     ids = prompt(7, 61)  # 4 chunks of 16 on the holder
-    handle = early_handle(holder, "e1", ids)
     seen_running = []
     read = reader.kv.transport.read
 
@@ -74,15 +100,19 @@ def test_an_early_handle_is_read_layer_by_layer_while_the_prefill_runs_token_exa
 
     reader.kv.shard.transport.read = watched
     try:
-        before = reader.kv.stats()
-        reader.add_request(EngineRequest("e1", ids, greedy(10), kv_source=handle))
-        assert step_both(holder, reader, "e1") == hf_greedy(hf, ids, 10)
+        before = start_reading(holder, reader, "e1", ids, 10)
+        got = [o for o in reader.step() if o.request_id == "e1"]  # the load starts
+        # the first chunk is final on every layer already: the read thread reads it while
+        # the holder, not stepped until then, still holds the request mid-prefill
+        wait_for(lambda: seen_running)
+        got += step_both(holder, reader, "e1", outputs=True)
     finally:
         reader.kv.shard.transport.read = read
+    assert tokens(got) == hf_greedy(hf, ids, 10)
     after = reader.kv.stats()
     assert after.loaded_tokens - before.loaded_tokens == len(ids) - 1  # the last prompt token is the reader's
     assert after.load_failures == before.load_failures
-    assert seen_running and seen_running[0], "no block was read while the holder's prefill ran"
+    assert seen_running[0], "no block was read while the holder's prefill ran"
     assert holder.kv.stats().sent_early >= 1
     assert holder.abort("e1")  # the router's release: the held blocks go back
     all_free(holder)
@@ -93,11 +123,8 @@ def test_an_early_hold_aborted_mid_prefill_is_recomputed_token_exact(model, engi
     path, hf = model
     holder, reader = engines
     ids = prompt(8, 61)
-    handle = early_handle(holder, "e2", ids)
-    holder.step()  # one chunk of 16 computed, then the holder's request ends
-    before = reader.kv.stats()
-    reader.add_request(EngineRequest("e2", ids, greedy(6), kv_source=handle))
-    assert holder.abort("e2")  # its lease ends before its blocks are freed
+    before = start_reading(holder, reader, "e2", ids, 6, hold_steps_first=1)  # two chunks of 16 computed
+    assert holder.abort("e2")  # the holder's request ends: its lease ends before its blocks are freed
     assert holder.kv.stats().dropped >= 1
     assert step_both(holder, reader, "e2") == hf_greedy(hf, ids, 6)
     assert reader.kv.stats().load_failures == before.load_failures + 1
@@ -109,12 +136,10 @@ def test_a_holder_whose_progress_stands_still_is_given_up_on_and_recomputed(mode
     path, hf = model
     holder, reader = engines
     ids = prompt(9, 61)
-    handle = early_handle(holder, "e3", ids)
-    before = reader.kv.stats()
-    reader.add_request(EngineRequest("e3", ids, greedy(6), kv_source=handle))
+    before = start_reading(holder, reader, "e3", ids, 6)
     # the holder does not step: the reader waits 0.5 s of no progress, then recomputes
     assert step_both(holder, reader, "e3", hold_steps=0) == hf_greedy(hf, ids, 6)
     assert reader.kv.stats().load_failures == before.load_failures + 1
-    holder.abort("e3")
+    assert holder.abort("e3")
     all_free(holder)
     all_free(reader)

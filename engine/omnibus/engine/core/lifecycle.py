@@ -91,17 +91,17 @@ class Lifecycle:
 
     def preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the KV (prefix-cached blocks stay reusable). A prefill
-        whose early handle is out ends instead: its reader recomputes what it cannot read."""
+        whose early handle is out ends instead: its reader recomputes what it cannot read
+        (counted all the same: its seat was taken)."""
         self.running.remove(seq)
+        self.num_preemptions += 1
         if seq.kv_progress is not None:
             self.finish(seq, "abort")
-            self.num_preemptions += 1
             return
         self.leave_running(seq)
         seq.num_computed_tokens = 0
         seq.evicted_step = self.step
         seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.queue(seq)
 
     def load(self, seq: Sequence, cached: int) -> None:

@@ -189,7 +189,8 @@ class KvConnector:
         for the caller. None when there is nothing to hold, no lease or no staging room."""
         early = self.held.get(seq.request_id)
         if early is not None:
-            return self._settle_early(seq, early)
+            self._settle_early(seq, early)  # its handle went out already
+            return None
         n = min(seq.num_computed_tokens, seq.num_tokens - 1)
         if n <= 0 or not self._free_slots:
             return None
@@ -245,17 +246,15 @@ class KvConnector:
     def _settle_early(self, seq: Sequence, held: _Held) -> None:
         """An early hold's request ends (`hold`): the blocks it promised become the hold's,
         on its lease from now, when every layer's progress covers its tokens; else (it
-        ends mid-prefill: a drain) it is dropped, and its readers recompute. Its handle
-        went out already: None."""
+        ends mid-prefill: a drain) it is dropped, and its readers recompute."""
         if not held.live or int(self._progress_words[held.slot].min()) < held.tokens:
             self.drop(seq)
-            return None
+            return
         nb = len(held.blocks)
         assert seq.block_table[:nb] == held.blocks, "an early hold's blocks moved under it"
         seq.block_table = seq.block_table[nb:]
         seq.num_registered_blocks, seq.kv_progress = 0, None
         held.live, held.expires = False, time.monotonic() + self.hold_seconds
-        return None
 
     def drop(self, seq: Sequence) -> None:
         """`seq`'s early hold ends with its prefill unfinished (aborted, preempted, ended):

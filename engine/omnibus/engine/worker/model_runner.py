@@ -343,7 +343,7 @@ class ModelRunner:
             prompt_logprobs=None if not score_spans else PromptRows(
                 to_device(score_rows, torch.long, dev), to_device(score_targets, torch.long, dev),
                 score_spans),
-            kv_marks=kv_marks(scheduled),
+            kv_marks=kv_marks(scheduled) if self.config.kv_transfer_overlap else None,
         )
 
     @torch.inference_mode()
