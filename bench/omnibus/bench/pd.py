@@ -43,9 +43,11 @@ BASE = ("--num-kv-blocks", "2400", "--block-size", "16", "--max-num-seqs", "48",
 
 
 @contextlib.contextmanager
-def fleet(model: Path, logs: Path, roles: tuple[str, str], kv: bool, drain_s: float = 30.0) -> Iterator[dict]:
+def fleet(model: Path, logs: Path, roles: tuple[str, str], kv: bool, drain_s: float = 30.0,
+          early: bool = False) -> Iterator[dict]:
     logs.mkdir(parents=True, exist_ok=True)
-    flags = (*BASE, "--drain-seconds", str(drain_s), *(("--kv-transfer", "mooncake") if kv else ()))
+    flags = (*BASE, "--drain-seconds", str(drain_s), *(("--kv-transfer", "mooncake") if kv else ()),
+             *(("--kv-transfer-overlap",) if early else ()))
     engines = [engine_process(model, logs, f"engine-{i}-{role}", *flags, *(("--role", role) if kv else ()),
                               env=ENV) for i, role in enumerate(roles)]
     procs = list(engines)
@@ -80,9 +82,9 @@ def engine_stats(address: str) -> engine_pb2.StatsResponse:
 
 
 def disaggregation(model: Path, logs: Path, roles: tuple[str, str], n_decode: int, n_long: int,
-                   gap_s: float) -> dict:
+                   gap_s: float, early: bool = False) -> dict:
     rng = random.Random(1)
-    with fleet(model, logs / "-".join(roles), roles, kv=True) as f:
+    with fleet(model, logs / ("-".join(roles) + ("-early" if early else "")), roles, kv=True, early=early) as f:
         stub = f["stub"]
         stream(stub, [rng.randrange(100, 40000) for _ in range(32)], 4, [], [])  # warm both paths
         decode_times: list[list[float]] = [[] for _ in range(n_decode)]
@@ -158,14 +160,17 @@ def main() -> None:
     model = smollm2_path()
     logs = Path(tempfile.mkdtemp(prefix="bench-pd-"))
     rows = {}
-    for name, roles in (("mixed (both + both)", ("both", "both")), ("split (prefill + decode)", ("prefill", "decode"))):
-        rows[name] = disaggregation(model, logs, roles, args.decode_streams, args.long_requests, args.long_gap)
+    for name, roles, early in (("mixed (both + both)", ("both", "both"), False),
+                               ("split (prefill + decode)", ("prefill", "decode"), False),
+                               ("split, early handles (--kv-transfer-overlap)", ("prefill", "decode"), True)):
+        rows[name] = disaggregation(model, logs, roles, args.decode_streams, args.long_requests, args.long_gap, early)
         print(name, rows[name], flush=True)
     drains = {}
     for name, kv in (("migrated (--kv-transfer)", True), ("recomputed (no transfer)", False)):
         drains[name] = drain(model, logs, kv, args.drain_streams, 64)
         print(name, drains[name], flush=True)
     mixed, split = rows["mixed (both + both)"], rows["split (prefill + decode)"]
+    early = rows["split, early handles (--kv-transfer-overlap)"]
     lines = [
         "# KV that moves: prefill/decode disaggregation and live migration (CPU)", "",
         "`make bench-pd` (bench/omnibus/bench/pd.py): two engine processes (SmolLM2-135M Q4_1, one torch "
@@ -184,7 +189,11 @@ def main() -> None:
                      f"{r['ttft_decode']:.0f} | {kvb} | {kvt} |")
     lines += ["", f"Split / mixed: decode TPOT p99 {split['tpot_p99'] / mixed['tpot_p99']:.2f}x, "
               f"p50 {split['tpot_p50'] / mixed['tpot_p50']:.2f}x; long-prompt TTFT "
-              f"{split['ttft_long'] / mixed['ttft_long']:.2f}x.", "",
+              f"{split['ttft_long'] / mixed['ttft_long']:.2f}x. Early / late handles: long-prompt TTFT "
+              f"{early['ttft_long'] / split['ttft_long']:.2f}x, decode-heavy TTFT "
+              f"{early['ttft_decode'] / split['ttft_decode']:.2f}x, TPOT p99 "
+              f"{early['tpot_p99'] / split['tpot_p99']:.2f}x (an early handle's read ms is from the "
+              "handle to the last block, most of it waiting on the prefill).", "",
               f"## Drain: {args.drain_streams} streams (64 out) over two engines, one SIGTERMed mid-stream", "",
               "| drain | streams it ran | tokens lost | tokens read, not computed | largest gap of a moved "
               "stream, median ms | max ms |", "|---|---:|---:|---:|---:|---:|"]
