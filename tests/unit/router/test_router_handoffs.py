@@ -25,6 +25,7 @@ class PrefillEngine(ScriptedEngine):
 
     early = True
     seconds = 0.0
+    handle = True  # False: it names no KV (a hold that found no room, a faulty engine)
 
     async def generate(self, request, timeout=None):  # type: ignore[override]
         self.requests.append(request)
@@ -35,7 +36,7 @@ class PrefillEngine(ScriptedEngine):
                                      num_tokens=n - 1, layout=LAYOUT)
         yield engine_pb2.EngineGenerateResponse(
             token_ids=[] if self.early else [7], num_output_tokens=0 if self.early else 1,
-            finish_reason=inference_pb2.LENGTH, num_prompt_tokens=n, kv_handle=handle)
+            finish_reason=inference_pb2.LENGTH, num_prompt_tokens=n, kv_handle=handle if self.handle else None)
 
 
 async def disaggregated(tmp_path, early: bool, seconds: float = 0.0, **flags):
@@ -84,5 +85,21 @@ async def test_the_prefill_hops_time_is_not_queue_time(tmp_path):
         assert err is None, err
         assert [t for r in responses for t in r.token_ids] == [5, 5]
         assert len(prefill.requests) == len(decode.requests) == 1
+    finally:
+        await router.close()
+
+
+async def test_a_prefill_hop_that_names_no_kv_is_not_taken_again(tmp_path):
+    """A prefill engine that ends the hop with no token and no handle: the stream is not
+    sent to a prefill engine again (one prefill hop a stream), the decode engine computes it."""
+    router, prefill, decode, released = await disaggregated(tmp_path, early=True)
+    prefill.handle = False
+    try:
+        responses, err = await served(router, caller(router), prompt(6, 3))
+        assert err is None, err
+        assert [t for r in responses for t in r.token_ids] == [5, 5, 5]
+        assert len(prefill.requests) == len(decode.requests) == 1
+        assert not decode.requests[0].HasField("kv_source") and released == []
+        assert counter(router, "handoffs", "recompute") == 1
     finally:
         await router.close()

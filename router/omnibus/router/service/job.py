@@ -53,8 +53,10 @@ class Job:
     offset: int = 0
     refused_by: set[str] = field(default_factory=set)  # engines that would not continue it
     # KV that moves: "prefill" while a prefill engine computes its prompt for a decode
-    # engine; the KV the next engine reads (a handle from the engine that holds it).
+    # engine (once: `prefilled` after); the KV the next engine reads (a handle from the
+    # engine that holds it).
     hop: str = ""
+    prefilled: bool = False
     kv_source: engine_pb2.KvHandle | None = None
     kv_holder: EngineClient | None = None
     queued_at: float = 0.0  # when it last entered the queue (a continuation re-enters it)

@@ -156,8 +156,8 @@ class Streamer:
                         async for response in responses:
                             yield response
                     return
-                except _Handoff:
-                    job.queued_at = time.monotonic()  # a decode engine goes on, reading the prefill's KV
+                except _Handoff:  # a decode engine goes on, reading the prefill's KV (or recomputing)
+                    job.prefilled, job.queued_at = True, time.monotonic()
                     continue
                 except _EngineLost as lost:
                     # No engine left to take it (one with its adapter): fail now, as a new
@@ -177,10 +177,12 @@ class Streamer:
 
     def _disaggregated(self, job: Job) -> bool:
         """Whether the job's prompt goes to a prefill engine first: a new stream that will
-        decode (max_tokens > 1) and whose KV no engine holds yet (an early handle comes
-        before the first token), while engines of both roles that move KV take requests."""
+        decode (max_tokens > 1), not prefilled already (an early handle comes before the
+        first token) and whose KV no engine holds, while engines of both roles that move
+        KV take requests."""
         request = job.request
-        return (not job.sent_ids and job.kv_source is None and request.sampling.max_tokens > 1 and request.sampling.prompt_logprobs == 0
+        return (not job.sent_ids and not job.prefilled and job.kv_source is None
+                and request.sampling.max_tokens > 1 and request.sampling.prompt_logprobs == 0
                 and self._fleet.with_role(PREFILL, job.adapter, request.cost)
                 and self._fleet.with_role(SERVING, job.adapter, request.cost))
 
