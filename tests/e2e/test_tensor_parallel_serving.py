@@ -136,6 +136,79 @@ def test_two_rank_engines_move_kv_rank_to_rank_both_ways_token_exact(fleet):
         here.close()
 
 
+@pytest.mark.parametrize("staging", [0, 8 << 20], ids=["in-place", "staged"])
+def test_engines_of_two_ranks_and_of_one_read_each_others_kv_token_exact(fleet, staging):
+    """Engines of another rank count read a handle too (kv_transfer/reshard.py): a
+    one-device engine here reads the served two-rank engine's held KV (each block's
+    heads gathered from both ranks' halves), and the two-rank engine reads this one's
+    (each rank its half of the heads). Both go on as the one-device engine serves them,
+    with nothing recomputed; the engine here holds and reads in place, or stages as an
+    engine on a GPU does (its hold staged; a resharded read lands in scratch, not staging)."""
+    import random
+    import time
+
+    from omnibus.v1 import engine_pb2_grpc
+
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
+    from omnibus.engine.request import EngineRequest
+    from omnibus.engine.worker.sampling import SamplingParams
+    from tests.grpc_helpers import engine_request
+
+    pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is in `make setup`'s environment")
+    rng = random.Random(7 + staging)  # prompts no engine has cached
+    to_one, to_two = ([rng.randrange(3, 250) for _ in range(n)] for n in (29, 43))
+
+    def served(address: str, req):
+        with grpc.insecure_channel(address) as channel:
+            replies = list(engine_pb2_grpc.EngineStub(channel).Generate(req, timeout=60))
+        return [t for r in replies for t in r.token_ids], replies[-1]
+
+    def run(engine: Engine) -> list:
+        outs, start = [], time.monotonic()
+        while engine.has_unfinished():
+            outs += engine.step()
+            engine.check_integrity()
+            assert time.monotonic() - start < 60, "the engine never finished"
+        return outs
+
+    want = {name: served(fleet["one"].address, engine_request(f"rs-{name}", ids, max_tokens=12))[0]
+            for name, ids in (("one", to_one), ("two", to_two))}
+    here = Engine(EngineConfig(model=str(fleet["model"]), num_kv_blocks=256, block_size=8, kv_transfer="mooncake",
+                               kv_transfer_staging_bytes=staging))
+    try:
+        hold = engine_request(f"rs-p2-{staging}", to_one, max_tokens=1)
+        hold.kv_hold = True
+        first, last = served(fleet["tp"].address, hold)
+        assert last.kv_handle.layout.endswith("/tp2") and last.kv_handle.layout != here.kv.layout
+        from omnibus.engine.kv_transfer.handle import KvHandle
+
+        rest = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True, output_offset=1)
+        handle = KvHandle.from_proto(last.kv_handle)
+        here.add_request(EngineRequest(f"rs-d1-{staging}", to_one + first, rest, kv_source=handle))
+        outs = run(here)
+        assert first + [t for o in outs for t in o.new_token_ids] == want["one"]
+        assert outs[0].num_cached_tokens == len(to_one)
+        stats = here.kv.stats()
+        assert (stats.loaded_tokens, stats.load_failures, stats.refused) == (len(to_one), 0, 0)
+
+        greedy1 = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        here.add_request(EngineRequest(f"rs-p1-{staging}", to_two, greedy1, kv_hold=True))
+        (out,) = run(here)
+        assert out.kv_handle is not None and out.kv_handle.num_tokens == len(to_two)
+        before = engine_stats(fleet["tp"].address).kv_transfer
+        back = engine_request(f"rs-d2-{staging}", to_two + out.new_token_ids, max_tokens=11, output_offset=1)
+        back.kv_source.CopyFrom(out.kv_handle.to_proto())
+        tail, last = served(fleet["tp"].address, back)
+        assert out.new_token_ids + tail == want["two"]
+        after = engine_stats(fleet["tp"].address).kv_transfer
+        assert after.loaded_tokens - before.loaded_tokens == len(to_two)
+        assert after.load_failures == before.load_failures and after.refused == before.refused
+        assert here.abort(f"rs-p1-{staging}") and here.check_integrity().referenced == 0 and not here.kv.held
+    finally:
+        here.close()
+
+
 def rank_pid(fleet) -> int:
     (pid,) = re.findall(r'"ranks": \[(\d+)\]', fleet["tp"].log_path.read_text())
     return int(pid)

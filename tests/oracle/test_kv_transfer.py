@@ -216,9 +216,11 @@ def test_a_holder_that_is_gone_and_a_handle_that_does_not_match_are_recomputed(m
     all_free(d)
 
 
-def test_a_handle_of_another_rank_count_is_refused_and_recomputed(model, pair):
-    """A two-rank engine's handle names each rank's half of the heads (layout ".../tp2",
-    a peer per rank): a one-rank engine does not read it, and computes the request."""
+def test_a_handle_whose_blocks_do_not_fit_its_rank_count_is_refused_and_recomputed(model, pair):
+    """A handle that says two ranks (layout ".../tp2", a peer per rank) but whose blocks
+    hold every head, as no two-rank engine's do: a one-rank engine does not read it, and
+    computes the request (two-rank handles read by one-rank engines and back:
+    tests/e2e/test_tensor_parallel_serving.py)."""
     path, hf = model
     p, d = pair
     ids = prompt(141, 30)
@@ -240,7 +242,7 @@ class _PretendRank:
     def __init__(self, regions: int) -> None:
         self.regions, self.ok, self.reads = regions, True, []
 
-    def setup(self, slots):
+    def setup(self, slots, num_kv_heads):
         return [("127.0.0.1:9", tuple(range(1, self.regions + 1)))]
 
     def read(self, ticket, src, local, remote):
@@ -268,7 +270,7 @@ def test_a_load_counts_only_when_every_rank_read_its_part(model, pair, monkeypat
     regions = len(pair[0].kv.regions)
     ranks: list[_PretendRank] = []
 
-    def two_ranks(config, kv_caches, _ranks=None):
+    def two_ranks(config, kv_caches, _ranks=None, _num_kv_heads=0):
         ranks.append(_PretendRank(regions))
         return KvConnector(make_transport("mooncake", "127.0.0.1"), kv_caches, config.block_size,
                            config.kv_hold_seconds, 0, ranks[-1])

@@ -268,8 +268,8 @@ def test_engine_core_is_torch_free():
 # spec/proposer.py (torch-free, the scheduler's side of speculation) sits under it, and
 # the adapters stage their host copies with worker/transfer.py. Tensor parallelism's group
 # and shard plan are the model's (its layers reduce over them); its ranks run model runners
-# and serve their shard of moving KV (kv_transfer/shards.py and its transport, below the
-# connector that decides for them).
+# and serve their shard of moving KV (kv_transfer/shards.py, its transport and the plan for
+# reading a handle of another rank count, reshard.py: below the connector that decides for them).
 ENGINE_LAYERS = (
     # torch-free
     ("omnibus.engine", "omnibus.engine.core"),  # the scheduler, the KV block allocator
@@ -277,7 +277,8 @@ ENGINE_LAYERS = (
     ("omnibus.engine.config",),  # torch for annotations only
     # torch
     ("omnibus.engine.model", "omnibus.engine.worker.transfer", "omnibus.engine.parallel.group",
-     "omnibus.engine.parallel.shard", "omnibus.engine.kv_transfer.shards", "omnibus.engine.kv_transfer.transport"),
+     "omnibus.engine.parallel.shard", "omnibus.engine.kv_transfer.shards", "omnibus.engine.kv_transfer.reshard",
+     "omnibus.engine.kv_transfer.transport"),
     ("omnibus.engine.lora",),
     ("omnibus.engine.worker", "omnibus.engine.parallel"),  # the model runner, sampling, CUDA graphs; TP ranks
     ("omnibus.engine.kv_transfer",),  # the KV connector and its transfer engine (the pool's memory)

@@ -101,7 +101,8 @@ class Engine:
                                         host_blocks=self.runner.num_host_blocks)
         self.speculator = self._speculator(config)
         self.kv = None if config.kv_transfer == "none" else make_connector(config, self.runner.kv_caches,
-                                                                                self.runner.ranks)
+                                                                                self.runner.ranks,
+                                                                                self.model_config.num_kv_heads)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, config.waiting_order),
             self.allocator,

@@ -6,9 +6,9 @@ disaggregation managers, for one process: the step loop's.
 Scheduler side (core/lifecycle.py and core/admission.py call these, never a transport):
 
 - `readable(seq)` (once, when the request arrives): whether the KV its `kv_source` handle
-  names can be read into this engine (same pool layout; the handle's digest equals the
-  request's own tokens, adapter salt and cache salt); if so admission reserves blocks for
-  it and seats it LOADING;
+  names can be read into this engine (same pool layout, or one of another rank count
+  that reshards; the handle's digest equals the request's own tokens, adapter salt and
+  cache salt); if so admission reserves blocks for it and seats it LOADING;
 - `start_load(seq, first_block)` / `finished()`: read the blocks past the local prefix
   hit on a worker thread (overlapped with the steps of everyone else; the transport
   releases the GIL) and report each load done or failed. A failed load is recomputed
@@ -45,7 +45,9 @@ handle names blocks of registered memory of the pool's layout, wherever they are
 Tensor parallelism (shards.py): each rank holds its heads of every block at the same
 block ids. This connector (rank 0's) decides for all: holds and leases are its own, a
 staged hold or read is copied on every rank, a read is made by every rank from the
-holder's rank of the same number, and it counts only when every rank's read did.
+holder's rank of the same number, and it counts only when every rank's read did. A
+handle of another rank count is read by each rank from the holder ranks that hold its
+heads, through host scratch (reshard.py).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ import torch
 from omnibus.engine.config import EngineConfig
 from omnibus.engine.core.sequence import Sequence
 from omnibus.engine.kv_transfer.handle import KvHandle, kv_digest
+from omnibus.engine.kv_transfer.reshard import Layout, reshard_plan, reshardable
 from omnibus.engine.kv_transfer.shards import LOAD_THREADS, KvShard, Progress, RankLink, staging_slots
 from omnibus.engine.kv_transfer.transport import Transport
 
@@ -114,7 +117,7 @@ class KvTransferStats:
     loaded_bytes: int = 0
     load_seconds: float = 0.0  # summed over loads
     refused: int = 0  # kv_source handles not read (layout or digest mismatch, malformed)
-    layout: str = ""  # the pool's layout as its handles name it (a reader needs the same)
+    layout: str = ""  # the pool's layout as its handles name it (a reader needs the same but for the ranks)
     sent_early: int = 0  # of `sent`, given out before their prefill ended (--kv-transfer-overlap)
     dropped: int = 0  # ... whose request ended before its prompt was computed (readers recompute)
     load_wait_seconds: float = 0.0  # of load_seconds, waiting for holders' progress
@@ -134,12 +137,13 @@ class KvConnector:
 
     def __init__(self, transport: Transport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, hold_seconds: float, staging_bytes: int = 0, ranks: RankLink | None = None,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, num_kv_heads: int = 0) -> None:
         """`staging_bytes` > 0: holds and reads go through that much host memory (a pool on
         a GPU needs it: the TCP transport reads host memory only). `ranks`: the other
         ranks of a tensor-parallel engine, each given a shard of its own (staging as this
         rank's). `overlap`: prefills for other engines give their handle out early
-        (`hold_early`) where the pool is read in place by one rank."""
+        (`hold_early`) where the pool is read in place by one rank. `num_kv_heads`: the
+        model's, to read handles of engines of another rank count (0: not those)."""
         self.block_size = block_size
         self.hold_seconds = hold_seconds
         tensors = [t for layer in kv_caches for t in layer]  # K0, V0, K1, V1, ...
@@ -151,10 +155,11 @@ class KvConnector:
         self.rank_peers: tuple[str, ...] = ()
         self.regions = self.shard.regions  # every rank's, as a handle names them
         if ranks is not None:
-            others = ranks.setup(slots)
+            others = ranks.setup(slots, num_kv_heads)
             self.rank_peers = tuple(address for address, _ in others)
             self.regions += tuple(r for _, regions in others for r in regions)
         self.layout = pool_layout(kv_caches, 1 + len(self.rank_peers))
+        self.num_kv_heads = num_kv_heads
         self._lease = torch.zeros(LEASE_SLOTS, dtype=torch.int64)  # slot -> epoch while held
         transport.register(self._lease.data_ptr(), LEASE_SLOTS * 8)
         # An early hold's progress words (slot -> one per layer), written by the forward
@@ -187,9 +192,12 @@ class KvConnector:
         computed yet) for a reader: in place they leave `seq.block_table` referenced (the
         rest stay for the caller to free); staged, a copy is kept and every block stays
         for the caller. None when there is nothing to hold, no lease or no staging room."""
-        early = self.held.get(seq.request_id)
-        if early is not None:
-            self._settle_early(seq, early)  # its handle went out already
+        held = self.held.get(seq.request_id)
+        if held is not None and held.live:
+            self._settle_early(seq, held)  # its handle went out already
+            return None
+        if held is not None:  # an earlier request of this id still holds its KV: one hold an id
+            log.warning("kv_hold_id_held", request_id=seq.request_id)
             return None
         n = min(seq.num_computed_tokens, seq.num_tokens - 1)
         if n <= 0 or not self._free_slots:
@@ -247,7 +255,7 @@ class KvConnector:
         """An early hold's request ends (`hold`): the blocks it promised become the hold's,
         on its lease from now, when every layer's progress covers its tokens; else (it
         ends mid-prefill: a drain) it is dropped, and its readers recompute."""
-        if not held.live or int(self._progress_words[held.slot].min()) < held.tokens:
+        if int(self._progress_words[held.slot].min()) < held.tokens:
             self.drop(seq)
             return
         nb = len(held.blocks)
@@ -310,9 +318,10 @@ class KvConnector:
         if src is None:
             return False
         why = src.problem(self.block_size)
-        if why is None and src.layout != self.layout:
-            why = f"its pool layout {src.layout} is not this engine's {self.layout}"
-        if why is None and (len(src.regions) != len(self.regions) or len(src.rank_peers) != len(self.rank_peers)):
+        if why is None and src.layout != self.layout and not self._reshardable(src):
+            why = f"its pool layout {src.layout} is not this engine's {self.layout}, nor one of another rank count"
+        if why is None and src.layout == self.layout and (len(src.regions) != len(self.regions)
+                                                          or len(src.rank_peers) != len(self.rank_peers)):
             why = "its layers or ranks differ from this engine's"
         if why is None and (src.num_tokens >= seq.num_tokens
                             or kv_digest(seq.token_ids[:src.num_tokens], seq.adapter_salt, seq.cache_salt)
@@ -325,6 +334,18 @@ class KvConnector:
             return False
         return True
 
+    def _reshardable(self, src: KvHandle) -> bool:
+        """Whether `src` is a handle of another rank count this engine can read (reshard.py):
+        its layout matches but for the ranks, it names every rank's regions, and its KV
+        is final (an early handle is read by a reader of its own rank count only)."""
+        holder, own = Layout.parse(src.layout), Layout.parse(self.layout)
+        if holder is None or own is None or not self.num_kv_heads or src.progress_addr:
+            return False
+        tokens, heads, head_dim = holder.block
+        return (reshardable(holder, own, self.num_kv_heads) and holder.ranks == 1 + len(src.rank_peers)
+                and len(src.regions) == 2 * holder.layers * holder.ranks
+                and src.block_bytes == tokens * heads * head_dim * self.shard.tensors[0].element_size())
+
     def start_load(self, seq: Sequence, first_block: int) -> None:
         """Queues a read of the source's blocks from `first_block` on into `seq.block_table`'s
         (which holds them already; staged, into staging slots first), begun by
@@ -335,7 +356,7 @@ class KvConnector:
         nb = len(src.blocks)
         local = seq.block_table[first_block:nb]
         slots: list[int] = []
-        if self.staging is not None:
+        if self.staging is not None and src.layout == self.layout:  # (a resharded read lands in scratch)
             taken = self.staging.take(len(local))
             if taken is None:
                 log.warning("kv_staging_full", request_id=seq.request_id, blocks=len(local), free=self.staging.free)
@@ -365,8 +386,13 @@ class KvConnector:
         start = time.perf_counter()
         k = len(self.shard.regions)
         first = len(src.blocks) - len(remote_blocks)
-        ok, nbytes, waited = self.shard.read(src.peer, src.regions[:k], local_blocks, remote_blocks, src,
-                                             Progress(self.block_size, first, self.hold_seconds))
+        if src.layout != self.layout:  # another rank count: this rank's heads from the holder ranks holding them
+            parts = reshard_plan(self.num_kv_heads, 1 + len(src.rank_peers), 1 + len(self.rank_peers), 0)
+            ok, nbytes = self.shard.read_resharded(src, parts, local_blocks, remote_blocks)
+            waited = 0.0
+        else:
+            ok, nbytes, waited = self.shard.read(src.peer, src.regions[:k], local_blocks, remote_blocks, src,
+                                                 Progress(self.block_size, first, self.hold_seconds))
         self._done.put((ticket, ok, time.perf_counter() - start, nbytes, waited))
 
     def finished(self) -> list[tuple[Sequence, int]]:
@@ -427,10 +453,11 @@ class KvConnector:
 
 
 def make_connector(config: EngineConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                   ranks: Ranks | None = None) -> KvConnector:
+                   ranks: Ranks | None = None, num_kv_heads: int = 0) -> KvConnector:
     """The engine's connector for --kv-transfer (not "none") over its KV pool (and, under
     tensor parallelism, every rank's), staged through host memory when the pool is on a
-    GPU (or when asked to be)."""
+    GPU (or when asked to be); `num_kv_heads` (the model's) lets it read handles of
+    engines of another rank count."""
     from omnibus.engine.config import KV_STAGING_DEFAULT
     from omnibus.engine.kv_transfer.transport import make_transport
 
@@ -439,4 +466,4 @@ def make_connector(config: EngineConfig, kv_caches: list[tuple[torch.Tensor, tor
         staging = KV_STAGING_DEFAULT
     link = None if ranks is None else RankLink(ranks, config.kv_transfer, config.kv_transfer_host)
     return KvConnector(make_transport(config.kv_transfer, config.kv_transfer_host), kv_caches, config.block_size,
-                       config.kv_hold_seconds, staging, link, config.kv_transfer_overlap)
+                       config.kv_hold_seconds, staging, link, config.kv_transfer_overlap, num_kv_heads)

@@ -25,6 +25,7 @@ from omnibus.engine.kv_transfer.transport import Transport
 
 if TYPE_CHECKING:
     from omnibus.engine.kv_transfer.handle import KvHandle
+    from omnibus.engine.kv_transfer.reshard import Part
     from omnibus.engine.parallel.ranks import Ranks
 
 log = structlog.get_logger(__name__)
@@ -141,6 +142,48 @@ class KvShard:
             self._free_probes.put(probe)
         return ok, nbytes if ok else 0, waited
 
+    def read_resharded(self, src: KvHandle, parts: list[Part], local_blocks: list[int],
+                       remote_blocks: tuple[int, ...]) -> tuple[bool, int]:
+        """On a worker thread: a handle of another rank count (reshard.py). Each part's
+        holder rank's blocks into host scratch shaped as its blocks (registered for this
+        read), the lease word, then each part's heads into this shard's pool blocks (not
+        staging: the copy is the last step). True when every byte arrived under the
+        lease; the bytes read."""
+        k, n = len(self.tensors), len(local_blocks)
+        pool = self.tensors[0]
+        tokens, _, head_dim = pool.shape[1:]
+        heads = src.block_bytes // (tokens * head_dim * pool.element_size())
+        ok, nbytes, scratch = False, 0, []
+        probe = self._free_probes.get()
+        try:
+            with torch.inference_mode(False):
+                for _ in parts:
+                    buf = torch.empty((k, n, tokens, heads, head_dim), dtype=pool.dtype)
+                    self.transport.register(buf.data_ptr(), buf.numel() * buf.element_size())
+                    scratch.append(buf)
+            for part, buf in zip(parts, scratch):
+                peer = src.peer if part.rank == 0 else src.rank_peers[part.rank - 1]
+                local, remote, lengths = _ranges(list(range(n)), remote_blocks, tuple(b.data_ptr() for b in buf),
+                                                 src.regions[part.rank * k:(part.rank + 1) * k], src.block_bytes)
+                if not self.transport.read(peer, local, remote, lengths):
+                    return False, 0
+                nbytes += sum(lengths)
+            if not self._leased(src, probe):
+                return False, 0
+            at = torch.tensor(local_blocks, device=pool.device)
+            with torch.inference_mode():  # the pool is an inference tensor
+                for part, buf in zip(parts, scratch):
+                    for t, b in zip(self.tensors, buf):
+                        t[at, :, part.local] = b[:, :, part.heads].to(t.device)
+            ok = True
+        except Exception:  # a transport error is a failed load: recomputed, never used
+            log.exception("kv_read_error", peer=src.peer)
+        finally:
+            for buf in scratch:
+                self.transport.unregister(buf.data_ptr())
+            self._free_probes.put(probe)
+        return ok, nbytes if ok else 0
+
     def _leased(self, src: KvHandle, probe: int, progress: bool = False) -> bool:
         """Reads the holder's lease word (and with `progress` its progress words after it)
         into `probe`'s words: True when it still holds the handle's epoch."""
@@ -236,8 +279,8 @@ class RankKv:
     It lasts as long as the rank's process (which ends with os._exit)."""
 
     def __init__(self, transport: Transport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 slots: int, rank: int) -> None:
-        self.shard, self.rank = KvShard(transport, kv_caches, slots), rank
+                 slots: int, rank: int, size: int, num_kv_heads: int) -> None:
+        self.shard, self.rank, self.size, self.num_kv_heads = KvShard(transport, kv_caches, slots), rank, size, num_kv_heads
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="omnibus-kv")
         self._done: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
 
@@ -245,6 +288,14 @@ class RankKv:
         return self.shard.transport.address, self.shard.regions
 
     def read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
+        holder = 1 + len(src.rank_peers)
+        if holder != self.size:  # another rank count: this rank's heads from the holder ranks that hold them
+            from omnibus.engine.kv_transfer.reshard import reshard_plan
+
+            parts = reshard_plan(self.num_kv_heads, holder, self.size, self.rank)
+            self._pool.submit(lambda: self._done.put(
+                (ticket, self.shard.read_resharded(src, parts, local_blocks, remote_blocks)[0])))
+            return
         k = len(self.shard.regions)
         peer, regions = src.rank_peers[self.rank - 1], src.regions[self.rank * k:(self.rank + 1) * k]
         self._pool.submit(lambda: self._done.put(
@@ -267,8 +318,8 @@ def serve_kv(runtime: Any, rank: int, message: tuple, gather: Any) -> None:
     if kind == "kv_setup":
         from omnibus.engine.kv_transfer.transport import make_transport
 
-        _, transport, host, slots = message
-        runtime.kv = RankKv(make_transport(transport, host), runtime.pool, slots, rank)
+        _, transport, host, slots, size, num_kv_heads = message
+        runtime.kv = RankKv(make_transport(transport, host), runtime.pool, slots, rank, size, num_kv_heads)
         gather(runtime.kv.hello())
     elif kind == "kv_read":
         runtime.kv.read(*message[1:])
@@ -297,10 +348,11 @@ class RankLink:
         dist.gather_object(None, out, dst=0, group=self.ranks.tp.cpu_group)
         return out[1:]
 
-    def setup(self, slots: int) -> list[tuple[str, tuple[int, ...]]]:
-        """Each rank's shard (`slots` staging blocks, 0: none) and its (address, regions),
-        ranks 1..N-1 in order."""
-        self.ranks.send(("kv_setup", self.transport, self.host, slots))
+    def setup(self, slots: int, num_kv_heads: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Each rank's shard (`slots` staging blocks, 0: none; the model's `num_kv_heads`,
+        to read handles of other rank counts) and its (address, regions), ranks 1..N-1
+        in order."""
+        self.ranks.send(("kv_setup", self.transport, self.host, slots, self.size, num_kv_heads))
         return self._gather()
 
     def read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:

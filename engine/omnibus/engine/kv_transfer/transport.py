@@ -1,7 +1,7 @@
 """The transfer engine under the KV connector: one-sided reads of registered memory.
 
-The connector (connector.py) needs three verbs from a transport: register a region of
-this process's memory, read byte ranges of a peer's registered regions into this
+The connector (connector.py) needs three verbs from a transport: register (and
+unregister) a region of this process's memory, read byte ranges of a peer's registered regions into this
 process's, and the address peers reach it at. `MooncakeTransport` is Mooncake's transfer
 engine (`mooncake-transfer-engine-non-cuda`: TCP between processes and hosts; its CUDA
 build adds RDMA and device memory). NIXL's agent offers the same verbs (register,
@@ -21,6 +21,8 @@ class Transport(Protocol):
     address: str  # what peers pass to `read` to reach this process
 
     def register(self, addr: int, size: int) -> None: ...
+
+    def unregister(self, addr: int) -> None: ...
 
     def read(self, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> bool:
         """Copies each remote range of `peer`'s registered memory into the local one;
@@ -51,6 +53,9 @@ class MooncakeTransport:
     def register(self, addr: int, size: int) -> None:
         if self._engine.register_memory(addr, size) != 0:
             raise RuntimeError(f"Mooncake could not register {size} bytes at {addr:#x}")
+
+    def unregister(self, addr: int) -> None:
+        self._engine.unregister_memory(addr)
 
     def read(self, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> bool:
         return self._engine.batch_transfer_sync_read(peer, local, remote, lengths) == 0

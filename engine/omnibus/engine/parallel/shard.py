@@ -47,6 +47,16 @@ def local_kv_heads(cfg: ModelConfig, tp: TensorParallel) -> int:
     return max(cfg.num_kv_heads // tp.size, 1)
 
 
+def kv_head_range(num_kv_heads: int, size: int, rank: int) -> range:
+    """The model's KV heads rank `rank` of `size` holds: its share, or with fewer KV heads
+    than ranks the one head its group of ranks replicates."""
+    if num_kv_heads >= size:
+        n = num_kv_heads // size
+        return range(rank * n, (rank + 1) * n)
+    first = rank // (size // num_kv_heads)
+    return range(first, first + 1)
+
+
 class ShardPlan:
     """The slices of one rank (`tp.rank`) of a model of `cfg`."""
 
@@ -54,8 +64,8 @@ class ShardPlan:
         check_divisible(cfg, tp.size)
         self.cfg, self.tp = cfg, tp
         d, r = cfg.head_dim, tp.rank
-        heads, kv_heads = tp.part(cfg.num_heads), local_kv_heads(cfg, tp)
-        first_kv = r * kv_heads if cfg.num_kv_heads >= tp.size else r // (tp.size // cfg.num_kv_heads)
+        heads, kv = tp.part(cfg.num_heads), kv_head_range(cfg.num_kv_heads, tp.size, r)
+        first_kv, kv_heads = kv.start, len(kv)
         inter = tp.part(cfg.intermediate_size)
         # the rows of each fused part (q, k, v; gate, up) this rank keeps
         self.part_rows = {
