@@ -76,7 +76,7 @@ def step_both(holder, reader, rid: str, hold_steps: int | None = None, limit_s: 
     start, steps = time.monotonic(), 0
     while reader.has_unfinished():
         if holder.has_unfinished() and (hold_steps is None or steps < hold_steps):
-            holder.step()
+            assert [o for o in holder.step() if o.request_id == rid] == []  # it ended with its handle
             steps += 1
             holder.check_integrity()
         got += [o for o in reader.step() if o.request_id == rid]

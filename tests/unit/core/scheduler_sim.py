@@ -30,9 +30,12 @@ With KV transfer (`SimConfig.kv`, a fake connector: `FakeKv`) some requests are 
 hops (max_tokens 1, `kv_hold`) whose continuations read the hop's held blocks, and in
 some runs the engine migrates (a drain) mid-run and every request goes on as a
 continuation reading its own held KV; reads land a few steps late or fail (garbage in the
-blocks), holders are released by the continuation or by their lease. The KV check above
-then also proves that a read's blocks hold the right tokens when used, a failed read is
-recomputed, and held blocks are never reused while held.
+blocks), holders are released by the continuation or by their lease. In half of those
+runs prefill hops hand their KV on when seated (early handles): their continuations read
+each block once the hop has computed it, while the hop still runs, and fail when the hop
+ends first (preempted, cancelled, drained). The KV check above then also proves that a
+read's blocks hold the right tokens when used, a failed read is recomputed, and held
+blocks are never reused while held.
 """
 
 from __future__ import annotations
@@ -177,6 +180,7 @@ class SimConfig:
     host_blocks: int = 0  # the prefix cache's host tier (--kv-offload-bytes), in blocks
     kv: bool = False  # KV transfer: prefill hops and their continuations (FakeKv)
     migrate_step: int | None = None  # with kv: the step at which the engine migrates (a drain)
+    kv_early: bool = False  # with kv: prefill hops hand their KV on when seated (FakeKv)
 
     @staticmethod
     def random(seed: int) -> "SimConfig":
@@ -204,6 +208,7 @@ class SimConfig:
             host_blocks=r.choice([0, 0, 3, 16]),
             kv=(kv := r.random() < 0.35),
             migrate_step=r.randint(2, 40) if kv and r.random() < 0.4 else None,
+            kv_early=kv and r.random() < 0.5,  # (the last draw: the fields above stay each seed's)
         )
 
 
@@ -267,6 +272,7 @@ class SimResult:
     kv_loads: tuple[int, int] = (0, 0)  # KV reads that landed, and that failed
     kv_expired: int = 0  # holds whose lease ran out
     migrated: int = 0  # requests a migration continued with their KV
+    kv_early: tuple[int, int] = (0, 0)  # early handles given out, and those dropped mid-prefill
 
 
 class FakeKv:
@@ -275,18 +281,31 @@ class FakeKv:
     launches it (after the step's host-tier copies, which the simulator makes when it
     reports that step: so no read lands before a launch's copies, 2-4 steps later), copying
     the holder's blocks if the hold is still there (else, or in one read of seven, it fails
-    and leaves garbage in the blocks), as the real lease check does."""
+    and leaves garbage in the blocks), as the real lease check does.
+
+    With early handles (`SimConfig.kv_early`, --kv-transfer-overlap) a prefill hop's handle
+    goes out when it is seated: a read of it copies each block once the holder's KV of all
+    its tokens is there (the simulator writes KV as steps report, as the real forward
+    advances the progress words), fails when the hold ends first (the holder aborted,
+    preempted or drained: `drop`) or nothing moved for STALL_STEPS, and checks the hold
+    again once every block is copied."""
 
     HOLD_STEPS = 12  # the lease, in steps
-    overlaps = False  # early handles (hold_early): not modelled here; tests/oracle/test_kv_overlap.py
+    STALL_STEPS = 12  # an early handle's reader gives up after this many steps of no progress
 
-    def __init__(self, sim: Simulator) -> None:
+    def __init__(self, sim: Simulator, early: bool = False) -> None:
         self.sim = sim
+        self.overlaps = early
         self.held: dict[str, tuple[list[int], int, KvHandle]] = {}  # rid -> blocks, expiry step, handle
-        self.loads: list[list] = []  # [request, first block, handle, landing step or None, lands]
-        self.landed = self.failed = self.expired_holds = 0
+        self.live: dict[str, Sequence] = {}  # early holds whose request still runs: rid -> it
+        # [request, first block, handle, landing step or None, lands, blocks copied, last step it moved]
+        self.loads: list[list] = []
+        self.landed = self.failed = self.expired_holds = self.early = self.dropped = 0
 
     def hold(self, seq: Sequence) -> KvHandle | None:
+        if seq.request_id in self.live:  # an early hold's request ends: its blocks become the hold's
+            self._settle(seq)
+            return None
         n = min(seq.num_computed_tokens, seq.num_tokens - 1)
         if n <= 0 or seq.request_id in self.held:
             return None
@@ -297,7 +316,48 @@ class FakeKv:
         self.held[seq.request_id] = (blocks, self.sim.step + self.HOLD_STEPS, handle)
         return handle
 
+    def hold_early(self, seq: Sequence) -> KvHandle | None:
+        n = seq.num_prompt_tokens - 1
+        nb = -(-n // self.sim.cfg.block_size)
+        if (not self.overlaps or n <= 0 or seq.num_output_tokens or len(seq.block_table) < nb
+                or seq.request_id in self.held):
+            return None
+        handle = KvHandle("sim", seq.request_id, n, tuple(seq.block_table[:nb]), (0, 0), 1, "sim", b"", 0,
+                          self.sim.step, progress_addr=1)
+        self.held[seq.request_id] = (list(handle.blocks), 1 << 62, handle)  # no lease while it runs
+        self.live[seq.request_id] = seq
+        seq.kv_progress = handle
+        self.early += 1
+        return handle
+
+    def _settle(self, seq: Sequence) -> None:
+        blocks, _, handle = self.held[seq.request_id]
+        if self.final(seq, handle) < handle.num_tokens:  # ended mid-prefill
+            self.drop(seq)
+            return
+        del self.live[seq.request_id]
+        assert seq.block_table[:len(blocks)] == blocks, "an early hold's blocks moved under it"
+        seq.block_table, seq.num_registered_blocks, seq.kv_progress = seq.block_table[len(blocks):], 0, None
+        self.held[seq.request_id] = (blocks, self.sim.step + self.HOLD_STEPS, handle)
+
+    def drop(self, seq: Sequence) -> None:
+        if self.live.pop(seq.request_id, None) is not None:
+            del self.held[seq.request_id]
+            self.dropped += 1
+        seq.kv_progress = None
+
+    def final(self, holder: Sequence, handle: KvHandle) -> int:
+        """The holder's leading tokens of `handle` whose KV is in its blocks (its progress)."""
+        bs, kv = self.sim.cfg.block_size, self.sim.kv
+        for p in range(handle.num_tokens):
+            if kv.get((handle.blocks[p // bs], p % bs)) != (holder.adapter_salt, holder.cache_salt,
+                                                             holder.token_ids[p]):
+                return p
+        return handle.num_tokens
+
     def release(self, request_id: str) -> list[int] | None:
+        if request_id in self.live:  # its request's own blocks: aborting it drops the hold
+            return None
         held = self.held.pop(request_id, None)
         return None if held is None else held[0]
 
@@ -307,11 +367,12 @@ class FakeKv:
         return [self.held.pop(rid)[0] for rid in gone]
 
     def held_tables(self):
-        return (blocks for blocks, _, _ in self.held.values())
+        return (blocks for rid, (blocks, _, _) in self.held.items() if rid not in self.live)
 
     def start_load(self, seq: Sequence, first_block: int) -> None:
         assert seq.kv_source is not None and seq.status is SequenceStatus.LOADING
-        self.loads.append([seq, first_block, seq.kv_source, None, self.sim.rng.random() < 6 / 7])
+        self.loads.append([seq, first_block, seq.kv_source, None, self.sim.rng.random() < 6 / 7, first_block,
+                           self.sim.step])
 
     @property
     def queued(self) -> bool:
@@ -322,16 +383,49 @@ class FakeKv:
             if load[3] is None:
                 load[3] = self.sim.step + self.sim.rng.randint(2, 4)
 
+    def _leased(self, src: KvHandle) -> bool:
+        held = self.held.get(src.request_id)
+        return held is not None and held[2] is src
+
+    def _copy(self, seq: Sequence, src: KvHandle, blocks: range, ok: bool = True) -> None:
+        bs, kv = self.sim.cfg.block_size, self.sim.kv
+        for i in blocks:  # a read writes whole blocks, landed or not
+            for o in range(bs):
+                kv[(seq.block_table[i], o)] = kv.get((src.blocks[i], o)) if ok else ("garbage", "", -2)
+
+    def _follow(self, load: list) -> bool | None:
+        """An early handle's read: copies the blocks now final; True when all are and the
+        hold is still there, False when it failed, None while it waits."""
+        seq, first, src, _, _, done, moved = load
+        holder = self.live.get(src.request_id)
+        if not self._leased(src):
+            return False
+        final = src.num_tokens if holder is None else self.final(holder, src)
+        bs, total = self.sim.cfg.block_size, len(src.blocks)
+        ready = total if final >= src.num_tokens else max(first, min(total, final // bs))
+        if ready > done:
+            self._copy(seq, src, range(done, ready))
+            load[5], load[6] = ready, self.sim.step
+        if load[5] == total:
+            return self._leased(src)
+        return False if self.sim.step - load[6] > self.STALL_STEPS else None
+
     def finished(self) -> list[tuple[Sequence, int]]:
-        done, bs, kv = [], self.sim.cfg.block_size, self.sim.kv
+        done = []
         for load in [x for x in self.loads if x[3] is not None and x[3] <= self.sim.step]:
+            seq, first, src, _, ok = load[:5]
+            if src.progress_addr:
+                followed = self._follow(load)
+                if followed is None:
+                    continue  # waits for the holder's progress
+                ok = ok and followed
+            else:
+                ok = ok and self._leased(src)
+                if ok:
+                    self._copy(seq, src, range(first, len(src.blocks)))
+            if not ok:
+                self._copy(seq, src, range(first, len(src.blocks)), ok=False)
             self.loads.remove(load)
-            seq, first, src, _, ok = load
-            held = self.held.get(src.request_id)
-            ok = ok and held is not None and held[2] is src
-            for i in range(first, len(src.blocks)):  # the read writes whole blocks, landed or not
-                for o in range(bs):
-                    kv[(seq.block_table[i], o)] = kv.get((src.blocks[i], o)) if ok else ("garbage", "", -2)
             self.landed += ok
             self.failed += not ok
             done.append((seq, src.num_tokens if ok else 0))
@@ -352,7 +446,7 @@ class Simulator:
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.budget, cfg.max_model_len, cfg.waiting_order),
             self.allocator, policy, (EOS,), self.adapters, speculator,
-            FakeKv(self) if cfg.kv else None)  # type: ignore[arg-type]
+            FakeKv(self, cfg.kv_early) if cfg.kv else None)  # type: ignore[arg-type]
         self.arrivals = make_workload(cfg, self.rng)
         self.pending: list[Arrival] = []
         self.extra_work = 0  # tokens of continuations added while running (the liveness bound grows)
@@ -425,7 +519,8 @@ class Simulator:
         kv = self.scheduler.lifecycle.kv
         return SimResult(self.step, self.finished, self.scheduler.num_preemptions, self.max_preempt,
                          self.max_gap, self.counter_bound, self.allocator.num_host_hits,
-                         (kv.landed, kv.failed) if kv else (0, 0), kv.expired_holds if kv else 0, self.migrated)
+                         (kv.landed, kv.failed) if kv else (0, 0), kv.expired_holds if kv else 0, self.migrated,
+                         (kv.early, kv.dropped) if kv else (0, 0))
 
     def _migrate(self) -> None:
         """Engine.migrate: every request ends; each goes on as a continuation (prompt +
@@ -675,8 +770,9 @@ class Simulator:
             if out is None:
                 raise InvariantViolation(f"{rid} never finished ({self.cfg})")
             got = self.outputs[rid]
+            early = out.kv_handle is not None and out.kv_handle.progress_addr  # its continuation samples it
             if out.finish_reason in ("stop", "length"):
-                if got != a.expected:
+                if got != ([] if early else a.expected):
                     raise InvariantViolation(f"{rid} generated {got}, alone it generates {a.expected} ({self.cfg})")
             elif got != a.expected[:len(got)]:
                 raise InvariantViolation(f"{rid} ({out.finish_reason}) generated {got}, not a prefix of "

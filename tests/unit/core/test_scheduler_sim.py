@@ -44,12 +44,14 @@ def test_the_fixed_seeds_cover_every_feature():
     assert {c.overlap for c in cfgs} == {True, False} and {c.prefix_caching for c in cfgs} == {True, False}
     assert any(c.adapters >= 3 for c in cfgs) and any(c.max_num_seqs == 1 for c in cfgs)
     assert any(c.budget == 1 for c in cfgs)
-    results = [simulate(c) for c in cfgs[:40]]
+    results = [simulate(c) for c in cfgs[:80]]
     assert sum(r.preemptions > 0 for r in results) >= 5
     assert sum(r.host_hits for r in results) > 0  # prefixes loaded back from a host tier (tiny ones too)
     # KV transfer: reads that landed and that failed, leases that ran out, drains that migrated
     assert sum(r.kv_loads[0] for r in results) >= 5 and sum(r.kv_loads[1] for r in results) >= 2
     assert sum(r.kv_expired for r in results) > 0 and sum(r.migrated for r in results) >= 3
+    # early handles (--kv-transfer-overlap): given out, and some dropped mid-prefill
+    assert sum(r.kv_early[0] for r in results) >= 5 and sum(r.kv_early[1] for r in results) >= 1
 
 
 def test_tenants_that_preempt_each_other_on_a_tiny_pool_still_finish():

@@ -30,7 +30,8 @@ class Bookkeeping:
 
     def update(self, out: SchedulerOutput, sampled: SamplerOutput | None) -> list[RequestOutput]:
         """Apply a step's sampled tokens; return one output per request that produced a
-        token or finished by it (aborts are reported by `take_aborted`). A sequence preempted
+        token or finished by it (aborts are reported by `take_aborted`; a request whose
+        early handle went out reports nothing more). A sequence preempted
         after the step was launched still gets its token: it was computed from its whole
         context, and recomputing the prefix later reproduces the same KV."""
         results: list[RequestOutput] = []
@@ -75,6 +76,8 @@ class Bookkeeping:
             if reason is not None:
                 finished |= status is running
                 self._life.finish(seq, reason)
+            if seq.handed_on:
+                continue  # its output ended with its early handle (the reader samples this token itself)
             lps = [lp for lp in picked_logprobs[first:first + emitted] if lp is not None]
             result = request_output(seq, tokens[len(tokens) - emitted:], lps)
             if seq.prompt_logprobs is not None:  # its first token: the prompt is scored

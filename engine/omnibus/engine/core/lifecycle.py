@@ -132,6 +132,7 @@ class Lifecycle:
         the router, and the reader reads each layer as this engine computes it."""
         handle = None if self.kv is None else self.kv.hold_early(seq)
         if handle is not None:  # positional, in RequestOutput's field order
+            seq.handed_on = True
             self._aborted.append(RequestOutput(seq.request_id, [], [], True, "length", seq.num_prompt_tokens,
                                                seq.num_cached_tokens, 0, None, None, handle))
 
@@ -187,10 +188,12 @@ class Lifecycle:
         """Finish a request outside a step's results, wherever it is: an abort, or the
         engine ending it (`error` says why). Its blocks are free when this returns (held
         for a transfer with `hold`; a loading one's once its read is done), and the next
-        `take_aborted` reports it."""
+        `take_aborted` reports it (not one whose early handle was its last output)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         self.finish(seq, reason, hold)
+        if seq.handed_on:
+            return  # its output ended with its early handle
         out = request_output(seq, [], [])
         out.error = error
         self._aborted.append(out)

@@ -119,6 +119,7 @@ class Sequence:
     # Its early handle's progress words (kv_transfer/connector.py hold_early: one a layer,
     # advanced by the forward) while its prefill runs for a reader; None: no early handle.
     kv_progress: object | None = None
+    handed_on: bool = False  # its early handle was its last output: what it computes after is not sent
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
