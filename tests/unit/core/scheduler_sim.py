@@ -275,6 +275,21 @@ class SimResult:
     kv_early: tuple[int, int] = (0, 0)  # early handles given out, and those dropped mid-prefill
 
 
+@dataclass
+class _SimLoad:
+    """A read FakeKv runs: into `seq`'s blocks from `first` on, landing `lands_at` (set when
+    launched) unless it fails (`lands` False: one in seven); an early handle's read copies
+    blocks as they become final (`copied` so far, the last at step `moved`)."""
+
+    seq: Sequence
+    first: int
+    src: KvHandle
+    lands: bool
+    copied: int
+    moved: int
+    lands_at: int | None = None
+
+
 class FakeKv:
     """The KV connector's scheduler side (kv_transfer/connector.py) over the simulator's
     fake KV. A handle names blocks this engine holds; a read begins when the engine
@@ -298,8 +313,7 @@ class FakeKv:
         self.overlaps = early
         self.held: dict[str, tuple[list[int], int, KvHandle]] = {}  # rid -> blocks, expiry step, handle
         self.live: dict[str, Sequence] = {}  # early holds whose request still runs: rid -> it
-        # [request, first block, handle, landing step or None, lands, blocks copied, last step it moved]
-        self.loads: list[list] = []
+        self.loads: list[_SimLoad] = []
         self.landed = self.failed = self.expired_holds = self.early = self.dropped = 0
 
     def hold(self, seq: Sequence) -> KvHandle | None:
@@ -371,17 +385,17 @@ class FakeKv:
 
     def start_load(self, seq: Sequence, first_block: int) -> None:
         assert seq.kv_source is not None and seq.status is SequenceStatus.LOADING
-        self.loads.append([seq, first_block, seq.kv_source, None, self.sim.rng.random() < 6 / 7, first_block,
-                           self.sim.step])
+        self.loads.append(_SimLoad(seq, first_block, seq.kv_source, self.sim.rng.random() < 6 / 7, first_block,
+                                   self.sim.step))
 
     @property
     def queued(self) -> bool:
-        return any(load[3] is None for load in self.loads)
+        return any(load.lands_at is None for load in self.loads)
 
     def launch_reads(self) -> None:
         for load in self.loads:
-            if load[3] is None:
-                load[3] = self.sim.step + self.sim.rng.randint(2, 4)
+            if load.lands_at is None:
+                load.lands_at = self.sim.step + self.sim.rng.randint(2, 4)
 
     def _leased(self, src: KvHandle) -> bool:
         held = self.held.get(src.request_id)
@@ -393,27 +407,26 @@ class FakeKv:
             for o in range(bs):
                 kv[(seq.block_table[i], o)] = kv.get((src.blocks[i], o)) if ok else ("garbage", "", -2)
 
-    def _follow(self, load: list) -> bool | None:
+    def _follow(self, load: _SimLoad) -> bool | None:
         """An early handle's read: copies the blocks now final; True when all are and the
         hold is still there, False when it failed, None while it waits."""
-        seq, first, src, _, _, done, moved = load
-        holder = self.live.get(src.request_id)
+        src, holder = load.src, self.live.get(load.src.request_id)
         if not self._leased(src):
             return False
         final = src.num_tokens if holder is None else self.final(holder, src)
         bs, total = self.sim.cfg.block_size, len(src.blocks)
-        ready = total if final >= src.num_tokens else max(first, min(total, final // bs))
-        if ready > done:
-            self._copy(seq, src, range(done, ready))
-            load[5], load[6] = ready, self.sim.step
-        if load[5] == total:
+        ready = total if final >= src.num_tokens else max(load.first, min(total, final // bs))
+        if ready > load.copied:
+            self._copy(load.seq, src, range(load.copied, ready))
+            load.copied, load.moved = ready, self.sim.step
+        if load.copied == total:
             return self._leased(src)
-        return False if self.sim.step - load[6] > self.STALL_STEPS else None
+        return False if self.sim.step - load.moved > self.STALL_STEPS else None
 
     def finished(self) -> list[tuple[Sequence, int]]:
         done = []
-        for load in [x for x in self.loads if x[3] is not None and x[3] <= self.sim.step]:
-            seq, first, src, _, ok = load[:5]
+        for load in [x for x in self.loads if x.lands_at is not None and x.lands_at <= self.sim.step]:
+            seq, src, ok = load.seq, load.src, load.lands
             if src.progress_addr:
                 followed = self._follow(load)
                 if followed is None:
@@ -422,9 +435,9 @@ class FakeKv:
             else:
                 ok = ok and self._leased(src)
                 if ok:
-                    self._copy(seq, src, range(first, len(src.blocks)))
+                    self._copy(seq, src, range(load.first, len(src.blocks)))
             if not ok:
-                self._copy(seq, src, range(first, len(src.blocks)), ok=False)
+                self._copy(seq, src, range(load.first, len(src.blocks)), ok=False)
             self.loads.remove(load)
             self.landed += ok
             self.failed += not ok

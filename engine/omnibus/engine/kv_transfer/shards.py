@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
+from omnibus.engine.kv_transfer.reshard import Part, reshard_plan
 from omnibus.engine.kv_transfer.transport import Transport
 
 if TYPE_CHECKING:
     from omnibus.engine.kv_transfer.handle import KvHandle
-    from omnibus.engine.kv_transfer.reshard import Part
     from omnibus.engine.parallel.ranks import Ranks
 
 log = structlog.get_logger(__name__)
@@ -280,7 +280,8 @@ class RankKv:
 
     def __init__(self, transport: Transport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  slots: int, rank: int, size: int, num_kv_heads: int) -> None:
-        self.shard, self.rank, self.size, self.num_kv_heads = KvShard(transport, kv_caches, slots), rank, size, num_kv_heads
+        self.shard = KvShard(transport, kv_caches, slots)
+        self.rank, self.size, self.num_kv_heads = rank, size, num_kv_heads
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="omnibus-kv")
         self._done: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
 
@@ -290,8 +291,6 @@ class RankKv:
     def read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
         holder = 1 + len(src.rank_peers)
         if holder != self.size:  # another rank count: this rank's heads from the holder ranks that hold them
-            from omnibus.engine.kv_transfer.reshard import reshard_plan
-
             parts = reshard_plan(self.num_kv_heads, holder, self.size, self.rank)
             self._pool.submit(lambda: self._done.put(
                 (ticket, self.shard.read_resharded(src, parts, local_blocks, remote_blocks)[0])))

@@ -1,8 +1,8 @@
 """The transfer engine under the KV connector: one-sided reads of registered memory.
 
 The connector (connector.py) needs three verbs from a transport: register (and
-unregister) a region of this process's memory, read byte ranges of a peer's registered regions into this
-process's, and the address peers reach it at. `MooncakeTransport` is Mooncake's transfer
+unregister) a region of this process's memory, read byte ranges of a peer's registered
+regions into this process's, and the address peers reach it at. `MooncakeTransport` is Mooncake's transfer
 engine (`mooncake-transfer-engine-non-cuda`: TCP between processes and hosts; its CUDA
 build adds RDMA and device memory). NIXL's agent offers the same verbs (register,
 prepared reads, a peer's metadata) and would be a second class here.
