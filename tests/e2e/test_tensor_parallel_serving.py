@@ -209,6 +209,89 @@ def test_engines_of_two_ranks_and_of_one_read_each_others_kv_token_exact(fleet, 
         here.close()
 
 
+@pytest.mark.parametrize("staging", [0, 8 << 20], ids=["in-place", "staged"])
+def test_a_two_rank_prefills_early_handle_is_read_rank_by_rank_while_it_runs_token_exact(fleet, staging):
+    """--kv-transfer-overlap under tensor parallelism: a two-rank engine here hands a
+    4-chunk prefill's KV on when it is seated; its progress words (rank 0's) move at each
+    step's end, once both ranks computed the chunk (staged: after both copied it out).
+    The served two-rank engine reads it, each rank from this one's rank of its number
+    following those words, while this engine is stepped; it computes the last prompt
+    token itself and goes on as the one-device engine serves the prompt, nothing
+    recomputed."""
+    import random
+    import threading
+    import time
+
+    from omnibus.v1 import engine_pb2_grpc
+
+    from omnibus.engine.config import EngineConfig
+    from omnibus.engine.engine import Engine
+    from omnibus.engine.request import EngineRequest
+    from omnibus.engine.worker.sampling import SamplingParams
+    from tests.grpc_helpers import engine_request
+
+    pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is in `make setup`'s environment")
+    ids = [random.Random(11 + staging).randrange(3, 250) for _ in range(61)]  # a prompt no engine has cached
+    with grpc.insecure_channel(fleet["one"].address) as channel:
+        want = [t for r in engine_pb2_grpc.EngineStub(channel).Generate(engine_request("ek-ref", ids, max_tokens=12))
+                for t in r.token_ids]
+    here = Engine(EngineConfig(model=str(fleet["model"]), num_kv_blocks=256, block_size=8, tensor_parallel_size=2,
+                               kv_transfer="mooncake", kv_transfer_staging_bytes=staging, kv_transfer_overlap=True,
+                               max_num_batched_tokens=16))
+    try:
+        assert not here.runner.marks_kv  # a sharded pool's progress moves at the step's end
+        here.add_request(EngineRequest(f"ek-p-{staging}", ids, SamplingParams(max_tokens=1, temperature=0.0),
+                                       kv_hold=True))
+        (out,) = here.step()  # seated, its handle out, its first chunk computed
+        handle = out.kv_handle
+        assert handle is not None and handle.progress_addr and handle.num_tokens == len(ids) - 1
+        assert len(handle.rank_peers) == 1 and not out.new_token_ids
+        before = engine_stats(fleet["tp"].address).kv_transfer
+        read = engine_request(f"ek-d-{staging}", ids, max_tokens=12)
+        read.kv_source.CopyFrom(handle.to_proto())
+        got: list[int] = []
+
+        def decode() -> None:
+            with grpc.insecure_channel(fleet["tp"].address) as channel:
+                got.extend(t for r in engine_pb2_grpc.EngineStub(channel).Generate(read, timeout=60)
+                           for t in r.token_ids)
+
+        reader = threading.Thread(target=decode)
+        reader.start()
+        start = time.monotonic()
+        while reader.is_alive():
+            assert here.step() == []  # its handle was its last output
+            here.check_integrity()
+            time.sleep(0.01)
+            assert time.monotonic() - start < 60, "the read never finished"
+        reader.join()
+        assert got == want
+        after = engine_stats(fleet["tp"].address).kv_transfer
+        assert after.loaded_tokens - before.loaded_tokens == len(ids) - 1
+        assert after.load_failures == before.load_failures and after.refused == before.refused
+        assert here.kv.stats().sent_early == 1 and not here.has_unfinished()
+        assert here.abort(f"ek-p-{staging}") and here.check_integrity().referenced == 0 and not here.kv.held
+        assert here.kv.staging is None or here.kv.staging.free == len(here.kv.staging.tensors[0])
+        if staging:
+            return
+        # a reader of another rank count does not follow early handles: it computes the prompt
+        one = Engine(EngineConfig(model=str(fleet["model"]), num_kv_blocks=64, block_size=8, kv_transfer="mooncake"))
+        try:
+            here.add_request(EngineRequest("ek-p1", ids, SamplingParams(max_tokens=1, temperature=0.0), kv_hold=True))
+            (out,) = here.step()
+            one.add_request(EngineRequest("ek-d1", ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                          kv_source=out.kv_handle))
+            outs = []
+            while one.has_unfinished():
+                outs += one.step()
+            assert [t for o in outs for t in o.new_token_ids] == want and one.kv.stats().refused == 1
+            assert here.abort("ek-p1") and here.check_integrity().referenced == 0 and not here.kv.held
+        finally:
+            one.close()
+    finally:
+        here.close()
+
+
 def rank_pid(fleet) -> int:
     (pid,) = re.findall(r'"ranks": \[(\d+)\]', fleet["tp"].log_path.read_text())
     return int(pid)

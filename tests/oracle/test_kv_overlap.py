@@ -1,7 +1,7 @@
 """Early handles (--kv-transfer-overlap, kv_transfer/connector.py hold_early): a prefill
 for another engine hands its KV on as soon as it is seated, and the reader reads each
-layer's blocks as the holder's forward finalizes them, while the prefill still runs
-(chunked here: several steps). Two engines in one process over Mooncake (TCP, loopback),
+layer's blocks as the holder finalizes them (in place: after each layer's forward;
+staged: at each step's end), while the prefill still runs (chunked here: several steps). Two engines in one process over Mooncake (TCP, loopback),
 stepped in turn: the reader's output is transformers' greedy output, it read the prompt
 less its last token (which it computes and samples from itself), and reads happened
 before the holder's prefill ended. Faults: the holder's request aborted mid-prefill (its
@@ -17,18 +17,29 @@ import pytest
 
 from omnibus.engine.request import EngineRequest
 from tests.checkpoints import hf_greedy
-from tests.oracle.test_kv_transfer import all_free, greedy, make_engine, prompt, tokens
+from tests.oracle.test_kv_transfer import all_free as free_blocks
+from tests.oracle.test_kv_transfer import greedy, make_engine, prompt, tokens
 
 pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is in `make setup`'s environment")
 
 from tests.oracle.test_kv_transfer import model  # noqa: E402,F401 (the module's checkpoint fixture)
 
 
-@pytest.fixture(scope="module")
-def pair(model):  # noqa: F811
+STAGING = 1 << 22  # bytes: 64 blocks of the checkpoint's pool
+
+
+@pytest.fixture(scope="module", params=["in-place", "staged"])
+def pair(model, request):  # noqa: F811
+    """In place, the holder's forward marks each layer; staged (how a pool on a GPU moves),
+    both pools go through host staging and the holder's progress moves at each step's
+    end, after its finished blocks are copied out."""
     path, _ = model
-    holder = make_engine(path, kv_transfer_overlap=True, max_num_batched_tokens=16, kv_hold_seconds=5.0)
-    reader = make_engine(path, kv_transfer_overlap=True, kv_hold_seconds=0.5)  # its stall bound
+    staging = STAGING if request.param == "staged" else 0
+    holder = make_engine(path, kv_transfer_overlap=True, max_num_batched_tokens=16, kv_hold_seconds=5.0,
+                         kv_transfer_staging_bytes=staging)
+    reader = make_engine(path, kv_transfer_overlap=True, kv_hold_seconds=0.5,  # its stall bound
+                         kv_transfer_staging_bytes=staging)
+    assert holder.runner.marks_kv == (not staging) == (holder.kv.staging is None)
     yield holder, reader
     holder.close()
     reader.close()
@@ -41,6 +52,13 @@ def engines(pair):
     for engine in pair:
         for rid in list(engine.scheduler.lifecycle.requests):
             engine.abort(rid)
+
+
+def all_free(engine) -> None:
+    """No block referenced, nothing held, every staging slot back."""
+    free_blocks(engine)
+    staging = engine.kv.staging
+    assert staging is None or staging.free == len(staging.tensors[0]), staging.free
 
 
 def early_handle(holder, rid: str, ids: list[int]):

@@ -245,7 +245,8 @@ class _PretendRank:
     def setup(self, slots, num_kv_heads):
         return [("127.0.0.1:9", tuple(range(1, self.regions + 1)))]
 
-    def read(self, ticket, src, local, remote):
+    def read(self, ticket, src, local, remote, progress):
+        assert progress is None  # (a hold, not an early one)
         assert src.rank_peers == ("127.0.0.1:9",) and src.regions[self.regions:] == tuple(range(1, self.regions + 1))
         self.reads.append(ticket)
 

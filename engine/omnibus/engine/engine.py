@@ -103,6 +103,7 @@ class Engine:
         self.kv = None if config.kv_transfer == "none" else make_connector(config, self.runner.kv_caches,
                                                                                 self.runner.ranks,
                                                                                 self.model_config.num_kv_heads)
+        self.runner.marks_kv = self.kv is not None and self.kv.marks_layers  # (else the step's end marks them)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, config.waiting_order),
             self.allocator,
@@ -250,13 +251,16 @@ class Engine:
         return self.scheduler.take_aborted() + results
 
     def _report(self, step: Step) -> list[RequestOutput]:
+        result = step.result()
+        if self.kv is not None:  # early holds the forward did not mark: their chunks are computed now
+            self.kv.advance(step.plan.scheduled)
         if self.speculator is None:
-            return self.scheduler.update(step.plan, step.result())
+            return self.scheduler.update(step.plan, result)
         # A speculating request's seeded draws move on by the tokens it kept (its rows drew
         # at fixed positions: worker/model_runner.py's _verify).
         spec = [(item.seq, item.seq.num_tokens) for item in step.plan.scheduled
                 if item.guess and item.seq.generator is not None]
-        results = self.scheduler.update(step.plan, step.result())
+        results = self.scheduler.update(step.plan, result)
         for seq, before in spec:
             seq.generator.position += seq.num_tokens - before
         return results

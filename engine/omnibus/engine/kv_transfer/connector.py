@@ -20,12 +20,15 @@ Scheduler side (core/lifecycle.py and core/admission.py call these, never a tran
   lease; its output carries the `KvHandle`;
 - `hold_early(seq)` (--kv-transfer-overlap, a prefill for another engine, once seated
   with blocks for its whole prompt): the handle goes out before the prefill runs, naming
-  the blocks of the prompt less its last token and per-layer progress words that the
-  forward advances (`seq.kv_progress`, worker/model_runner.py); the reader reads each
-  layer's blocks as they become final and computes the last prompt token itself. When
-  the prefill ends, `hold` keeps its blocks as any hold's; a request that ends before its
-  prompt is computed (aborted, preempted, drained) is `drop`ped: its lease ends first,
-  so a reader fails and recomputes;
+  the blocks of the prompt less its last token and per-layer progress words; the reader
+  reads each layer's blocks as they become final and computes the last prompt token
+  itself. A pool read in place by one rank has its words advanced by the forward, layer
+  by layer (`seq.kv_progress`, worker/kv_pool.py KvMarks); a staged or sharded pool's
+  advance at the end of each step (`advance`: every rank's chunk is computed then, and a
+  staged hold's finished blocks are copied out first). When the prefill ends, `hold`
+  keeps its blocks as any hold's; a request that ends before its prompt is computed
+  (aborted, preempted, drained) is `drop`ped: its lease ends first, so a reader fails
+  and recomputes;
 - `release(request_id)` (the reader's router aborts the request) and `expired(now)`
   (the lease ran out: `--kv-hold-seconds`) give them back to the allocator.
 
@@ -84,10 +87,12 @@ class _Held:
     staged: bool
     slot: int  # its lease word (and its row of progress words)
     expires: float
-    # an early hold whose prefill still runs: its blocks are the request's, the tokens it
-    # promises are `tokens`
+    # an early hold whose prefill still runs: its blocks (staged: the ones its slots copy)
+    # are the request's, the tokens it promises are `tokens`; a staged one's first
+    # `copied` slots hold their final copy
     live: bool = False
     tokens: int = 0
+    copied: int = 0
 
 
 @dataclass
@@ -137,13 +142,13 @@ class KvConnector:
 
     def __init__(self, transport: Transport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, hold_seconds: float, staging_bytes: int = 0, ranks: RankLink | None = None,
-                 overlap: bool = True, num_kv_heads: int = 0) -> None:
+                 overlap: bool = False, num_kv_heads: int = 0) -> None:
         """`staging_bytes` > 0: holds and reads go through that much host memory (a pool on
         a GPU needs it: the TCP transport reads host memory only). `ranks`: the other
         ranks of a tensor-parallel engine, each given a shard of its own (staging as this
         rank's). `overlap`: prefills for other engines give their handle out early
-        (`hold_early`) where the pool is read in place by one rank. `num_kv_heads`: the
-        model's, to read handles of engines of another rank count (0: not those)."""
+        (`hold_early`). `num_kv_heads`: the model's, to read handles of engines of
+        another rank count (0: not those)."""
         self.block_size = block_size
         self.hold_seconds = hold_seconds
         tensors = [t for layer in kv_caches for t in layer]  # K0, V0, K1, V1, ...
@@ -162,10 +167,11 @@ class KvConnector:
         self.num_kv_heads = num_kv_heads
         self._lease = torch.zeros(LEASE_SLOTS, dtype=torch.int64)  # slot -> epoch while held
         transport.register(self._lease.data_ptr(), LEASE_SLOTS * 8)
-        # An early hold's progress words (slot -> one per layer), written by the forward
-        # through numpy views (no torch dispatch per layer); staged or sharded pools give
-        # their handles when the prefill ends instead.
-        self.overlaps = overlap and self.staging is None and ranks is None
+        # An early hold's progress words (slot -> one per layer), written through numpy
+        # views (no torch dispatch per layer): by the forward after each layer where the
+        # pool is read in place by one rank, else by `advance` at the step's end.
+        self.overlaps = overlap
+        self.marks_layers = overlap and self.staging is None and ranks is None
         self.layers = len(kv_caches)
         self._progress = torch.zeros((LEASE_SLOTS, self.layers) if self.overlaps else (0, 0), dtype=torch.int64)
         self._progress_words = self._progress.numpy()
@@ -229,39 +235,73 @@ class KvConnector:
         """A handle for the KV of `seq`'s prompt less its last token, given out before its
         prefill runs (it is seated, with blocks for its whole prompt): each of its layers'
         progress words says how many of its tokens are final. None when this connector
-        gives no early handles (staged, sharded, --kv-transfer-overlap off), or there is
-        nothing to hold or no lease."""
+        gives no early handles (--kv-transfer-overlap off), or there is nothing to hold,
+        no lease or no staging room."""
         n = seq.num_prompt_tokens - 1
         nb = -(-n // self.block_size)
         if (not self.overlaps or n <= 0 or seq.num_output_tokens or len(seq.block_table) < nb
                 or not self._free_slots or seq.request_id in self.held):
             return None
         blocks = seq.block_table[:nb]
+        if self.staging is not None:  # its blocks are copied into these as they become final
+            blocks = self.staging.take(nb)
+            if blocks is None:
+                log.warning("kv_staging_full", request_id=seq.request_id, blocks=nb, free=self.staging.free)
+                return None
         slot, epoch = self._free_slots.pop(), next(self._epochs)
         self._lease[slot] = epoch
-        self._progress_words[slot] = 0  # the forward advances it (a prefix hit's blocks too: the host tier's copies land before it)
+        self._progress_words[slot] = 0  # advanced past a prefix hit's blocks too: the host tier's copies land before
         seq.kv_progress = self._progress_words[slot]
-        self.held[seq.request_id] = _Held(blocks, False, slot, float("inf"), live=True, tokens=n)
+        self.held[seq.request_id] = _Held(blocks, self.staging is not None, slot, float("inf"), live=True, tokens=n)
         self._stats["sent"] += 1
         self._stats["sent_early"] += 1
         return KvHandle(
             peer=self.transport.address, request_id=seq.request_id, num_tokens=n, blocks=tuple(blocks),
             regions=self.regions, block_bytes=self.block_bytes, layout=self.layout,
             digest=kv_digest(seq.token_ids[:n], seq.adapter_salt, seq.cache_salt),
-            lease_addr=self._lease.data_ptr() + slot * 8, lease_epoch=epoch,
+            lease_addr=self._lease.data_ptr() + slot * 8, lease_epoch=epoch, rank_peers=self.rank_peers,
             progress_addr=self._progress.data_ptr() + slot * self.layers * 8)
 
+    def advance(self, scheduled: list) -> None:
+        """A step's chunks (core/plan.py ScheduledSeq) are computed, on every rank: the
+        early holds among them that the forward does not mark (staged or sharded pools)
+        say so, a staged one's newly finished blocks copied out first (every rank's, one
+        copy a step, done on return)."""
+        if self.marks_layers or not self.held:
+            return
+        marks, pool, slots = [], [], []
+        for item in scheduled:
+            held = self.held.get(item.seq.request_id) if item.seq.kv_progress is not None else None
+            if held is None or not held.live:
+                continue
+            end = min(item.start + item.num_tokens, held.tokens)
+            final = len(held.blocks) if end == held.tokens else end // self.block_size  # (its blocks' tokens all are)
+            if held.staged and final > held.copied:
+                pool += item.seq.block_table[held.copied:final]
+                slots += held.blocks[held.copied:final]
+                held.copied = final
+            marks.append((held.slot, end))
+        if slots:
+            if self.ranks is not None:
+                self.ranks.stage_out(pool, slots)
+            self.shard.stage_out(pool, slots)
+        for slot, end in marks:
+            self._progress_words[slot] = end
+
     def _settle_early(self, seq: Sequence, held: _Held) -> None:
-        """An early hold's request ends (`hold`): the blocks it promised become the hold's,
-        on its lease from now, when every layer's progress covers its tokens; else (it
-        ends mid-prefill: a drain) it is dropped, and its readers recompute."""
+        """An early hold's request ends (`hold`): the blocks it promised (in place) or their
+        copies (staged: its blocks stay for the caller) become the hold's, on its lease
+        from now, when every layer's progress covers its tokens; else (it ends
+        mid-prefill: a drain) it is dropped, and its readers recompute."""
         if int(self._progress_words[held.slot].min()) < held.tokens:
             self.drop(seq)
             return
-        nb = len(held.blocks)
-        assert seq.block_table[:nb] == held.blocks, "an early hold's blocks moved under it"
-        seq.block_table = seq.block_table[nb:]
-        seq.num_registered_blocks, seq.kv_progress = 0, None
+        if not held.staged:
+            nb = len(held.blocks)
+            assert seq.block_table[:nb] == held.blocks, "an early hold's blocks moved under it"
+            seq.block_table = seq.block_table[nb:]
+            seq.num_registered_blocks = 0
+        seq.kv_progress = None
         held.live, held.expires = False, time.monotonic() + self.hold_seconds
 
     def drop(self, seq: Sequence) -> None:
@@ -378,22 +418,31 @@ class KvConnector:
         and on every other rank's."""
         for ticket, src, local, remote in self._queued:
             if self.ranks is not None:
-                self.ranks.read(ticket, src, local, remote)
+                self.ranks.read(ticket, src, local, remote, self._follow(src, len(src.blocks) - len(remote)))
             self._pool.submit(self._read, ticket, src, local, remote)
         self._queued = []
+
+    def _follow(self, src: KvHandle, first_block: int) -> Progress | None:
+        """How a read of `src` from `first_block` on follows its holder's progress (an
+        early handle's), or None."""
+        return Progress(self.block_size, first_block, self.hold_seconds) if src.progress_addr else None
 
     def _read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
         start = time.perf_counter()
         k = len(self.shard.regions)
         first = len(src.blocks) - len(remote_blocks)
-        if src.layout != self.layout:  # another rank count: this rank's heads from the holder ranks holding them
-            parts = reshard_plan(self.num_kv_heads, 1 + len(src.rank_peers), 1 + len(self.rank_peers), 0)
-            ok, nbytes = self.shard.read_resharded(src, parts, local_blocks, remote_blocks)
-            waited = 0.0
-        else:
-            ok, nbytes, waited = self.shard.read(src.peer, src.regions[:k], local_blocks, remote_blocks, src,
-                                                 Progress(self.block_size, first, self.hold_seconds))
-        self._done.put((ticket, ok, time.perf_counter() - start, nbytes, waited))
+        ok, nbytes, waited = False, 0, 0.0
+        try:
+            if src.layout != self.layout:  # another rank count: this rank's heads from the holder ranks holding them
+                parts = reshard_plan(self.num_kv_heads, 1 + len(src.rank_peers), 1 + len(self.rank_peers), 0)
+                ok, nbytes = self.shard.read_resharded(src, parts, local_blocks, remote_blocks)
+            else:
+                ok, nbytes, waited = self.shard.read(src.peer, src.regions[:k], local_blocks, remote_blocks, src,
+                                                     self._follow(src, first))
+        except Exception:  # reported as a failed load: never a request left loading
+            log.exception("kv_read_error", peer=src.peer)
+        finally:
+            self._done.put((ticket, ok, time.perf_counter() - start, nbytes, waited))
 
     def finished(self) -> list[tuple[Sequence, int]]:
         """The loads done since the last call (this rank's read and every other rank's):

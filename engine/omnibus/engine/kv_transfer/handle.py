@@ -40,7 +40,8 @@ class KvHandle:
     # lists every rank's regions, rank 0's first; the lease word is rank 0's
     rank_peers: tuple[str, ...] = ()
     # given out before its prefill ended (--kv-transfer-overlap): the holder's progress
-    # words (one int64 a layer: that layer's tokens whose KV is final); 0: all final now
+    # words (one int64 a layer: that layer's tokens whose KV is final on every rank; rank
+    # 0's, as the lease word); 0: all final now
     progress_addr: int = 0
 
     def to_proto(self) -> engine_pb2.KvHandle:
@@ -68,8 +69,6 @@ class KvHandle:
         if (not self.regions or len(self.regions) % (2 * (1 + len(self.rank_peers))) or self.block_bytes <= 0
                 or not all(self.rank_peers)):
             return "its memory regions are malformed"
-        if self.progress_addr and self.rank_peers:
-            return "a handle of several ranks names no progress words"
         return None
 
 

@@ -288,7 +288,10 @@ class RankKv:
     def hello(self) -> tuple[str, tuple[int, ...]]:
         return self.shard.transport.address, self.shard.regions
 
-    def read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
+    def read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...],
+             progress: Progress | None) -> None:
+        """Rank 0's read `ticket`, begun on a worker thread; `progress`: how to follow an
+        early handle's (same rank count: the words are the holder's rank 0's)."""
         holder = 1 + len(src.rank_peers)
         if holder != self.size:  # another rank count: this rank's heads from the holder ranks that hold them
             parts = reshard_plan(self.num_kv_heads, holder, self.size, self.rank)
@@ -298,7 +301,7 @@ class RankKv:
         k = len(self.shard.regions)
         peer, regions = src.rank_peers[self.rank - 1], src.regions[self.rank * k:(self.rank + 1) * k]
         self._pool.submit(lambda: self._done.put(
-            (ticket, self.shard.read(peer, regions, local_blocks, remote_blocks, src)[0])))  # no early handles here
+            (ticket, self.shard.read(peer, regions, local_blocks, remote_blocks, src, progress)[0])))
 
     def finished(self) -> dict[int, bool]:
         done = {}
@@ -324,8 +327,9 @@ def serve_kv(runtime: Any, rank: int, message: tuple, gather: Any) -> None:
         runtime.kv.read(*message[1:])
     elif kind == "kv_poll":
         gather(runtime.kv.finished())
-    elif kind == "kv_stage_out":
+    elif kind == "kv_stage_out":  # acknowledged: the copy is whole before its handle or progress goes out
         runtime.kv.shard.stage_out(message[1], message[2])
+        gather(True)
     elif kind == "kv_stage_in":
         runtime.kv.shard.stage_in(message[1], message[2])
 
@@ -354,15 +358,19 @@ class RankLink:
         self.ranks.send(("kv_setup", self.transport, self.host, slots, self.size, num_kv_heads))
         return self._gather()
 
-    def read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
-        self.ranks.send(("kv_read", ticket, src, local_blocks, remote_blocks))
+    def read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...],
+             progress: Progress | None) -> None:
+        self.ranks.send(("kv_read", ticket, src, local_blocks, remote_blocks, progress))
 
     def poll(self) -> list[dict[int, bool]]:
         self.ranks.send(("kv_poll",))
         return self._gather()
 
     def stage_out(self, blocks: list[int], slots: list[int]) -> None:
+        """Every rank's `blocks` copied into its `slots`, done on return (a reader may read
+        them as soon as the hold's handle or progress says so)."""
         self.ranks.send(("kv_stage_out", blocks, slots))
+        self._gather()
 
     def stage_in(self, slots: list[int], blocks: list[int]) -> None:
         self.ranks.send(("kv_stage_in", slots, blocks))

@@ -234,7 +234,7 @@ def host_batch(batch: ForwardBatch) -> ForwardBatch:
     scored through compute_logits)."""
     lora = None if batch.lora is None else batch.lora.runs  # each rank rebuilds it over its own slots
     return replace(on_device(batch, torch.device("cpu")), lora=lora, attn_plan=None, prompt_logprobs=None,
-                   kv_marks=None)  # (early holds are rank 0's only: a sharded pool gives none)
+                   kv_marks=None)  # (a sharded pool's early holds advance at the step's end)
 
 
 def on_device(batch: ForwardBatch, device: torch.device) -> ForwardBatch:

@@ -125,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-transfer-overlap", action=argparse.BooleanOptionalAction, default=_ENGINE["kv_transfer_overlap"],
         help="a prefill for a decode engine hands its KV on as soon as it is seated: the decode engine "
-        "reads each layer's blocks as the prefill's forward finishes them, overlapping the transfer with "
-        "the prefill, and computes the last prompt token itself (a pool read in place by one rank; a "
-        "staged or tensor-parallel pool hands its KV on with the first token; off by default: on a CPU it costs more than the read it hides, docs/benchmarks/pd.md)",
+        "reads each layer's blocks as the prefill's forward finishes them (a staged or tensor-parallel "
+        "pool's: each chunk's, at the end of its step), overlapping the transfer with the prefill, and "
+        "computes the last prompt token itself (off by default: on a CPU it costs more than the read it "
+        "hides, docs/benchmarks/pd.md)",
     )
     p.add_argument(
         "--kv-hold-seconds", type=float, default=_ENGINE["kv_hold_seconds"], metavar="S",

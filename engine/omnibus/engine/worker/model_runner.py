@@ -75,6 +75,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_config)
         self.kv_dtype = resolve_kv_dtype(config, self.dtype)
         self.block_size = config.block_size
+        self.marks_kv = False  # the forward marks early holds' progress, layer by layer (the engine says)
         bind_device(self.device)
         self.adapters = adapters  # None when the engine serves no adapters
         self.sampler = Sampler(seed=config.seed)  # before sizing: the warm-up samples
@@ -119,8 +120,8 @@ class ModelRunner:
         self.null_step_s = config.null_step_ms / 1000
         self._device_free_at = 0.0
         log.info("model_loaded", model=config.model, dtype=str(self.dtype), kv_dtype=str(self.kv_dtype),
-                 device=str(self.device),
-                 kv_blocks=self.num_blocks, block_size=self.block_size, onednn_linears=packed)
+                 device=str(self.device), kv_blocks=self.num_blocks, block_size=self.block_size,
+                 onednn_linears=packed)
 
     def _kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return kv_caches(self.model_config, self.tp, num_blocks, self.block_size, self.kv_dtype, self.device)
@@ -210,8 +211,7 @@ class ModelRunner:
             slot_mapping=torch.zeros(n, dtype=torch.long, device=dev),
             block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            max_query_len=n,
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev), max_query_len=n,
             # as many logits rows as a step can sample, so the sampler's peak is counted too
             logits_indices=torch.arange(min(n, self.config.max_num_seqs), device=dev),
         )
@@ -343,7 +343,7 @@ class ModelRunner:
             prompt_logprobs=None if not score_spans else PromptRows(
                 to_device(score_rows, torch.long, dev), to_device(score_targets, torch.long, dev),
                 score_spans),
-            kv_marks=kv_marks(scheduled) if self.config.kv_transfer_overlap else None,
+            kv_marks=kv_marks(scheduled) if self.marks_kv else None,
         )
 
     @torch.inference_mode()
@@ -397,8 +397,8 @@ class ModelRunner:
             hidden = self.graphs.run(batch)  # (n, hidden): decode-only, one token per sequence
         else:
             hidden = self.model(batch, self.kv_caches)  # (T, hidden)
-        if batch.kv_marks is not None:  # (a model that marks no layer, a graph)
-            batch.kv_marks.layer_done(None)
+        if batch.kv_marks is not None:
+            batch.kv_marks.layer_done(None)  # (a model that marks no layer, a graph)
         rows, masked = self._sampled_rows(plan)
         penalties = False
         # host work while the forward runs
