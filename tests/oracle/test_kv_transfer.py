@@ -296,6 +296,26 @@ def test_a_load_counts_only_when_every_rank_read_its_part(model, pair, monkeypat
             e.close()
 
 
+def test_a_read_that_raises_fails_its_load_and_is_recomputed(model, pair, monkeypatch):
+    """An error above the transport in the read thread (here the shard's read itself)
+    reports a failed load: the request is recomputed, never left loading."""
+    path, hf = model
+    p, d = pair
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug in the read path")
+
+    monkeypatch.setattr(d.kv.shard, "read", broken)
+    ids = prompt(170, 29)
+    failures = d.kv.stats().load_failures
+    first, handle = prefill(p, "rx", ids, greedy(5))
+    outs = decode(d, "rx-d", ids, first, greedy(5), handle)
+    assert first + tokens(outs) == hf_greedy(hf, ids, 5) and outs[0].num_cached_tokens == 0
+    assert d.kv.stats().load_failures == failures + 1 and p.abort("rx")
+    for e in (p, d):
+        all_free(e)
+
+
 def test_a_reader_with_no_room_waits_then_reads(model, pair):
     """A decode engine whose pool is full seats the request once blocks free up; the
     holder keeps the KV meanwhile."""
