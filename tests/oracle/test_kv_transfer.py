@@ -482,15 +482,19 @@ def test_an_engine_staging_through_host_memory_and_one_reading_in_place_go_on_to
         staged.close()
 
 
-def test_staging_with_no_room_holds_nothing_and_reads_nothing_and_both_are_recomputed(model, pair):
+@pytest.mark.parametrize("early", [False, True], ids=["hold", "early-hold"])
+def test_staging_with_no_room_holds_nothing_and_reads_nothing_and_both_are_recomputed(model, pair, early):
+    """(with --kv-transfer-overlap, no early handle either: the prefill ends as a plain one)"""
     path, hf = model
     p, d = pair
-    small = make_engine(path, kv_transfer_staging_bytes=2 * block_bytes(p))  # 2 blocks: a 45-token prompt needs 6
+    small = make_engine(path, kv_transfer_staging_bytes=2 * block_bytes(p),  # 2 blocks: a 45-token prompt needs 6
+                        kv_transfer_overlap=early)
     try:
         ids = prompt(91, 45)
         small.add_request(EngineRequest("nh", ids, greedy(1), kv_hold=True))
         (out,) = run(small)["nh"]
         assert out.finish_reason == "length" and out.kv_handle is None  # ends as a plain request
+        assert out.new_token_ids == hf_greedy(hf, ids, 1) and small.kv.stats().sent_early == 0
         all_free(small)
         ids = prompt(92, 45)  # (not the one just computed here: its prefix is cached, 1 block to read)
         first, handle = prefill(p, "nr", ids, greedy(6))
