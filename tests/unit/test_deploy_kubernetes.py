@@ -1,4 +1,4 @@
-"""deploy/kubernetes (kustomize base + cpu, gpu and gateway overlays) and deploy/grafana,
+"""deploy/kubernetes (kustomize base + cpu, gpu, gpu-tp, pd and gateway overlays) and deploy/grafana,
 checked without a cluster: each overlay renders (with kustomize where a binary exists,
 otherwise with tests/kustomize.py's stand-in), every built-in kind validates against the
 Kubernetes 1.32 schemas of the `kubernetes-validate` wheel (strict: unknown fields
@@ -42,7 +42,7 @@ from tests import kustomize
 from tests.grpc_helpers import ROOT
 
 KUBERNETES = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ["base", "overlays/cpu", "overlays/gpu", "overlays/gpu-tp", "overlays/gateway"]
+OVERLAYS = ["base", "overlays/cpu", "overlays/gpu", "overlays/gpu-tp", "overlays/gateway", "overlays/pd"]
 K8S_VERSION = "1.32.0"
 SCHEMAS = ROOT / "tests" / "schemas"
 # Custom kinds (no schema in the wheel): ours from tests/schemas, or structural checks.
@@ -52,6 +52,7 @@ RENDERER = "kustomize binary" if kustomize.kustomize_command() else "Python stan
 BASE_KINDS = (["Deployment"] * 3 + ["Service"] * 3 + ["PersistentVolumeClaim"] * 2
               + ["PodDisruptionBudget"] * 2 + ["HorizontalPodAutoscaler", "ScaledObject", "PodMonitor"])
 KINDS = {"base": BASE_KINDS, "overlays/cpu": BASE_KINDS, "overlays/gpu": BASE_KINDS, "overlays/gpu-tp": BASE_KINDS,
+         "overlays/pd": BASE_KINDS + ["Deployment"],
          "overlays/gateway": BASE_KINDS + ["Deployment", "Service", "ServiceAccount", "Role", "RoleBinding",
                                            "ConfigMap", "InferencePool", "HTTPRoute"]}
 
@@ -111,8 +112,9 @@ def test_commands_are_accepted_by_the_clis_and_routers_find_engines_by_dns(overl
     headless = one(docs, "Service", target.host)
     assert target.dns and headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["ports"][0]["port"] == server.port == target.port
-    assert headless["spec"]["selector"] == one(docs, "Deployment", "omnibus-engine")["spec"][
-        "selector"]["matchLabels"]
+    # the Service's pods are the engine Deployment's (and, in pd, the prefill one's too)
+    assert headless["spec"]["selector"].items() <= one(docs, "Deployment", "omnibus-engine")["spec"][
+        "selector"]["matchLabels"].items()
     assert router.limits_store == "redis://omnibus-redis:6379/0"
     assert one(docs, "Service", "omnibus-redis")["spec"]["ports"][0]["port"] == 6379
 
@@ -178,7 +180,33 @@ def test_a_tensor_parallel_engine_holds_as_many_gpus_as_ranks_and_shared_memory(
     assert {v["name"] for v in pod["volumes"]} >= {"dshm", "models", "adapters"}
 
 
-MAX_ENGINES = {"base": 4, "overlays/cpu": 4, "overlays/gpu": 16, "overlays/gpu-tp": 16, "overlays/gateway": 4}  # what each overlay's ScaledObject allows
+def test_the_pd_overlay_runs_prefill_and_decode_engines_that_routers_find_by_one_name():
+    """Two engine Deployments of one model and the same flags but the role, both moving
+    KV at their pod's IP; the headless Service (the routers' DNS name) selects both,
+    each Deployment's selector only its own pods; KEDA scales the decode engines."""
+    docs = render("overlays/pd")
+    deployments = {name: one(docs, "Deployment", name) for name in ("omnibus-engine", "omnibus-engine-prefill")}
+    args = {name: container(docs, name)["args"] for name in deployments}
+    configs = {name: configs_from_args(engine_parser().parse_args(a))[0] for name, a in args.items()}
+    assert (configs["omnibus-engine"].role, configs["omnibus-engine-prefill"].role) == ("decode", "prefill")
+    assert all((c.kv_transfer, c.kv_transfer_host) == ("mooncake", "$(POD_IP)") for c in configs.values())
+    assert args["omnibus-engine"][:-1] == args["omnibus-engine-prefill"][:-1]
+    service = one(docs, "Service", "omnibus-engine-headless")["spec"]["selector"]
+    for name, deployment in deployments.items():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert service.items() <= labels.items(), name
+        for other, d in deployments.items():  # a Deployment's selector matches its own pods only
+            selected = d["spec"]["selector"]["matchLabels"].items() <= labels.items()
+            assert selected == (other == name), (other, name)
+    assert one(docs, "ScaledObject", "omnibus-engine")["spec"]["scaleTargetRef"]["name"] == "omnibus-engine"
+    pods = [d["spec"]["template"]["spec"] for d in deployments.values()]
+    assert pods[0]["containers"][0]["image"] == pods[1]["containers"][0]["image"] == "omnibus-engine:cpu"
+    assert pods[0]["volumes"] == pods[1]["volumes"] and pods[0]["terminationGracePeriodSeconds"] == pods[1][
+        "terminationGracePeriodSeconds"]
+
+
+MAX_ENGINES = {"base": 4, "overlays/cpu": 4, "overlays/gpu": 16, "overlays/gpu-tp": 16, "overlays/gateway": 4,
+               "overlays/pd": 4}  # what each overlay's ScaledObject allows
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -40,10 +40,23 @@ def service_args(name: str) -> argparse.Namespace:
     return parse(parser, service["command"])
 
 
-def test_there_is_a_router_a_gpu_engine_a_tensor_parallel_one_and_a_cpu_engine():
-    assert sorted(SERVICES) == ["engine", "engine-cpu", "engine-tp", "router"]
+def test_there_is_a_router_a_gpu_engine_a_tensor_parallel_one_a_cpu_engine_and_a_prefill_decode_pair():
+    assert sorted(SERVICES) == ["engine", "engine-cpu", "engine-decode", "engine-prefill", "engine-tp", "router"]
     assert SERVICES["engine"]["profiles"] == ["gpu"] and SERVICES["engine-cpu"]["profiles"] == ["cpu"]
     assert SERVICES["engine-tp"]["profiles"] == ["gpu-tp"]
+    assert SERVICES["engine-prefill"]["profiles"] == SERVICES["engine-decode"]["profiles"] == ["pd"]
+
+
+def test_the_pd_profile_runs_a_prefill_and_a_decode_engine_that_move_kv_and_serve_the_same_model():
+    """The router finds both as engine:50061 and sends each its part by the role in its
+    load report (a prefill and a decode engine of one model, both moving KV, same flags
+    but the role: adapters and layout must agree for the decode side to read the KV)."""
+    prefill, decode = (configs_from_args(service_args(name))[0] for name in ("engine-prefill", "engine-decode"))
+    assert (prefill.role, decode.role) == ("prefill", "decode")
+    for config in (prefill, decode):
+        assert (config.kv_transfer, config.kv_transfer_host) == ("mooncake", "auto")
+    assert SERVICES["engine-prefill"]["command"][:-1] == SERVICES["engine-decode"]["command"][:-1]
+    assert SERVICES["engine-prefill"]["build"] == SERVICES["engine-cpu"]["build"]
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
