@@ -156,3 +156,48 @@ def kv_round_trip(tmp_path, device: str) -> None:
     finally:
         for e in (p, d):
             e.close()
+
+
+def test_early_handles_on_cuda_are_read_while_the_prefill_runs(tmp_path):
+    """--kv-transfer-overlap on a GPU (a staged pool, overlapped scheduling): a chunked
+    prefill hands its KV on when seated, its staged copy and progress words advancing at
+    each step's end; a second engine reads it as it goes, computes the last prompt token
+    itself and goes on as transformers, nothing recomputed."""
+    pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine: make gpu-wheels GPU_KV_WHEELS=1 carries it")
+    kv_early(tmp_path, "cuda")
+
+
+def kv_early(tmp_path, device: str) -> None:
+    import random
+    import time
+
+    from omnibus.engine.request import EngineRequest
+
+    path = make_checkpoint(tmp_path / "m", "llama")
+    hf = load_hf(path)
+    config = EngineConfig(model=str(path), device=device, dtype="float32", kv_cache_memory=64 << 20, block_size=8,
+                          kv_transfer="mooncake", kv_transfer_staging_bytes=16 << 20, kv_transfer_overlap=True,
+                          max_num_batched_tokens=16)
+    holder, reader = Engine(config), Engine(config)
+    ids = [random.Random(5).randrange(3, 300) for _ in range(61)]  # 4 chunks of 16
+    try:
+        holder.add_request(EngineRequest("e", ids, SamplingParams(max_tokens=1, temperature=0.0), kv_hold=True))
+        (out,) = holder.step()
+        assert out.kv_handle is not None and out.kv_handle.progress_addr and not out.new_token_ids
+        reader.add_request(EngineRequest("e", ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                                         kv_source=out.kv_handle))
+        got, start = [], time.monotonic()
+        while reader.has_unfinished():
+            holder.step()
+            got += [t for o in reader.step() for t in o.new_token_ids]
+            time.sleep(0.002)
+            assert time.monotonic() - start < 60, "the reader never finished"
+        assert got == hf_greedy(hf, ids, 12)
+        stats = reader.kv.stats()
+        assert (stats.loaded_tokens, stats.load_failures) == (len(ids) - 1, 0)
+        assert holder.abort("e")
+        for e in (holder, reader):
+            assert e.check_integrity().referenced == 0 and not e.kv.held
+    finally:
+        for e in (holder, reader):
+            e.close()
