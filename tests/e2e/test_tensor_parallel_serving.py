@@ -217,7 +217,9 @@ def test_a_two_rank_prefills_early_handle_is_read_rank_by_rank_while_it_runs_tok
     The served two-rank engine reads it, each rank from this one's rank of its number
     following those words, while this engine is stepped; it computes the last prompt
     token itself and goes on as the one-device engine serves the prompt, nothing
-    recomputed."""
+    recomputed. In place, engines of another rank count follow early handles too: a
+    one-device engine reads this one's, and the served two-rank engine a one-device
+    engine's."""
     import random
     import threading
     import time
@@ -231,7 +233,8 @@ def test_a_two_rank_prefills_early_handle_is_read_rank_by_rank_while_it_runs_tok
     from tests.grpc_helpers import engine_request
 
     pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is in `make setup`'s environment")
-    ids = [random.Random(11 + staging).randrange(3, 250) for _ in range(61)]  # a prompt no engine has cached
+    rng = random.Random(11 + staging)
+    ids = [rng.randrange(3, 250) for _ in range(61)]  # a prompt no engine has cached
     with grpc.insecure_channel(fleet["one"].address) as channel:
         want = [t for r in engine_pb2_grpc.EngineStub(channel).Generate(engine_request("ek-ref", ids, max_tokens=12))
                 for t in r.token_ids]
@@ -274,18 +277,50 @@ def test_a_two_rank_prefills_early_handle_is_read_rank_by_rank_while_it_runs_tok
         assert here.kv.staging is None or here.kv.staging.free == len(here.kv.staging.tensors[0])
         if staging:
             return
-        # a reader of another rank count does not follow early handles: it computes the prompt
-        one = Engine(EngineConfig(model=str(fleet["model"]), num_kv_blocks=64, block_size=8, kv_transfer="mooncake"))
+        # A reader of another rank count follows them too (reshard.py): a one-device engine
+        # reads each block's heads from both ranks of this engine as its progress allows
+        one = Engine(EngineConfig(model=str(fleet["model"]), num_kv_blocks=64, block_size=8, kv_transfer="mooncake",
+                                  kv_transfer_overlap=True, max_num_batched_tokens=16))
         try:
             here.add_request(EngineRequest("ek-p1", ids, SamplingParams(max_tokens=1, temperature=0.0), kv_hold=True))
             (out,) = here.step()
             one.add_request(EngineRequest("ek-d1", ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                                           kv_source=out.kv_handle))
-            outs = []
+            outs, start = [], time.monotonic()
             while one.has_unfinished():
+                here.step()
                 outs += one.step()
-            assert [t for o in outs for t in o.new_token_ids] == want and one.kv.stats().refused == 1
+                time.sleep(0.005)
+                assert time.monotonic() - start < 60, "the read never finished"
+            assert [t for o in outs for t in o.new_token_ids] == want
+            stats = one.kv.stats()
+            assert (stats.loaded_tokens, stats.load_failures, stats.refused) == (len(ids) - 1, 0, 0)
             assert here.abort("ek-p1") and here.check_integrity().referenced == 0 and not here.kv.held
+            # and the other way: the served two-rank engine reads the one-device engine's
+            # early handle, each rank its heads (a prompt it has not cached)
+            ids = [rng.randrange(3, 250) for _ in range(61)]
+            with grpc.insecure_channel(fleet["one"].address) as channel:
+                want = [t for r in engine_pb2_grpc.EngineStub(channel).Generate(
+                    engine_request("ek-ref2", ids, max_tokens=12)) for t in r.token_ids]
+            one.add_request(EngineRequest("ek-p2", ids, SamplingParams(max_tokens=1, temperature=0.0), kv_hold=True))
+            (out,) = one.step()
+            assert out.kv_handle is not None and out.kv_handle.progress_addr and not out.kv_handle.rank_peers
+            before = engine_stats(fleet["tp"].address).kv_transfer
+            read = engine_request("ek-d2", ids, max_tokens=12)
+            read.kv_source.CopyFrom(out.kv_handle.to_proto())
+            got.clear()
+            reader = threading.Thread(target=decode)
+            reader.start()
+            while reader.is_alive():
+                assert one.step() == []
+                time.sleep(0.01)
+                assert time.monotonic() - start < 120, "the read never finished"
+            reader.join()
+            assert got == want
+            after = engine_stats(fleet["tp"].address).kv_transfer
+            assert after.loaded_tokens - before.loaded_tokens == len(ids) - 1
+            assert after.load_failures == before.load_failures and after.refused == before.refused
+            assert one.abort("ek-p2") and one.check_integrity().referenced == 0 and not one.kv.held
         finally:
             one.close()
     finally:

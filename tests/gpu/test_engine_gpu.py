@@ -179,7 +179,8 @@ def kv_early(tmp_path, device: str) -> None:
                           kv_transfer="mooncake", kv_transfer_staging_bytes=16 << 20, kv_transfer_overlap=True,
                           max_num_batched_tokens=16)
     holder, reader = Engine(config), Engine(config)
-    ids = [random.Random(5).randrange(3, 300) for _ in range(61)]  # 4 chunks of 16
+    rng = random.Random(5)
+    ids = [rng.randrange(3, 300) for _ in range(61)]  # 4 chunks of 16
     try:
         holder.add_request(EngineRequest("e", ids, SamplingParams(max_tokens=1, temperature=0.0), kv_hold=True))
         (out,) = holder.step()

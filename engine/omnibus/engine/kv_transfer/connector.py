@@ -376,10 +376,9 @@ class KvConnector:
 
     def _reshardable(self, src: KvHandle) -> bool:
         """Whether `src` is a handle of another rank count this engine can read (reshard.py):
-        its layout matches but for the ranks, it names every rank's regions, and its KV
-        is final (an early handle is read by a reader of its own rank count only)."""
+        its layout matches but for the ranks and it names every rank's regions."""
         holder, own = Layout.parse(src.layout), Layout.parse(self.layout)
-        if holder is None or own is None or not self.num_kv_heads or src.progress_addr:
+        if holder is None or own is None or not self.num_kv_heads:
             return False
         tokens, heads, head_dim = holder.block
         return (reshardable(holder, own, self.num_kv_heads) and holder.ranks == 1 + len(src.rank_peers)
@@ -435,7 +434,8 @@ class KvConnector:
         try:
             if src.layout != self.layout:  # another rank count: this rank's heads from the holder ranks holding them
                 parts = reshard_plan(self.num_kv_heads, 1 + len(src.rank_peers), 1 + len(self.rank_peers), 0)
-                ok, nbytes = self.shard.read_resharded(src, parts, local_blocks, remote_blocks)
+                ok, nbytes, waited = self.shard.read_resharded(src, parts, local_blocks, remote_blocks,
+                                                               self._follow(src, first))
             else:
                 ok, nbytes, waited = self.shard.read(src.peer, src.regions[:k], local_blocks, remote_blocks, src,
                                                      self._follow(src, first))

@@ -129,8 +129,8 @@ class KvShard:
         probe = self._free_probes.get()  # never waits: one per thread
         try:
             if src.progress_addr and progress is not None:
-                ok, nbytes, waited = self._read_as_final(peer, remote_regions, local_blocks, remote_blocks, src,
-                                                         progress, probe)
+                ok, nbytes, waited = self._read_as_final([(peer, remote_regions, self.regions)], local_blocks,
+                                                         remote_blocks, src, progress, probe, self.block_bytes)
             else:
                 local, remote, lengths = _ranges(local_blocks, remote_blocks, self.regions, remote_regions,
                                                  self.block_bytes)
@@ -143,17 +143,18 @@ class KvShard:
         return ok, nbytes if ok else 0, waited
 
     def read_resharded(self, src: KvHandle, parts: list[Part], local_blocks: list[int],
-                       remote_blocks: tuple[int, ...]) -> tuple[bool, int]:
+                       remote_blocks: tuple[int, ...], progress: Progress | None = None) -> tuple[bool, int, float]:
         """On a worker thread: a handle of another rank count (reshard.py). Each part's
         holder rank's blocks into host scratch shaped as its blocks (registered for this
-        read), the lease word, then each part's heads into this shard's pool blocks (not
-        staging: the copy is the last step). True when every byte arrived under the
-        lease; the bytes read."""
+        read; an early handle's as its progress words allow), the lease word, then each
+        part's heads into this shard's pool blocks (not staging: the copy is the last
+        step). True when every byte arrived under the lease; the bytes read; the seconds
+        spent waiting for progress."""
         k, n = len(self.tensors), len(local_blocks)
         pool = self.tensors[0]
         tokens, _, head_dim = pool.shape[1:]
         heads = src.block_bytes // (tokens * head_dim * pool.element_size())
-        ok, nbytes, scratch = False, 0, []
+        ok, nbytes, waited, scratch = False, 0, 0.0, []
         probe = self._free_probes.get()
         try:
             with torch.inference_mode(False):
@@ -161,15 +162,23 @@ class KvShard:
                     buf = torch.empty((k, n, tokens, heads, head_dim), dtype=pool.dtype)
                     self.transport.register(buf.data_ptr(), buf.numel() * buf.element_size())
                     scratch.append(buf)
-            for part, buf in zip(parts, scratch):
-                peer = src.peer if part.rank == 0 else src.rank_peers[part.rank - 1]
-                local, remote, lengths = _ranges(list(range(n)), remote_blocks, tuple(b.data_ptr() for b in buf),
-                                                 src.regions[part.rank * k:(part.rank + 1) * k], src.block_bytes)
-                if not self.transport.read(peer, local, remote, lengths):
-                    return False, 0
-                nbytes += sum(lengths)
-            if not self._leased(src, probe):
-                return False, 0
+            sources = [(src.peer if part.rank == 0 else src.rank_peers[part.rank - 1],
+                        src.regions[part.rank * k:(part.rank + 1) * k], tuple(b.data_ptr() for b in buf))
+                       for part, buf in zip(parts, scratch)]
+            if src.progress_addr and progress is not None:
+                ok, nbytes, waited = self._read_as_final(sources, list(range(n)), remote_blocks, src, progress,
+                                                         probe, src.block_bytes)
+                if not ok:
+                    return False, 0, waited
+            else:
+                for peer, remote_regions, local_regions in sources:
+                    local, remote, lengths = _ranges(list(range(n)), remote_blocks, local_regions, remote_regions,
+                                                     src.block_bytes)
+                    if not self.transport.read(peer, local, remote, lengths):
+                        return False, 0, 0.0
+                    nbytes += sum(lengths)
+                if not self._leased(src, probe):
+                    return False, 0, 0.0
             at = torch.tensor(local_blocks, device=pool.device)
             with torch.inference_mode():  # the pool is an inference tensor
                 for part, buf in zip(parts, scratch):
@@ -182,7 +191,7 @@ class KvShard:
             for buf in scratch:
                 self.transport.unregister(buf.data_ptr())
             self._free_probes.put(probe)
-        return ok, nbytes if ok else 0
+        return ok, nbytes if ok else 0, waited
 
     def _leased(self, src: KvHandle, probe: int, progress: bool = False) -> bool:
         """Reads the holder's lease word (and with `progress` its progress words after it)
@@ -196,13 +205,14 @@ class KvShard:
             lengths.append(self.layers * 8)
         return self.transport.read(src.peer, local, remote, lengths) and int(self._probes[probe, 0]) == src.lease_epoch
 
-    def _read_as_final(self, peer: str, remote_regions: tuple[int, ...], local_blocks: list[int],
-                       remote_blocks: tuple[int, ...], src: KvHandle, progress: Progress,
-                       probe: int) -> tuple[bool, int, float]:
-        """An early handle's blocks, each layer's read as the holder's progress words say
-        they are final (a block once all its tokens are, the last at the end), until every
-        layer's are; the lease is checked with every look at the progress and after the
-        last read. Fails when the lease ends or the progress stands still for
+    def _read_as_final(self, sources: list[tuple[str, tuple[int, ...], tuple[int, ...]]], local_blocks: list[int],
+                       remote_blocks: tuple[int, ...], src: KvHandle, progress: Progress, probe: int,
+                       block_bytes: int) -> tuple[bool, int, float]:
+        """An early handle's blocks from each source (a peer, its regions, the local regions
+        they land in: K0, V0, K1, ...), each layer's read as the holder's progress words
+        say they are final (a block once all its tokens are, the last at the end), until
+        every layer's are; the lease is checked with every look at the progress and after
+        the last read. Fails when the lease ends or the progress stands still for
         `progress.stall_s`. Each pass reads something or waits (backing off), so it ends."""
         bs, first, total = progress.block_size, progress.first_block, len(local_blocks)
         done = [0] * self.layers  # blocks of local_blocks read, per layer
@@ -215,27 +225,31 @@ class KvShard:
             if min(done) == total:
                 return True, nbytes, waited
             final = words[1:].tolist()
-            local: list[int] = []
-            remote: list[int] = []
-            lengths: list[int] = []
+            newly = []  # (layer, its blocks read so far, ready now)
             for layer, tokens in enumerate(final):
                 ready = total if tokens >= src.num_tokens else min(total, max(0, tokens // bs - first))
                 if ready > done[layer]:
-                    kv = slice(2 * layer, 2 * layer + 2)
-                    ranges = _ranges(local_blocks[done[layer]:ready], remote_blocks[done[layer]:ready],
-                                     self.regions[kv], remote_regions[kv], self.block_bytes)
-                    local += ranges[0]
-                    remote += ranges[1]
-                    lengths += ranges[2]
+                    newly.append((layer, done[layer], ready))
                     done[layer] = ready
-            if lengths:
-                if not self.transport.read(peer, local, remote, lengths):
-                    return False, 0, waited
-                nbytes += sum(lengths)
+            if newly:
+                for peer, remote_regions, local_regions in sources:
+                    local: list[int] = []
+                    remote: list[int] = []
+                    lengths: list[int] = []
+                    for layer, start, ready in newly:
+                        kv = slice(2 * layer, 2 * layer + 2)
+                        ranges = _ranges(local_blocks[start:ready], remote_blocks[start:ready],
+                                         local_regions[kv], remote_regions[kv], block_bytes)
+                        local += ranges[0]
+                        remote += ranges[1]
+                        lengths += ranges[2]
+                    if not self.transport.read(peer, local, remote, lengths):
+                        return False, 0, waited
+                    nbytes += sum(lengths)
                 moved, pause = time.monotonic(), POLL_FIRST_S
                 continue
             if time.monotonic() - moved > progress.stall_s:
-                log.warning("kv_progress_stalled", peer=peer, request_id=src.request_id, seconds=progress.stall_s,
+                log.warning("kv_progress_stalled", peer=src.peer, request_id=src.request_id, seconds=progress.stall_s,
                             final=min(final), tokens=src.num_tokens)
                 return False, 0, waited
             time.sleep(pause)
@@ -291,12 +305,12 @@ class RankKv:
     def read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...],
              progress: Progress | None) -> None:
         """Rank 0's read `ticket`, begun on a worker thread; `progress`: how to follow an
-        early handle's (same rank count: the words are the holder's rank 0's)."""
+        early handle's (the words are the holder's rank 0's)."""
         holder = 1 + len(src.rank_peers)
         if holder != self.size:  # another rank count: this rank's heads from the holder ranks that hold them
             parts = reshard_plan(self.num_kv_heads, holder, self.size, self.rank)
             self._pool.submit(lambda: self._done.put(
-                (ticket, self.shard.read_resharded(src, parts, local_blocks, remote_blocks)[0])))
+                (ticket, self.shard.read_resharded(src, parts, local_blocks, remote_blocks, progress)[0])))
             return
         k = len(self.shard.regions)
         peer, regions = src.rank_peers[self.rank - 1], src.regions[self.rank * k:(self.rank + 1) * k]
