@@ -209,6 +209,53 @@ def test_engines_of_two_ranks_and_of_one_read_each_others_kv_token_exact(fleet, 
         here.close()
 
 
+def served_tokens(address: str, req) -> list[int]:
+    from omnibus.v1 import engine_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return [t for r in engine_pb2_grpc.EngineStub(channel).Generate(req, timeout=60) for t in r.token_ids]
+
+
+def early_handle(engine, rid: str, ids: list[int]):
+    """`engine`'s early handle for a prefill of `ids` (seated, its first chunk computed)."""
+    from omnibus.engine.request import EngineRequest
+    from omnibus.engine.worker.sampling import SamplingParams
+
+    engine.add_request(EngineRequest(rid, ids, SamplingParams(max_tokens=1, temperature=0.0), kv_hold=True))
+    (out,) = engine.step()
+    assert out.kv_handle is not None and out.kv_handle.progress_addr and not out.new_token_ids
+    assert out.kv_handle.num_tokens == len(ids) - 1
+    return out.kv_handle
+
+
+def served_tp_reads(fleet, holder, rid: str, ids: list[int], handle, want: list[int]) -> None:
+    """The served two-rank engine reads `handle` while `holder` is stepped (it reports
+    nothing more for the request): it serves `want`, having read the prompt less its last
+    token, nothing failed or refused."""
+    import threading
+    import time
+
+    from tests.grpc_helpers import engine_request
+
+    before = engine_stats(fleet["tp"].address).kv_transfer
+    read = engine_request(rid, ids, max_tokens=len(want))
+    read.kv_source.CopyFrom(handle.to_proto())
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: got.extend(served_tokens(fleet["tp"].address, read)))
+    reader.start()
+    start = time.monotonic()
+    while reader.is_alive():
+        assert holder.step() == []  # its handle was its last output
+        holder.check_integrity()
+        time.sleep(0.01)
+        assert time.monotonic() - start < 60, "the read never finished"
+    reader.join()
+    assert got == want
+    after = engine_stats(fleet["tp"].address).kv_transfer
+    assert after.loaded_tokens - before.loaded_tokens == len(ids) - 1
+    assert after.load_failures == before.load_failures and after.refused == before.refused
+
+
 @pytest.mark.parametrize("staging", [0, 8 << 20], ids=["in-place", "staged"])
 def test_a_two_rank_prefills_early_handle_is_read_rank_by_rank_while_it_runs_token_exact(fleet, staging):
     """--kv-transfer-overlap under tensor parallelism: a two-rank engine here hands a
@@ -221,10 +268,7 @@ def test_a_two_rank_prefills_early_handle_is_read_rank_by_rank_while_it_runs_tok
     one-device engine reads this one's, and the served two-rank engine a one-device
     engine's."""
     import random
-    import threading
     import time
-
-    from omnibus.v1 import engine_pb2_grpc
 
     from omnibus.engine.config import EngineConfig
     from omnibus.engine.engine import Engine
@@ -234,44 +278,17 @@ def test_a_two_rank_prefills_early_handle_is_read_rank_by_rank_while_it_runs_tok
 
     pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is in `make setup`'s environment")
     rng = random.Random(11 + staging)
-    ids = [rng.randrange(3, 250) for _ in range(61)]  # a prompt no engine has cached
-    with grpc.insecure_channel(fleet["one"].address) as channel:
-        want = [t for r in engine_pb2_grpc.EngineStub(channel).Generate(engine_request("ek-ref", ids, max_tokens=12))
-                for t in r.token_ids]
+    prompts = [[rng.randrange(3, 250) for _ in range(61)] for _ in range(2)]  # none cached anywhere
+    want = [served_tokens(fleet["one"].address, engine_request(f"ek-ref{i}-{staging}", ids, max_tokens=12))
+            for i, ids in enumerate(prompts)]
     here = Engine(EngineConfig(model=str(fleet["model"]), num_kv_blocks=256, block_size=8, tensor_parallel_size=2,
                                kv_transfer="mooncake", kv_transfer_staging_bytes=staging, kv_transfer_overlap=True,
                                max_num_batched_tokens=16))
     try:
         assert not here.runner.marks_kv  # a sharded pool's progress moves at the step's end
-        here.add_request(EngineRequest(f"ek-p-{staging}", ids, SamplingParams(max_tokens=1, temperature=0.0),
-                                       kv_hold=True))
-        (out,) = here.step()  # seated, its handle out, its first chunk computed
-        handle = out.kv_handle
-        assert handle is not None and handle.progress_addr and handle.num_tokens == len(ids) - 1
-        assert len(handle.rank_peers) == 1 and not out.new_token_ids
-        before = engine_stats(fleet["tp"].address).kv_transfer
-        read = engine_request(f"ek-d-{staging}", ids, max_tokens=12)
-        read.kv_source.CopyFrom(handle.to_proto())
-        got: list[int] = []
-
-        def decode() -> None:
-            with grpc.insecure_channel(fleet["tp"].address) as channel:
-                got.extend(t for r in engine_pb2_grpc.EngineStub(channel).Generate(read, timeout=60)
-                           for t in r.token_ids)
-
-        reader = threading.Thread(target=decode)
-        reader.start()
-        start = time.monotonic()
-        while reader.is_alive():
-            assert here.step() == []  # its handle was its last output
-            here.check_integrity()
-            time.sleep(0.01)
-            assert time.monotonic() - start < 60, "the read never finished"
-        reader.join()
-        assert got == want
-        after = engine_stats(fleet["tp"].address).kv_transfer
-        assert after.loaded_tokens - before.loaded_tokens == len(ids) - 1
-        assert after.load_failures == before.load_failures and after.refused == before.refused
+        handle = early_handle(here, f"ek-p-{staging}", prompts[0])
+        assert len(handle.rank_peers) == 1
+        served_tp_reads(fleet, here, f"ek-d-{staging}", prompts[0], handle, want[0])
         assert here.kv.stats().sent_early == 1 and not here.has_unfinished()
         assert here.abort(f"ek-p-{staging}") and here.check_integrity().referenced == 0 and not here.kv.held
         assert here.kv.staging is None or here.kv.staging.free == len(here.kv.staging.tensors[0])
@@ -282,44 +299,24 @@ def test_a_two_rank_prefills_early_handle_is_read_rank_by_rank_while_it_runs_tok
         one = Engine(EngineConfig(model=str(fleet["model"]), num_kv_blocks=64, block_size=8, kv_transfer="mooncake",
                                   kv_transfer_overlap=True, max_num_batched_tokens=16))
         try:
-            here.add_request(EngineRequest("ek-p1", ids, SamplingParams(max_tokens=1, temperature=0.0), kv_hold=True))
-            (out,) = here.step()
-            one.add_request(EngineRequest("ek-d1", ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-                                          kv_source=out.kv_handle))
+            handle = early_handle(here, "ek-p1", prompts[0])
+            one.add_request(EngineRequest("ek-d1", prompts[0], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                              ignore_eos=True), kv_source=handle))
             outs, start = [], time.monotonic()
             while one.has_unfinished():
                 here.step()
                 outs += one.step()
                 time.sleep(0.005)
                 assert time.monotonic() - start < 60, "the read never finished"
-            assert [t for o in outs for t in o.new_token_ids] == want
+            assert [t for o in outs for t in o.new_token_ids] == want[0]
             stats = one.kv.stats()
-            assert (stats.loaded_tokens, stats.load_failures, stats.refused) == (len(ids) - 1, 0, 0)
+            assert (stats.loaded_tokens, stats.load_failures, stats.refused) == (len(prompts[0]) - 1, 0, 0)
             assert here.abort("ek-p1") and here.check_integrity().referenced == 0 and not here.kv.held
-            # and the other way: the served two-rank engine reads the one-device engine's
-            # early handle, each rank its heads (a prompt it has not cached)
-            ids = [rng.randrange(3, 250) for _ in range(61)]
-            with grpc.insecure_channel(fleet["one"].address) as channel:
-                want = [t for r in engine_pb2_grpc.EngineStub(channel).Generate(
-                    engine_request("ek-ref2", ids, max_tokens=12)) for t in r.token_ids]
-            one.add_request(EngineRequest("ek-p2", ids, SamplingParams(max_tokens=1, temperature=0.0), kv_hold=True))
-            (out,) = one.step()
-            assert out.kv_handle is not None and out.kv_handle.progress_addr and not out.kv_handle.rank_peers
-            before = engine_stats(fleet["tp"].address).kv_transfer
-            read = engine_request("ek-d2", ids, max_tokens=12)
-            read.kv_source.CopyFrom(out.kv_handle.to_proto())
-            got.clear()
-            reader = threading.Thread(target=decode)
-            reader.start()
-            while reader.is_alive():
-                assert one.step() == []
-                time.sleep(0.01)
-                assert time.monotonic() - start < 120, "the read never finished"
-            reader.join()
-            assert got == want
-            after = engine_stats(fleet["tp"].address).kv_transfer
-            assert after.loaded_tokens - before.loaded_tokens == len(ids) - 1
-            assert after.load_failures == before.load_failures and after.refused == before.refused
+            # and the other way: the served two-rank engine reads a one-device engine's
+            # early handle, each rank its heads
+            handle = early_handle(one, "ek-p2", prompts[1])
+            assert not handle.rank_peers
+            served_tp_reads(fleet, one, "ek-d2", prompts[1], handle, want[1])
             assert one.abort("ek-p2") and one.check_integrity().referenced == 0 and not one.kv.held
         finally:
             one.close()
