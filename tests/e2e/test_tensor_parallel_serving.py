@@ -278,14 +278,14 @@ def test_a_two_rank_prefills_early_handle_is_read_rank_by_rank_while_it_runs_tok
 
     pytest.importorskip("mooncake.engine", reason="Mooncake's transfer engine is in `make setup`'s environment")
     rng = random.Random(11 + staging)
-    prompts = [[rng.randrange(3, 250) for _ in range(61)] for _ in range(2)]  # none cached anywhere
+    prompts = [[rng.randrange(3, 250) for _ in range(61)] for _ in range(3)]  # one a read, none cached anywhere
     want = [served_tokens(fleet["one"].address, engine_request(f"ek-ref{i}-{staging}", ids, max_tokens=12))
             for i, ids in enumerate(prompts)]
     here = Engine(EngineConfig(model=str(fleet["model"]), num_kv_blocks=256, block_size=8, tensor_parallel_size=2,
                                kv_transfer="mooncake", kv_transfer_staging_bytes=staging, kv_transfer_overlap=True,
                                max_num_batched_tokens=16))
     try:
-        assert not here.runner.marks_kv  # a sharded pool's progress moves at the step's end
+        assert not here.kv.marks_layers  # a sharded pool's progress moves at the step's end
         handle = early_handle(here, f"ek-p-{staging}", prompts[0])
         assert len(handle.rank_peers) == 1
         served_tp_reads(fleet, here, f"ek-d-{staging}", prompts[0], handle, want[0])
@@ -299,24 +299,34 @@ def test_a_two_rank_prefills_early_handle_is_read_rank_by_rank_while_it_runs_tok
         one = Engine(EngineConfig(model=str(fleet["model"]), num_kv_blocks=64, block_size=8, kv_transfer="mooncake",
                                   kv_transfer_overlap=True, max_num_batched_tokens=16))
         try:
-            handle = early_handle(here, "ek-p1", prompts[0])
-            one.add_request(EngineRequest("ek-d1", prompts[0], SamplingParams(max_tokens=12, temperature=0.0,
+            handle = early_handle(here, "ek-p1", prompts[1])
+            read, running = one.kv.shard.transport.read, []
+
+            def watched(peer, local, remote, lengths):  # a read of blocks, not of lease/progress words
+                if sum(lengths) > 8 * (1 + one.kv.layers):
+                    running.append("ek-p1" in here.scheduler.lifecycle.requests)
+                return read(peer, local, remote, lengths)
+
+            one.kv.shard.transport.read = watched
+            one.add_request(EngineRequest("ek-d1", prompts[1], SamplingParams(max_tokens=12, temperature=0.0,
                                                                               ignore_eos=True), kv_source=handle))
-            outs, start = [], time.monotonic()
+            outs, start = one.step(), time.monotonic()  # the read starts: the first chunk is final on both ranks
+            wait_until(lambda: running, 10, "a block read while the holder's prefill runs")
             while one.has_unfinished():
                 here.step()
                 outs += one.step()
                 time.sleep(0.005)
                 assert time.monotonic() - start < 60, "the read never finished"
-            assert [t for o in outs for t in o.new_token_ids] == want[0]
+            one.kv.shard.transport.read = read
+            assert [t for o in outs for t in o.new_token_ids] == want[1] and running[0]
             stats = one.kv.stats()
-            assert (stats.loaded_tokens, stats.load_failures, stats.refused) == (len(prompts[0]) - 1, 0, 0)
+            assert (stats.loaded_tokens, stats.load_failures, stats.refused) == (len(prompts[1]) - 1, 0, 0)
             assert here.abort("ek-p1") and here.check_integrity().referenced == 0 and not here.kv.held
             # and the other way: the served two-rank engine reads a one-device engine's
             # early handle, each rank its heads
-            handle = early_handle(one, "ek-p2", prompts[1])
+            handle = early_handle(one, "ek-p2", prompts[2])
             assert not handle.rank_peers
-            served_tp_reads(fleet, one, "ek-d2", prompts[1], handle, want[1])
+            served_tp_reads(fleet, one, "ek-d2", prompts[2], handle, want[2])
             assert one.abort("ek-p2") and one.check_integrity().referenced == 0 and not one.kv.held
         finally:
             one.close()

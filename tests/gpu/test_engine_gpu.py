@@ -119,16 +119,21 @@ def test_kv_moves_between_engines_on_cuda_through_host_staging(tmp_path):
     kv_round_trip(tmp_path, "cuda")
 
 
+def kv_pair(tmp_path, device: str, **kw):
+    """The test checkpoint's transformers model and two engines on `device` moving KV
+    through 16 MiB of host staging."""
+    path = make_checkpoint(tmp_path / "m", "llama")
+    config = EngineConfig(model=str(path), device=device, dtype="float32", kv_cache_memory=64 << 20, block_size=8,
+                          kv_transfer="mooncake", kv_transfer_staging_bytes=16 << 20, **kw)
+    return load_hf(path), (Engine(config), Engine(config))
+
+
 def kv_round_trip(tmp_path, device: str) -> None:
     import random
 
     from omnibus.engine.request import EngineRequest
 
-    path = make_checkpoint(tmp_path / "m", "llama")
-    hf = load_hf(path)
-    config = EngineConfig(model=str(path), device=device, dtype="float32", kv_cache_memory=64 << 20, block_size=8,
-                          kv_transfer="mooncake", kv_transfer_staging_bytes=16 << 20)
-    p, d = Engine(config), Engine(config)
+    hf, (p, d) = kv_pair(tmp_path, device)
     rng = random.Random(3)
 
     def run(engine, request):
@@ -173,12 +178,7 @@ def kv_early(tmp_path, device: str) -> None:
 
     from omnibus.engine.request import EngineRequest
 
-    path = make_checkpoint(tmp_path / "m", "llama")
-    hf = load_hf(path)
-    config = EngineConfig(model=str(path), device=device, dtype="float32", kv_cache_memory=64 << 20, block_size=8,
-                          kv_transfer="mooncake", kv_transfer_staging_bytes=16 << 20, kv_transfer_overlap=True,
-                          max_num_batched_tokens=16)
-    holder, reader = Engine(config), Engine(config)
+    hf, (holder, reader) = kv_pair(tmp_path, device, kv_transfer_overlap=True, max_num_batched_tokens=16)
     rng = random.Random(5)
     ids = [rng.randrange(3, 300) for _ in range(61)]  # 4 chunks of 16
     try:

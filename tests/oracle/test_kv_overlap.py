@@ -39,7 +39,7 @@ def pair(model, request):  # noqa: F811
                          kv_transfer_staging_bytes=staging)
     reader = make_engine(path, kv_transfer_overlap=True, kv_hold_seconds=0.5,  # its stall bound
                          kv_transfer_staging_bytes=staging)
-    assert holder.runner.marks_kv == (not staging) == (holder.kv.staging is None)
+    assert holder.kv.marks_layers == (not staging) == (holder.kv.staging is None)
     yield holder, reader
     holder.close()
     reader.close()

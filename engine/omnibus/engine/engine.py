@@ -103,7 +103,6 @@ class Engine:
         self.kv = None if config.kv_transfer == "none" else make_connector(config, self.runner.kv_caches,
                                                                                 self.runner.ranks,
                                                                                 self.model_config.num_kv_heads)
-        self.runner.marks_kv = self.kv is not None and self.kv.marks_layers  # (else the step's end marks them)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len, config.waiting_order),
             self.allocator,

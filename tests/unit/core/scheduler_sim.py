@@ -340,7 +340,6 @@ class FakeKv:
                           self.sim.step, progress_addr=1)
         self.held[seq.request_id] = (list(handle.blocks), 1 << 62, handle)  # no lease while it runs
         self.live[seq.request_id] = seq
-        seq.kv_progress = handle
         self.early += 1
         return handle
 
@@ -351,14 +350,13 @@ class FakeKv:
             return
         del self.live[seq.request_id]
         assert seq.block_table[:len(blocks)] == blocks, "an early hold's blocks moved under it"
-        seq.block_table, seq.num_registered_blocks, seq.kv_progress = seq.block_table[len(blocks):], 0, None
+        seq.block_table, seq.num_registered_blocks = seq.block_table[len(blocks):], 0
         self.held[seq.request_id] = (blocks, self.sim.step + self.HOLD_STEPS, handle)
 
     def drop(self, seq: Sequence) -> None:
         if self.live.pop(seq.request_id, None) is not None:
             del self.held[seq.request_id]
             self.dropped += 1
-        seq.kv_progress = None
 
     def final(self, holder: Sequence, handle: KvHandle) -> int:
         """The holder's leading tokens of `handle` whose KV is in its blocks (its progress)."""

@@ -95,7 +95,7 @@ class Lifecycle:
         (counted all the same: its seat was taken)."""
         self.running.remove(seq)
         self.num_preemptions += 1
-        if seq.kv_progress is not None:
+        if seq.handed_on:
             self.finish(seq, "abort")
             return
         self.leave_running(seq)
@@ -158,8 +158,8 @@ class Lifecycle:
             self.order.unseat(seq)
         if hold and self.kv is not None:
             seq.kv_handle = self.kv.hold(seq)
-        elif seq.kv_progress is not None and self.kv is not None:
-            self.kv.drop(seq)  # its lease ends before its blocks can be reused
+        elif seq.handed_on and self.kv is not None:
+            self.kv.drop(seq)  # an early hold's lease ends before its blocks can be reused
         self.allocator.free(seq)
         if seq.lora_slot is not None and seq.adapter is not None:
             self.lora().release(seq.adapter)

@@ -116,10 +116,12 @@ class Sequence:
     # in order; None when it asked for none, and once they went out with its first token.
     prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
     kv_handle: KvHandle | None = None  # its KV, held for another engine when it ended
-    # Its early handle's progress words (kv_transfer/connector.py hold_early: one a layer,
-    # advanced by the forward) while its prefill runs for a reader; None: no early handle.
+    # Its early handle was its last output (kv_transfer/connector.py hold_early): what it
+    # computes after is not sent, and it ends rather than waits again.
+    handed_on: bool = False
+    # That handle's progress words while its prefill runs, where the forward marks them
+    # layer by layer (worker/kv_pool.py KvMarks); None otherwise.
     kv_progress: object | None = None
-    handed_on: bool = False  # its early handle was its last output: what it computes after is not sent
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

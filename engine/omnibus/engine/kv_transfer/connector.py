@@ -214,9 +214,7 @@ class KvConnector:
             if blocks is None:
                 log.warning("kv_staging_full", request_id=seq.request_id, blocks=nb, free=self.staging.free)
                 return None
-            if self.ranks is not None:
-                self.ranks.stage_out(seq.block_table[:nb], blocks)
-            self.shard.stage_out(seq.block_table[:nb], blocks)
+            self._stage_out(seq.block_table[:nb], blocks)
         else:
             blocks, seq.block_table = seq.block_table[:nb], seq.block_table[nb:]
             seq.num_registered_blocks = 0
@@ -251,7 +249,8 @@ class KvConnector:
         slot, epoch = self._free_slots.pop(), next(self._epochs)
         self._lease[slot] = epoch
         self._progress_words[slot] = 0  # advanced past a prefix hit's blocks too: the host tier's copies land before
-        seq.kv_progress = self._progress_words[slot]
+        if self.marks_layers:  # the forward marks them (else `advance` does)
+            seq.kv_progress = self._progress_words[slot]
         self.held[seq.request_id] = _Held(blocks, self.staging is not None, slot, float("inf"), live=True, tokens=n)
         self._stats["sent"] += 1
         self._stats["sent_early"] += 1
@@ -271,7 +270,7 @@ class KvConnector:
             return
         marks, pool, slots = [], [], []
         for item in scheduled:
-            held = self.held.get(item.seq.request_id) if item.seq.kv_progress is not None else None
+            held = self.held.get(item.seq.request_id) if item.seq.handed_on else None
             if held is None or not held.live:
                 continue
             end = min(item.start + item.num_tokens, held.tokens)
@@ -282,11 +281,15 @@ class KvConnector:
                 held.copied = final
             marks.append((held.slot, end))
         if slots:
-            if self.ranks is not None:
-                self.ranks.stage_out(pool, slots)
-            self.shard.stage_out(pool, slots)
+            self._stage_out(pool, slots)
         for slot, end in marks:
             self._progress_words[slot] = end
+
+    def _stage_out(self, blocks: list[int], slots: list[int]) -> None:
+        """The pool's `blocks` copied into staging `slots` on every rank, done on return."""
+        if self.ranks is not None:
+            self.ranks.stage_out(blocks, slots)
+        self.shard.stage_out(blocks, slots)
 
     def _settle_early(self, seq: Sequence, held: _Held) -> None:
         """An early hold's request ends (`hold`): the blocks it promised (in place) or their
@@ -416,9 +419,10 @@ class KvConnector:
         """Begins the queued reads on the worker threads (after the step's host-tier copies),
         and on every other rank's."""
         for ticket, src, local, remote in self._queued:
+            progress = self._follow(src, len(src.blocks) - len(remote))
             if self.ranks is not None:
-                self.ranks.read(ticket, src, local, remote, self._follow(src, len(src.blocks) - len(remote)))
-            self._pool.submit(self._read, ticket, src, local, remote)
+                self.ranks.read(ticket, src, local, remote, progress)
+            self._pool.submit(self._read, ticket, src, local, remote, progress)
         self._queued = []
 
     def _follow(self, src: KvHandle, first_block: int) -> Progress | None:
@@ -426,19 +430,18 @@ class KvConnector:
         early handle's), or None."""
         return Progress(self.block_size, first_block, self.hold_seconds) if src.progress_addr else None
 
-    def _read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...]) -> None:
+    def _read(self, ticket: int, src: KvHandle, local_blocks: list[int], remote_blocks: tuple[int, ...],
+              progress: Progress | None) -> None:
         start = time.perf_counter()
         k = len(self.shard.regions)
-        first = len(src.blocks) - len(remote_blocks)
         ok, nbytes, waited = False, 0, 0.0
         try:
             if src.layout != self.layout:  # another rank count: this rank's heads from the holder ranks holding them
                 parts = reshard_plan(self.num_kv_heads, 1 + len(src.rank_peers), 1 + len(self.rank_peers), 0)
-                ok, nbytes, waited = self.shard.read_resharded(src, parts, local_blocks, remote_blocks,
-                                                               self._follow(src, first))
+                ok, nbytes, waited = self.shard.read_resharded(src, parts, local_blocks, remote_blocks, progress)
             else:
                 ok, nbytes, waited = self.shard.read(src.peer, src.regions[:k], local_blocks, remote_blocks, src,
-                                                     self._follow(src, first))
+                                                     progress)
         except Exception:  # reported as a failed load: never a request left loading
             log.exception("kv_read_error", peer=src.peer)
         finally:

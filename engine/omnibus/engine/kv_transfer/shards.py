@@ -128,14 +128,8 @@ class KvShard:
         ok, nbytes, waited = False, 0, 0.0
         probe = self._free_probes.get()  # never waits: one per thread
         try:
-            if src.progress_addr and progress is not None:
-                ok, nbytes, waited = self._read_as_final([(peer, remote_regions, self.regions)], local_blocks,
-                                                         remote_blocks, src, progress, probe, self.block_bytes)
-            else:
-                local, remote, lengths = _ranges(local_blocks, remote_blocks, self.regions, remote_regions,
-                                                 self.block_bytes)
-                nbytes = sum(lengths)
-                ok = self.transport.read(peer, local, remote, lengths) and self._leased(src, probe)
+            ok, nbytes, waited = self._read_sources([(peer, remote_regions, self.regions)], local_blocks,
+                                                    remote_blocks, src, progress, probe, self.block_bytes)
         except Exception:  # a transport error is a failed load: recomputed, never used
             log.exception("kv_read_error", peer=peer)
         finally:
@@ -165,20 +159,10 @@ class KvShard:
             sources = [(src.peer if part.rank == 0 else src.rank_peers[part.rank - 1],
                         src.regions[part.rank * k:(part.rank + 1) * k], tuple(b.data_ptr() for b in buf))
                        for part, buf in zip(parts, scratch)]
-            if src.progress_addr and progress is not None:
-                ok, nbytes, waited = self._read_as_final(sources, list(range(n)), remote_blocks, src, progress,
-                                                         probe, src.block_bytes)
-                if not ok:
-                    return False, 0, waited
-            else:
-                for peer, remote_regions, local_regions in sources:
-                    local, remote, lengths = _ranges(list(range(n)), remote_blocks, local_regions, remote_regions,
-                                                     src.block_bytes)
-                    if not self.transport.read(peer, local, remote, lengths):
-                        return False, 0, 0.0
-                    nbytes += sum(lengths)
-                if not self._leased(src, probe):
-                    return False, 0, 0.0
+            ok, nbytes, waited = self._read_sources(sources, list(range(n)), remote_blocks, src, progress, probe,
+                                                    src.block_bytes)
+            if not ok:
+                return False, 0, waited
             at = torch.tensor(local_blocks, device=pool.device)
             with torch.inference_mode():  # the pool is an inference tensor
                 for part, buf in zip(parts, scratch):
@@ -205,12 +189,28 @@ class KvShard:
             lengths.append(self.layers * 8)
         return self.transport.read(src.peer, local, remote, lengths) and int(self._probes[probe, 0]) == src.lease_epoch
 
+    def _read_sources(self, sources: list[tuple[str, tuple[int, ...], tuple[int, ...]]], local_blocks: list[int],
+                      remote_blocks: tuple[int, ...], src: KvHandle, progress: Progress | None, probe: int,
+                      block_bytes: int) -> tuple[bool, int, float]:
+        """Each source's blocks (a peer, its regions, the local regions they land in: K0,
+        V0, K1, ...) into `local_blocks`, then the lease: at once, or an early handle's as
+        its progress words allow (`_read_as_final`). Whether all arrived under the lease;
+        the bytes read; the seconds spent waiting for progress."""
+        if src.progress_addr and progress is not None:
+            return self._read_as_final(sources, local_blocks, remote_blocks, src, progress, probe, block_bytes)
+        nbytes = 0
+        for peer, remote_regions, local_regions in sources:
+            local, remote, lengths = _ranges(local_blocks, remote_blocks, local_regions, remote_regions, block_bytes)
+            if not self.transport.read(peer, local, remote, lengths):
+                return False, 0, 0.0
+            nbytes += sum(lengths)
+        return self._leased(src, probe), nbytes, 0.0
+
     def _read_as_final(self, sources: list[tuple[str, tuple[int, ...], tuple[int, ...]]], local_blocks: list[int],
                        remote_blocks: tuple[int, ...], src: KvHandle, progress: Progress, probe: int,
                        block_bytes: int) -> tuple[bool, int, float]:
-        """An early handle's blocks from each source (a peer, its regions, the local regions
-        they land in: K0, V0, K1, ...), each layer's read as the holder's progress words
-        say they are final (a block once all its tokens are, the last at the end), until
+        """An early handle's blocks from each source, each layer's read as the holder's
+        progress words say they are final (a block once all its tokens are, the last at the end), until
         every layer's are; the lease is checked with every look at the progress and after
         the last read. Fails when the lease ends or the progress stands still for
         `progress.stall_s`. Each pass reads something or waits (backing off), so it ends."""

@@ -75,7 +75,6 @@ class ModelRunner:
         self.dtype = resolve_dtype(config, model_config)
         self.kv_dtype = resolve_kv_dtype(config, self.dtype)
         self.block_size = config.block_size
-        self.marks_kv = False  # the forward marks early holds' progress, layer by layer (the engine says)
         bind_device(self.device)
         self.adapters = adapters  # None when the engine serves no adapters
         self.sampler = Sampler(seed=config.seed)  # before sizing: the warm-up samples
@@ -343,7 +342,7 @@ class ModelRunner:
             prompt_logprobs=None if not score_spans else PromptRows(
                 to_device(score_rows, torch.long, dev), to_device(score_targets, torch.long, dev),
                 score_spans),
-            kv_marks=kv_marks(scheduled) if self.marks_kv else None,
+            kv_marks=kv_marks(scheduled) if self.config.kv_transfer_overlap else None,
         )
 
     @torch.inference_mode()
